@@ -1,0 +1,81 @@
+"""Collectives over ``torch.distributed``, with world size 1 as a first-class case.
+
+[Note: why all-gather, not broadcast]
+ZeRO-Infinity's bandwidth-centric partitioning splits *every* parameter across all ranks
+and rebuilds it with an all-gather, so each rank moves 1/W of the bytes over its own link to
+its own tier, in parallel. Broadcasting each parameter from an owner rank would funnel every
+byte through one link. So this module offers all-gather and reduce-scatter, never broadcast.
+
+A world of one needs no process group: the collectives become copies and the engine runs
+without ``torchrun``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from outcore.errors import ConfigError
+
+
+class _Done:
+    """Handle of a collective that already finished (world size 1)."""
+
+    def wait(self) -> bool:
+        return True
+
+
+@dataclass
+class Comm:
+    """Rank, world size and the collectives outcore uses."""
+
+    rank: int = 0
+    world_size: int = 1
+
+    @classmethod
+    def from_env(cls, backend: str, timeout_s: float) -> Comm:
+        """Join the process group ``torchrun`` describes, or run alone without one."""
+        if dist.is_available() and dist.is_initialized():
+            return cls(dist.get_rank(), dist.get_world_size())
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world <= 1:
+            return cls(0, 1)
+        for key in ("RANK", "MASTER_ADDR", "MASTER_PORT"):
+            if key not in os.environ:
+                raise ConfigError(f"WORLD_SIZE={world} but {key} is not set; start with torchrun")
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        return cls(dist.get_rank(), dist.get_world_size())
+
+    def all_gather(self, out: torch.Tensor, shard: torch.Tensor, async_op: bool = False):
+        """``out`` (W*n) receives every rank's ``shard`` (n), rank-major."""
+        if self.world_size == 1:
+            out.copy_(shard)
+            return _Done()
+        work = dist.all_gather_single(out, shard, async_op=async_op)
+        return work if async_op else _Done()
+
+    def reduce_scatter_mean(self, out: torch.Tensor, full: torch.Tensor) -> None:
+        """``out`` (n) receives the mean over ranks of this rank's slice of ``full`` (W*n)."""
+        if self.world_size == 1:
+            out.copy_(full)
+            return
+        dist.reduce_scatter_single(out, full, op=dist.ReduceOp.SUM)
+        out.div_(self.world_size)
+
+    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        if self.world_size > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return t
+
+    def all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
+        if self.world_size > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier()

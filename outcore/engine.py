@@ -1,0 +1,282 @@
+"""The Engine: forward, backward and step of a ZeRO-3 sharded model.
+
+[Note: what the engine owns]
+The engine wires the parts together and owns nothing they can own themselves: parameters
+and their shards (param.py), groups that move together (group.py), hooks (hooks.py), when
+groups move (schedule.py), the optimizer over shards (optim.py) and loss scaling
+(precision.py). Its own state is the step counters.
+
+[Note: loss and gradient conventions]
+``engine.backward(loss)`` divides the loss by ``gradient_accumulation_steps`` (and multiplies
+by the fp16 loss scale), and gradients are averaged over ranks. So with each rank's loss the
+mean over its micro-batch, one optimizer step sees the gradient of the mean loss over the
+whole global batch: what one process training on all of it would see.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable
+from typing import Any
+
+import psutil
+import torch
+from torch import nn
+
+from outcore.config import Config
+from outcore.errors import ConfigError
+from outcore.gathered import gathered_parameters
+from outcore.group import ParamGroup
+from outcore.hooks import Hooks
+from outcore.optim import ShardedOptimizer
+from outcore.param import ShardedParam
+from outcore.precision import LossScaler
+from outcore.registry import managed, register
+from outcore.runtime import Runtime
+from outcore.schedule import Schedule
+
+_HP_KEYS = ("lr", "betas", "eps", "weight_decay", "momentum", "nesterov")
+
+
+def initialize(model: nn.Module, cfg: Config | dict | str | None = None,
+               param_groups: Iterable[dict] | None = None) -> Engine:
+    """Shard ``model`` (if ``outcore.init`` did not already) and return its Engine.
+
+    ``param_groups`` follows torch's optimizer convention: dicts with ``"params"`` and any of
+    ``lr, betas, eps, weight_decay, momentum, nesterov`` overriding the config's optimizer.
+    """
+    return Engine(model, Config.load(cfg), param_groups)
+
+
+class Engine:
+    """A sharded model with its optimizer; call it like the module."""
+
+    def __init__(self, module: nn.Module, cfg: Config,
+                 param_groups: Iterable[dict] | None = None) -> None:
+        self.module = module
+        self.cfg = cfg
+        self.rt = self._runtime_for(module, cfg)
+        self.params = self._shard_params(module)
+        self.groups, module_groups = self._build_groups(module)
+        self._cast_buffers(module)
+        self.schedule = Schedule(cfg.zero.prefetch_bytes)
+        self.optimizer = ShardedOptimizer(self._optimizer_groups(param_groups), cfg.optimizer,
+                                          self.rt)
+        self.scaler = LossScaler(cfg.loss_scale, enabled=cfg.dtype == "fp16")
+        self.hooks = Hooks(module, module_groups, self.groups, self.schedule)
+        self.micro_steps = 0
+        self.global_steps = 0
+        self.last_grad_norm: float | None = None
+        self._closed = False
+
+    # -- construction ------------------------------------------------------------------------
+    @staticmethod
+    def _runtime_for(module: nn.Module, cfg: Config) -> Runtime:
+        runtimes = {id(sp.rt): sp.rt for p in module.parameters() if (sp := managed(p))}
+        if len(runtimes) > 1:
+            raise ConfigError("the model mixes parameters from two outcore.init contexts")
+        if not runtimes:
+            return Runtime(cfg)
+        rt = next(iter(runtimes.values()))
+        if rt.cfg.offload != cfg.offload:
+            raise ConfigError(
+                "outcore.init and outcore.initialize got different 'offload' settings: "
+                f"{rt.cfg.offload.model_dump()} vs {cfg.offload.model_dump()}; pass the same config"
+            )
+        rt.reconfigure(cfg)
+        return rt
+
+    def _shard_params(self, module: nn.Module) -> list[ShardedParam]:
+        sps = []
+        for name, p in module.named_parameters():
+            sp = managed(p)
+            if sp is None:
+                sp = ShardedParam(p, self.rt)
+                register(p, sp)
+            sp.name = name
+            sp.prepare_for_training()
+            sps.append(sp)
+        return sps
+
+    def _build_groups(self, module: nn.Module) -> tuple[list[ParamGroup],
+                                                          dict[nn.Module, list[ParamGroup]]]:
+        """One group per module's own parameters; tied parameters join their first owner."""
+        groups: list[ParamGroup] = []
+        module_groups: dict[nn.Module, list[ParamGroup]] = {}
+        threshold = self.cfg.zero.persistence_threshold_bytes
+        for name, m in module.named_modules():
+            own = [managed(p) for p in m._parameters.values() if p is not None]
+            new = [sp for sp in own if sp.group is None]
+            if new:
+                groups.append(ParamGroup(len(groups), name or "<root>", new, self.rt, threshold))
+            uses: list[ParamGroup] = []
+            for sp in own:
+                if sp.group not in uses:
+                    uses.append(sp.group)
+            module_groups[m] = uses
+        return groups, module_groups
+
+    def _cast_buffers(self, module: nn.Module) -> None:
+        """Floating buffers follow the compute dtype, as ``module.to(dtype)`` would do."""
+        for m in module.modules():
+            for key, buf in m._buffers.items():
+                if buf is not None:
+                    dtype = self.rt.compute_dtype if buf.is_floating_point() else buf.dtype
+                    m._buffers[key] = buf.to(device=self.rt.device, dtype=dtype)
+
+    def _optimizer_groups(self, param_groups: Iterable[dict] | None
+                          ) -> list[tuple[dict, list[ShardedParam]]]:
+        base = {k: getattr(self.cfg.optimizer, k) for k in _HP_KEYS}
+        trainable = [sp for sp in self.params if sp.trainable]
+        if param_groups is None:
+            return [(dict(base), trainable)]
+        out, seen = [], set()
+        for i, spec in enumerate(param_groups):
+            unknown = set(spec) - {"params", *_HP_KEYS}
+            if unknown:
+                raise ConfigError(f"param_groups[{i}]: unknown keys {sorted(unknown)}; "
+                                  f"allowed: params, {', '.join(_HP_KEYS)}")
+            sps = []
+            for p in spec.get("params", []):
+                sp = managed(p)
+                if sp is None or sp not in self.params:
+                    raise ConfigError(f"param_groups[{i}] holds a tensor that is not a "
+                                      "parameter of this model")
+                if id(sp) in seen:
+                    raise ConfigError(f"parameter {sp.name} appears in two param groups")
+                seen.add(id(sp))
+                if sp.trainable:
+                    sps.append(sp)
+            out.append(({**base, **{k: v for k, v in spec.items() if k != "params"}}, sps))
+        missing = [sp.name for sp in trainable if id(sp) not in seen]
+        if missing:
+            raise ConfigError(f"trainable parameters in no param group: {missing[:5]}")
+        return out
+
+    # -- training ----------------------------------------------------------------------------
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self._check_open()
+        if self.rt.compute_dtype != torch.float32:
+            args, kwargs = _cast_floats((args, kwargs), self.rt.compute_dtype)
+        with self.hooks.forward_context():
+            return self.module(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backpropagate ``loss`` (see the note on loss conventions) and reduce gradients."""
+        self._check_open()
+        factor = self.scaler.scale / self.cfg.gradient_accumulation_steps
+        scaled = loss.float() * factor if factor != 1.0 else loss
+        self.hooks.in_backward = True
+        try:
+            scaled.backward()
+        finally:
+            self.hooks.in_backward = False
+        with self.hooks.mode.suspended():
+            self.hooks.finish_backward()
+        self.micro_steps += 1
+
+    @property
+    def is_accumulation_boundary(self) -> bool:
+        return self.micro_steps > 0 and self.micro_steps % self.cfg.gradient_accumulation_steps == 0
+
+    @torch.no_grad()
+    def step(self) -> bool:
+        """Apply the optimizer at an accumulation boundary; True if parameters changed."""
+        self._check_open()
+        if not self.is_accumulation_boundary:
+            return False
+        self.micro_steps = 0
+        grads = [sp.grad for sp in self.optimizer.params]
+        if self.scaler.enabled:
+            bad = torch.tensor([0.0 if all(bool(g.isfinite().all()) for g in grads) else 1.0])
+            if self.rt.comm.all_reduce_max(bad).item() > 0:
+                self.scaler.update(overflow=True)
+                self.optimizer.zero_grad()
+                return False
+            for g in grads:
+                g.mul_(1.0 / self.scaler.scale)
+        sq = sum((g.double().pow(2).sum() for g in grads), torch.zeros((), dtype=torch.float64))
+        norm = float(self.rt.comm.all_reduce_sum(sq.reshape(1))) ** 0.5
+        self.last_grad_norm = norm
+        clip = self.cfg.gradient_clipping
+        if clip > 0:
+            coef = clip / (norm + 1e-6)
+            if coef < 1.0:
+                for g in grads:
+                    g.mul_(coef)
+        self.optimizer.step()
+        self.scaler.update(overflow=False)
+        self.optimizer.zero_grad()
+        for g in self.groups:
+            g.refresh_after_step()
+        self.global_steps += 1
+        return True
+
+    # -- modes and inspection ----------------------------------------------------------------
+    def train(self, mode: bool = True) -> Engine:
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> Engine:
+        return self.train(False)
+
+    @property
+    def rank(self) -> int:
+        return self.rt.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.rt.world_size
+
+    @property
+    def param_groups(self) -> list[dict]:
+        """Hyper-parameters per group; edit ``lr`` here for a schedule, as with torch optimizers."""
+        return self.optimizer.param_groups
+
+    def gathered_parameters(self, params: Iterable[nn.Parameter] | nn.Module | None = None,
+                            modify: bool = False) -> contextlib.AbstractContextManager:
+        """Full fp32 values in ``.data`` for the given parameters (default: all); a collective."""
+        return gathered_parameters(self.module if params is None else params, modify)
+
+    def memory_report(self) -> dict[str, Any]:
+        """Bytes per tier from outcore's own accounting, plus process RSS for reference."""
+        led = self.rt.ledger
+        report: dict[str, Any] = {t: led.tier_bytes(t) for t in ("device", "host", "nvme")}
+        report["by_kind"] = led.snapshot()
+        report["rss"] = psutil.Process().memory_info().rss
+        report["rank"], report["world_size"] = self.rank, self.world_size
+        report["schedule"] = self.schedule.stats()
+        return report
+
+    def schedule_stats(self) -> dict[str, int]:
+        return self.schedule.stats()
+
+    # -- lifetime ----------------------------------------------------------------------------
+    def close(self) -> None:
+        """Remove hooks and delete this rank's swap files. The engine cannot be used after."""
+        if self._closed:
+            return
+        self._closed = True
+        self.hooks.remove()
+        self.rt.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this outcore Engine was closed")
+
+
+def _cast_floats(obj: Any, dtype: torch.dtype) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.to(dtype) if obj.is_floating_point() else obj
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_cast_floats(o, dtype) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _cast_floats(v, dtype) for k, v in obj.items()}
+    return obj
+

@@ -1,0 +1,26 @@
+"""Errors a user can act on.
+
+[Note: user errors versus bugs]
+Anything raised as an ``OutcoreError`` is a problem with the user's input or machine (a bad
+config key, a missing folder, a full disk). Its message names the key, path or value and what
+would be accepted, so the CLI prints it as one line with no traceback. Every other exception
+is a bug in outcore or torch and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+
+class OutcoreError(Exception):
+    """Base class for errors caused by input or environment, not by outcore itself."""
+
+
+class ConfigError(OutcoreError, ValueError):
+    """A config key or command-line option has a value outcore cannot use."""
+
+
+class DataError(OutcoreError, ValueError):
+    """Training data is missing, empty, or not text."""
+
+
+class StorageError(OutcoreError, OSError):
+    """A swap or checkpoint path cannot be used: missing, read-only, full, or corrupt."""

@@ -1,0 +1,55 @@
+"""Full parameters for the user: inspect or modify, then write back to the shards.
+
+Inside the context each chosen parameter's ``.data`` is its full value in fp32 (from the
+master shard, so nothing is rounded). With ``modify=True`` the values are cut back into the
+shards on exit, on every rank; if the body raises, nothing is written. This is a collective:
+every rank must enter it with the same parameters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from outcore.group import GroupState
+from outcore.registry import managed
+
+
+@contextlib.contextmanager
+def gathered_parameters(params: Iterable[nn.Parameter] | nn.Module,
+                        modify: bool = False) -> Iterator[list[nn.Parameter]]:
+    """Yield the parameters with their full fp32 values in ``.data``."""
+    plist = list(params.parameters()) if isinstance(params, nn.Module) else list(params)
+    sps = []
+    for p in plist:
+        sp = managed(p)
+        if sp is not None and sp not in sps:
+            sps.append(sp)
+    groups = []
+    for sp in sps:
+        if sp.group is not None and sp.group not in groups:
+            groups.append(sp.group)
+    with torch.no_grad():
+        for g in groups:
+            g.reshard()
+        for sp in sps:
+            sp.show_full(sp.gather_values().clone())
+        ok = False
+        try:
+            yield plist
+            ok = True
+        finally:
+            if ok and modify:
+                for sp in sps:
+                    sp.write_values(sp.param.data)
+            for sp in sps:
+                sp.show_placeholder()
+            for g in groups:
+                if g.zero_copy:
+                    g.state = GroupState.SHARDED
+                    g.wait_unshard()
+                else:
+                    g.state = GroupState.SHARDED

@@ -1,0 +1,172 @@
+"""A group of parameters gathered, released and reduced together (one module's own params).
+
+[Note: group states and moves]
+A group is in exactly one state: SHARDED (only shards exist), FETCHING (shard reads issued,
+not yet gathered) or UNSHARDED (every parameter shows its full tensor). The moves are
+``unshard()`` (issue the reads; cheap, so a scheduler can call it early), ``wait_unshard()``
+(finish reads, all-gather, show full tensors) and ``reshard()`` (drop the full tensors). A
+test can ask ``group.state``.
+
+[Note: one collective per group]
+The shards of a group's parameters are packed into one buffer and all-gathered in one
+collective; each rank's block of the result is then cut back into the parameters' full
+tensors (a host copy, far cheaper than a collective's latency per parameter). Gradients go
+the other way: packed rank-major, reduce-scattered once in fp32, and added to each
+parameter's fp32 gradient shard.
+
+[Note: zero-copy at world size one]
+With one rank and parameters resident on the compute device, a shard *is* the full tensor,
+so the group shows views of the shards and never reshards: the hooks then cost nothing but
+the Python call, which is how outcore without offload keeps pace with plain PyTorch.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+import torch
+
+from outcore.param import ShardedParam
+from outcore.runtime import Runtime
+from outcore.storage import Tier
+
+
+class GroupState(str, Enum):
+    SHARDED = "sharded"
+    FETCHING = "fetching"
+    UNSHARDED = "unsharded"
+
+
+class ParamGroup:
+    """Parameters that move together; see the notes above."""
+
+    def __init__(self, index: int, name: str, params: list[ShardedParam], rt: Runtime,
+                 persistence_threshold_bytes: int) -> None:
+        self.index, self.name, self.params, self.rt = index, name, params, rt
+        self.offsets: list[int] = []
+        total = 0
+        for sp in params:
+            self.offsets.append(total)
+            total += sp.shard_numel
+            sp.group = self
+        self.shard_numel = total
+        esize = torch.empty((), dtype=rt.compute_dtype).element_size()
+        self.full_bytes = sum(sp.numel for sp in params) * esize
+        self.zero_copy = rt.world_size == 1 and (
+            rt.param_tier is Tier.DEVICE or (rt.param_tier is Tier.HOST and not rt.accel.is_cuda)
+        )
+        self.persistent = self.zero_copy or self.full_bytes <= persistence_threshold_bytes
+        self.state = GroupState.SHARDED
+        self.holds = 0
+        self._send: torch.Tensor | None = None
+        self._reads: list = []
+        self._grads_seen: set[int] = set()
+        self.trainable = [sp for sp in params if sp.trainable]
+        self.stats = {"unshards": 0, "reshards": 0}
+
+    # -- gather -----------------------------------------------------------------------------
+    def unshard(self) -> None:
+        """Start bringing the shards to the device (reads from the home tier)."""
+        if self.state is not GroupState.SHARDED:
+            return
+        self.state = GroupState.FETCHING
+        if self.zero_copy:
+            return
+        send = torch.empty(self.shard_numel, dtype=self.rt.compute_dtype)
+        self._reads = [
+            sp.compute.load(send[off : off + sp.shard_numel])
+            for sp, off in zip(self.params, self.offsets, strict=True)
+        ]
+        self._send = send
+
+    def wait_unshard(self) -> None:
+        """Finish the fetch: wait for reads, all-gather, and show full tensors."""
+        if self.state is GroupState.UNSHARDED:
+            return
+        if self.state is GroupState.SHARDED:
+            self.unshard()
+        if self.zero_copy:
+            for sp in self.params:
+                sp.show_full(sp.compute.resident()[: sp.numel].view(sp.shape))
+        else:
+            for fut in self._reads:
+                fut.result()
+            self._reads = []
+            self._gather()
+        self.state = GroupState.UNSHARDED
+        self.stats["unshards"] += 1
+
+    def _gather(self) -> None:
+        rt, send = self.rt, self.rt.accel.to_device(self._send)
+        self._send = None
+        w = rt.world_size
+        if w == 1:
+            # The packed shards are the full tensors; show views of the one buffer.
+            fulls = [send[off : off + sp.numel] for sp, off in zip(self.params, self.offsets, strict=True)]
+        else:
+            out = torch.empty(w * self.shard_numel, dtype=send.dtype, device=send.device)
+            rt.comm.all_gather(out, send).wait()
+            blocks = out.view(w, self.shard_numel)
+            fulls = [
+                blocks[:, off : off + sp.shard_numel].reshape(-1)[: sp.numel]
+                for sp, off in zip(self.params, self.offsets, strict=True)
+            ]
+        for sp, full in zip(self.params, fulls, strict=True):
+            sp.show_full(full.view(sp.shape))
+        rt.ledger.add(Tier.DEVICE.value, "unsharded", self.full_bytes)
+
+    def reshard(self) -> None:
+        """Drop the full tensors; only the shards remain."""
+        if self.state is GroupState.FETCHING:
+            self.wait_unshard()
+        if self.state is GroupState.SHARDED or self.zero_copy:
+            return
+        for sp in self.params:
+            sp.show_placeholder()
+        self.state = GroupState.SHARDED
+        self.stats["reshards"] += 1
+        self.rt.ledger.add(Tier.DEVICE.value, "unsharded", -self.full_bytes)
+
+    def refresh_after_step(self) -> None:
+        """Kept-gathered groups hold stale full tensors once their shards are updated."""
+        if not self.zero_copy and self.state is not GroupState.SHARDED:
+            self.reshard()
+
+    # -- gradients ----------------------------------------------------------------------------
+    def grad_arrived(self, sp: ShardedParam) -> bool:
+        """Record that ``sp``'s gradient is final for this backward; True when all have arrived."""
+        self._grads_seen.add(id(sp))
+        return len(self._grads_seen) == len(self.trainable)
+
+    @property
+    def has_pending_grads(self) -> bool:
+        return any(sp.param.grad is not None for sp in self.trainable)
+
+    def reduce_grads(self) -> None:
+        """Reduce-scatter this backward's gradients and add them to the fp32 gradient shards."""
+        self._grads_seen.clear()
+        live = [(sp, off) for sp, off in zip(self.params, self.offsets, strict=True)
+                if sp.trainable and sp.param.grad is not None]
+        if not live:
+            return
+        for sp, _ in live:
+            sp.has_grad = True
+        w, rt = self.rt.world_size, self.rt
+        if w == 1:
+            for sp, _ in live:
+                sp.grad.add_(sp.param.grad.reshape(-1))
+                sp.param.grad = None
+            return
+        send = torch.zeros(w, self.shard_numel, dtype=torch.float32, device=rt.device)
+        for sp, off in live:
+            flat = sp.param.grad.reshape(-1)
+            s = sp.shard_numel
+            for r in range(w):
+                n = max(0, min(sp.numel - r * s, s))
+                if n:
+                    send[r, off : off + n].copy_(flat[r * s : r * s + n])
+            sp.param.grad = None
+        out = torch.empty(self.shard_numel, dtype=torch.float32, device=rt.device)
+        rt.comm.reduce_scatter_mean(out, send.view(-1))
+        for sp, off in live:
+            sp.grad.add_(out[off : off + sp.shard_numel])

@@ -1,0 +1,166 @@
+"""Public PyTorch hooks that fetch parameters before use and release them after.
+
+[Note: three hooks, three jobs]
+* Module forward pre/post hooks fetch a module's own groups before it runs and release them
+  after; this is the common path and where the schedule learns the order of use.
+* A ``TorchFunctionMode`` active during the engine's forward sees every torch call: if one
+  touches a sharded parameter (a tied head using the embedding's weight, a parent reading a
+  child's weight), it fetches that parameter's group on the spot and holds it until the
+  module now running finishes. So parameters used outside their module need no user action.
+* ``saved_tensors_hooks`` see each tensor autograd keeps for backward. A saved parameter is
+  kept as the parameter object, and when backward unpacks it, its group is fetched if it is
+  not already there. So backward is correct however modules are nested, reused or skipped,
+  and needs no per-module backward hook; the schedule only makes it faster.
+After backward, a per-parameter post-accumulate-grad hook reduces a group's gradients as soon
+as all of them are final, and the group is released.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from outcore.group import GroupState, ParamGroup
+from outcore.registry import METADATA_CALLS, managed
+
+if TYPE_CHECKING:
+    from outcore.param import ShardedParam
+    from outcore.schedule import Schedule
+
+
+class ParamAccessMode(TorchFunctionMode):
+    """Calls ``on_access(sp, func)`` before any torch call that reads a managed parameter."""
+
+    def __init__(self, on_access: Callable[[ShardedParam, object], None]) -> None:
+        super().__init__()
+        self._on_access = on_access
+        self.suspended_depth = 0
+
+    @contextlib.contextmanager
+    def suspended(self) -> Iterator[None]:
+        """outcore's own tensor work inside hooks must not re-enter the mode's checks."""
+        self.suspended_depth += 1
+        try:
+            yield
+        finally:
+            self.suspended_depth -= 1
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not self.suspended_depth and func not in METADATA_CALLS:
+            for a in _tensor_args(args, kwargs):
+                sp = managed(a)
+                if sp is not None:
+                    self._on_access(sp, func)
+        return func(*args, **kwargs)
+
+
+def _tensor_args(args: tuple, kwargs: dict) -> Iterator[object]:
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, (list, tuple)):
+            yield from a
+        else:
+            yield a
+
+
+class Hooks:
+    """Installs and owns every hook handle of one engine (``remove()`` takes them all out)."""
+
+    def __init__(self, module: nn.Module, module_groups: dict[nn.Module, list[ParamGroup]],
+                 groups: list[ParamGroup], schedule: Schedule) -> None:
+        self.module_groups = module_groups
+        self.groups = groups
+        self.schedule = schedule
+        self.frames: list[list[ParamGroup]] = []
+        self.in_backward = False
+        self.mode = ParamAccessMode(self._on_access)
+        self._handles: list = []
+        for m, gs in module_groups.items():
+            if gs:
+                self._handles.append(m.register_forward_pre_hook(self._pre_forward))
+                self._handles.append(m.register_forward_hook(self._post_forward, always_call=True))
+        for g in groups:
+            for sp in g.trainable:
+                self._handles.append(
+                    sp.param.register_post_accumulate_grad_hook(self._make_grad_hook(sp))
+                )
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    # -- forward -------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def forward_context(self) -> Iterator[None]:
+        """Active around the wrapped module's forward: access mode, saved-tensor hooks, frames."""
+        self.frames.append([])
+        self.schedule.begin_pass("backward-recompute" if self.in_backward else "forward")
+        saved = torch.autograd.graph.saved_tensors_hooks(_pack, self._unpack)
+        try:
+            with self.mode, saved:
+                yield
+        finally:
+            self._release(self.frames.pop())
+
+    def _pre_forward(self, module: nn.Module, args: tuple) -> None:
+        with self.mode.suspended():
+            groups = self.module_groups[module]
+            for g in groups:
+                g.holds += 1
+            self.schedule.need(groups)
+            self.frames.append(list(groups))
+
+    def _post_forward(self, module: nn.Module, args: tuple, output: object) -> None:
+        with self.mode.suspended():
+            self._release(self.frames.pop())
+
+    def _on_access(self, sp: ShardedParam, func: object) -> None:
+        g = sp.group
+        if g is None or g.state is GroupState.UNSHARDED:
+            return
+        g.holds += 1
+        self.schedule.need([g], on_demand=True)
+        (self.frames[-1] if self.frames else []).append(g)
+
+    def _release(self, groups: list[ParamGroup]) -> None:
+        for g in groups:
+            g.holds -= 1
+            if g.holds == 0 and not self.in_backward:
+                self.schedule.done(g)
+
+    # -- backward ------------------------------------------------------------------------------
+    def _unpack(self, saved: object) -> object:
+        sp = managed(saved)
+        if sp is not None and sp.group is not None and sp.group.state is not GroupState.UNSHARDED:
+            with self.mode.suspended():
+                self.schedule.need([sp.group], on_demand=True)
+        return saved
+
+    def _make_grad_hook(self, sp: ShardedParam) -> Callable[[torch.Tensor], None]:
+        def hook(_: torch.Tensor) -> None:
+            g = sp.group
+            if g.grad_arrived(sp):
+                g.reduce_grads()
+                if g.holds == 0:
+                    self.schedule.done(g)
+
+        return hook
+
+    def finish_backward(self) -> None:
+        """Reduce what autograd left partial (params without grads) and release everything."""
+        for g in self.groups:
+            if g.has_pending_grads:
+                g.reduce_grads()
+        for g in self.groups:
+            if g.holds == 0:
+                self.schedule.done(g)
+
+
+def _pack(t: torch.Tensor) -> torch.Tensor:
+    return t

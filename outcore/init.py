@@ -1,0 +1,101 @@
+"""``outcore.init``: shard parameters as the model is built, so it never exists whole.
+
+[Note: the seam is parameter registration, not ``__init__`` patching]
+Every parameter reaches a module through ``register_parameter`` (``self.w = nn.Parameter(...)``
+included), and PyTorch offers a global hook there. At that moment outcore cuts the tensor's
+rank-local shard, sends it to its home tier, and leaves a shape-true placeholder (param.py).
+No class is patched, so subclasses, ``ParameterList`` and models from any library are covered
+the same way.
+
+[Note: custom init sees the full tensor, and the same random numbers]
+Initialization code runs after registration: ``reset_parameters``, ``nn.init.*``, a model's
+own ``_init_weights``, ``p.data.mul_(...)``. A ``TorchFunctionMode`` catches the first torch
+call that touches a placeholder and materializes that one parameter in full (empty for calls
+that overwrite every element, gathered from the shards otherwise); the call then runs on the
+real tensor and draws exactly the random numbers plain construction draws. The parameter stays
+open until another one is touched or the context ends, then its shard is cut again. So memory
+holds at most one full parameter, and with the same seed the weights equal plain PyTorch's.
+All ranks must build the model with the same seed; ``init`` checks this.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+from torch import nn
+from torch.nn.modules.module import register_module_parameter_registration_hook
+
+from outcore.config import Config
+from outcore.errors import ConfigError
+from outcore.hooks import ParamAccessMode
+from outcore.param import ShardedParam
+from outcore.registry import OVERWRITE_CALLS, managed, register
+from outcore.runtime import Runtime
+
+
+class init:  # noqa: N801  (a context manager named like the function users call)
+    """``with outcore.init(cfg): model = build()`` builds a model whose parameters are shards."""
+
+    def __init__(self, cfg: Config | dict | str | None = None) -> None:
+        self.cfg = Config.load(cfg)
+        self.runtime: Runtime | None = None
+        self._open: ShardedParam | None = None
+        self._mode = ParamAccessMode(self._materialize)
+        self._handle = None
+
+    def __enter__(self) -> init:
+        self.runtime = Runtime(self.cfg)
+        _check_same_rng(self.runtime)
+        self._handle = register_module_parameter_registration_hook(self._on_register)
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            with self._mode.suspended():
+                self._close_open()
+        finally:
+            self._mode.__exit__(*exc)
+            self._handle.remove()
+
+    def _on_register(self, module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is None or managed(param) is not None:
+            return None
+        with self._mode.suspended():
+            register(param, ShardedParam(param, self.runtime))
+        return None
+
+    def _materialize(self, sp: ShardedParam, func: object) -> None:
+        if self._open is sp:
+            return
+        self._close_open()
+        if func in OVERWRITE_CALLS:
+            full = torch.empty(sp.shape, dtype=sp.dtype, device=self.runtime.device)
+        else:
+            full = sp.gather_values().to(sp.dtype)
+        sp.show_full(full)
+        self._open = sp
+
+    def _close_open(self) -> None:
+        sp, self._open = self._open, None
+        if sp is None or not sp.alive:
+            return
+        full = sp.param.data
+        sp.dtype = full.dtype  # e.g. ``model.to(torch.bfloat16)`` inside the context
+        sp.write_values(full)
+        sp.show_placeholder()
+
+
+def _check_same_rng(rt: Runtime) -> None:
+    """Ranks drawing different random numbers would build inconsistent shards: refuse."""
+    if rt.world_size == 1:
+        return
+    digest = hashlib.sha256(torch.get_rng_state().numpy().tobytes()).digest()[:6]
+    mine = torch.tensor([int.from_bytes(digest, "little")], dtype=torch.int64)
+    top = rt.comm.all_reduce_max(mine.clone())
+    if int(top) != int(mine):
+        raise ConfigError(
+            "ranks entered outcore.init with different torch RNG states; call "
+            "torch.manual_seed(seed) with the same seed on every rank before building the model"
+        )

@@ -1,0 +1,45 @@
+"""Dynamic loss scaling for fp16 (bf16 and fp32 need none).
+
+[Note: skip, then shrink]
+fp16 gradients underflow unless the loss is scaled up before backward. Too large a scale
+overflows instead; then the step is skipped (no parameter or optimizer state changes), the
+scale is halved, and training goes on. After ``growth_interval`` clean steps the scale
+doubles again. The overflow test is global: one rank's inf skips the step on every rank.
+"""
+
+from __future__ import annotations
+
+from outcore.config import LossScaleConfig
+
+
+class LossScaler:
+    """The current loss scale and its update rule."""
+
+    def __init__(self, cfg: LossScaleConfig, enabled: bool) -> None:
+        self.enabled = enabled
+        self.scale = float(2**cfg.initial_scale_power) if enabled else 1.0
+        self.min_scale = cfg.min_scale
+        self.growth_interval = cfg.growth_interval
+        self.good_steps = 0
+        self.skipped_steps = 0
+
+    def update(self, overflow: bool) -> None:
+        if not self.enabled:
+            return
+        if overflow:
+            self.scale = max(self.scale / 2.0, self.min_scale)
+            self.good_steps = 0
+            self.skipped_steps += 1
+            return
+        self.good_steps += 1
+        if self.good_steps % self.growth_interval == 0:
+            self.scale *= 2.0
+
+    def state_dict(self) -> dict[str, float]:
+        return {"scale": self.scale, "good_steps": self.good_steps,
+                "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.scale = float(state["scale"])
+        self.good_steps = int(state["good_steps"])
+        self.skipped_steps = int(state["skipped_steps"])

@@ -1,0 +1,71 @@
+"""Which ``nn.Parameter`` objects outcore manages, and the metadata calls that need no values.
+
+[Note: the one process-wide map]
+``outcore.initialize(model, cfg)`` receives only the model, yet a model built under
+``outcore.init`` already has sharded parameters that must be found again. So managed
+parameters are looked up in one map keyed by the ``nn.Parameter``'s identity: nothing is
+stored on the tensors themselves, the ShardedParam holds its parameter weakly, and a finalizer
+drops the entry when the parameter dies. (A ``WeakKeyDictionary`` cannot be used: it compares
+keys with ``==``, which for tensors is elementwise.)
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from outcore.param import ShardedParam
+
+_MANAGED: dict[int, ShardedParam] = {}
+
+
+def managed(t: object) -> ShardedParam | None:
+    """The ShardedParam behind ``t`` if ``t`` is a parameter outcore shards, else None."""
+    if isinstance(t, nn.Parameter):
+        return _MANAGED.get(id(t))
+    return None
+
+
+def register(param: nn.Parameter, sp: ShardedParam) -> None:
+    key = id(param)
+    _MANAGED[key] = sp
+    weakref.finalize(param, _forget, key)
+
+
+def _forget(key: int) -> None:
+    sp = _MANAGED.pop(key, None)
+    if sp is not None:
+        sp.free_storage()
+
+
+def _getter(name: str):
+    return getattr(torch.Tensor, name).__get__
+
+
+# Calls that read only shape/type metadata: a placeholder answers them truthfully, so they
+# must not trigger a fetch.
+METADATA_CALLS = frozenset(
+    [_getter(n) for n in ("shape", "dtype", "device", "ndim", "requires_grad", "is_leaf",
+                          "grad", "grad_fn", "layout", "is_cuda", "is_sparse", "is_meta",
+                          "is_quantized")]
+    + [getattr(torch.Tensor, n) for n in ("size", "dim", "numel", "nelement", "element_size",
+                                           "is_floating_point", "is_complex", "requires_grad_",
+                                           "register_hook", "register_post_accumulate_grad_hook",
+                                           "get_device", "__hash__")]
+    + [torch.Tensor.requires_grad.__set__, torch.Tensor.grad.__set__]
+)
+
+# Calls that overwrite every element: the previous values need not be gathered.
+OVERWRITE_CALLS = frozenset(
+    [getattr(torch.Tensor, n) for n in ("uniform_", "normal_", "fill_", "zero_", "copy_",
+                                        "random_", "exponential_", "log_normal_", "geometric_",
+                                        "cauchy_")]
+    + [getattr(nn.init, n) for n in ("uniform_", "normal_", "trunc_normal_", "constant_",
+                                     "ones_", "zeros_", "xavier_uniform_", "xavier_normal_",
+                                     "kaiming_uniform_", "kaiming_normal_", "orthogonal_",
+                                     "eye_", "dirac_", "sparse_")]
+)

@@ -1,0 +1,86 @@
+"""Per-process services shared by ``outcore.init`` and the engine.
+
+[Note: explicit context, one per model]
+The runtime holds what every shard needs to move its bytes: the rank and collectives, the
+compute device seam, the byte ledger, and (only when some tier is NVMe) this rank's swap
+store with its I/O threads and host buffer pool. It is created by ``outcore.init`` (so a model
+can be sharded while it is built) or by ``outcore.initialize`` for a model built in plain
+PyTorch, and every ``ShardedParam`` points at it; there are no module-level globals.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from outcore.accel import Accelerator
+from outcore.comm import Comm
+from outcore.config import Config
+from outcore.storage import Ledger, MemoryStored, NvmeStored, Stored, Tier
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+class Runtime:
+    """Services for one sharded model on one rank; see the note above."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.accel = Accelerator.detect()
+        self.comm = Comm.from_env(self.accel.backend, cfg.comm.timeout_s)
+        self.ledger = Ledger()
+        self.compute_dtype = _DTYPES[cfg.dtype]
+        self.param_tier = Tier.for_placement(cfg.offload.params)
+        self.state_tier = Tier.for_placement(cfg.offload.optimizer)
+        self._nvme = None
+        self.closed = False
+
+    @property
+    def device(self) -> torch.device:
+        return self.accel.device
+
+    @property
+    def rank(self) -> int:
+        return self.comm.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.comm.world_size
+
+    @property
+    def nvme(self):
+        """This rank's swap store, created on first use (only NVMe placements need it)."""
+        if self._nvme is None:
+            from outcore.tiers.aio import AioEngine
+            from outcore.tiers.buffers import BufferPool
+            from outcore.tiers.nvme import NvmeStore
+
+            off = self.cfg.offload
+            assert off.nvme_path is not None  # guaranteed by Config validation
+            engine = AioEngine(threads=off.io_threads, block_bytes=off.io_block_bytes)
+            buffer_bytes = min(off.io_block_bytes, off.host_buffer_bytes)
+            pool = BufferPool(off.host_buffer_bytes, buffer_bytes, pin=self.accel.pin_host_buffers)
+            self._nvme = NvmeStore(off.nvme_path, rank=self.rank, engine=engine, pool=pool)
+            self.ledger.add(Tier.HOST.value, "io_buffers", pool.capacity_bytes)
+        return self._nvme
+
+    def store(self, tensor: torch.Tensor, tier: Tier, kind: str) -> Stored:
+        """Give ``tensor``'s bytes a home in ``tier`` (memory tiers keep the tensor itself)."""
+        if tier is Tier.NVME:
+            stored = NvmeStored(self.nvme, tensor.numel(), tensor.dtype, kind, self.ledger)
+            stored.save(tensor).result()
+            return stored
+        if tier is Tier.DEVICE and tensor.device != self.device:
+            tensor = tensor.to(self.device)
+        return MemoryStored(tensor, tier, kind, self.ledger)
+
+    def reconfigure(self, cfg: Config) -> None:
+        """Adopt the engine's config (same placement, possibly another dtype or optimizer)."""
+        self.cfg = cfg
+        self.compute_dtype = _DTYPES[cfg.dtype]
+
+    def close(self) -> None:
+        """Release the swap store (its files are deleted); safe to call twice."""
+        if self._nvme is not None:
+            self._nvme.close()
+            self._nvme = None
+        self.closed = True

@@ -1,0 +1,163 @@
+"""A shard's bytes in their home tier, and the per-tier byte ledger.
+
+[Note: a shard knows its home tier]
+Every piece of model state (training-dtype parameter shard, fp32 master shard, optimizer
+moments, fp32 gradient shard) is a ``Stored`` object that knows its tier. Memory tiers keep
+a live tensor; the NVMe tier keeps an extent of the rank's swap file and moves bytes only
+through ``load``/``save``, which return futures so the schedule can issue them early and wait
+late. Code above this file never asks *where* a shard is, only for its bytes.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from enum import Enum
+from typing import Protocol
+
+import torch
+
+
+class Tier(str, Enum):
+    DEVICE = "device"
+    HOST = "host"
+    NVME = "nvme"
+
+    @classmethod
+    def for_placement(cls, placement: str) -> Tier:
+        """Map a config value (``none | cpu | nvme``) to the tier it names."""
+        return {"none": cls.DEVICE, "cpu": cls.HOST, "nvme": cls.NVME}[placement]
+
+
+class Ledger:
+    """Bytes held per (tier, kind), counted by the code that allocates them.
+
+    Thread-safe because I/O threads and the optimizer update it concurrently.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._bytes: dict[tuple[str, str], int] = defaultdict(int)
+        self._peak: dict[str, int] = defaultdict(int)
+
+    def add(self, tier: str, kind: str, nbytes: int) -> None:
+        with self._lock:
+            self._bytes[(tier, kind)] += nbytes
+            total = sum(v for (t, _), v in self._bytes.items() if t == tier)
+            self._peak[tier] = max(self._peak[tier], total)
+
+    def tier_bytes(self, tier: str) -> int:
+        with self._lock:
+            return sum(v for (t, _), v in self._bytes.items() if t == tier)
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            out = {f"{t}.{k}": v for (t, k), v in sorted(self._bytes.items())}
+            out.update({f"peak.{t}": v for t, v in self._peak.items()})
+            return out
+
+
+class Future(Protocol):
+    def result(self, timeout: float | None = None) -> object: ...
+
+
+class _Ready:
+    """A future that is already complete (memory tiers never wait)."""
+
+    def __init__(self, value: object = None) -> None:
+        self._value = value
+
+    def result(self, timeout: float | None = None) -> object:
+        return self._value
+
+    def done(self) -> bool:
+        return True
+
+
+class Stored:
+    """One tensor of model state, living in ``tier``; see the note above."""
+
+    tier: Tier
+    numel: int
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+
+    def resident(self) -> torch.Tensor | None:
+        """The live tensor for memory tiers; ``None`` when the bytes are on disk."""
+        raise NotImplementedError
+
+    def load(self, out: torch.Tensor) -> Future:
+        """Copy the stored bytes into ``out`` (a contiguous tensor of ``numel`` elements)."""
+        raise NotImplementedError
+
+    def save(self, src: torch.Tensor) -> Future:
+        """Overwrite the stored bytes with ``src``; ``src`` may be reused after ``result()``."""
+        raise NotImplementedError
+
+    def free(self) -> None:
+        raise NotImplementedError
+
+
+class MemoryStored(Stored):
+    """State kept as a tensor in device or host memory."""
+
+    def __init__(self, tensor: torch.Tensor, tier: Tier, kind: str, ledger: Ledger) -> None:
+        self.tensor = tensor
+        self.tier, self.numel, self.dtype = tier, tensor.numel(), tensor.dtype
+        self._kind, self._ledger = kind, ledger
+        ledger.add(tier.value, kind, self.nbytes)
+
+    def resident(self) -> torch.Tensor:
+        return self.tensor
+
+    def load(self, out: torch.Tensor) -> Future:
+        out.copy_(self.tensor)
+        return _Ready(out)
+
+    def save(self, src: torch.Tensor) -> Future:
+        if src.data_ptr() != self.tensor.data_ptr():
+            self.tensor.copy_(src)
+        return _Ready()
+
+    def free(self) -> None:
+        if self.tensor is not None:
+            self._ledger.add(self.tier.value, self._kind, -self.nbytes)
+            self.tensor = None  # type: ignore[assignment]
+
+
+class NvmeStored(Stored):
+    """State kept in an extent of this rank's swap file."""
+
+    def __init__(self, store, numel: int, dtype: torch.dtype, kind: str, ledger: Ledger) -> None:
+        self.tier, self.numel, self.dtype = Tier.NVME, numel, dtype
+        self._store, self._kind, self._ledger = store, kind, ledger
+        self.extent = store.allocate(max(self.nbytes, 1))
+        ledger.add(Tier.NVME.value, kind, self.nbytes)
+
+    def resident(self) -> None:
+        return None
+
+    def load(self, out: torch.Tensor) -> Future:
+        return self._store.read(self.extent, out)
+
+    def save(self, src: torch.Tensor) -> Future:
+        return self._store.write(self.extent, src.contiguous())
+
+    def free(self) -> None:
+        if self.extent is not None:
+            self._store.free(self.extent)
+            self._ledger.add(Tier.NVME.value, self._kind, -self.nbytes)
+            self.extent = None
+
+
+def load_now(stored: Stored, device: torch.device | None = None) -> torch.Tensor:
+    """The stored tensor, read synchronously (resident tensors are returned, not copied)."""
+    t = stored.resident()
+    if t is not None:
+        return t
+    out = torch.empty(stored.numel, dtype=stored.dtype, device=device)
+    stored.load(out).result()
+    return out

@@ -1,0 +1,374 @@
+"""The ``outcore`` command: ``train``, ``probe``, ``estimate`` and ``consolidate``.
+
+Each subcommand's work lives in its own module (``outcore.train``, ``outcore.probe``,
+``outcore.estimate``, ``outcore.checkpoint``), imported only when that subcommand runs, so
+``outcore estimate`` answers without building anything and one missing part does not break
+the others. This file only parses arguments, prints results and applies the error policy.
+
+[Note: the CLI error policy]
+* Bad arguments (unknown option, missing value, a size like ``32XB``): exit code 2 and exactly
+  one line on stderr, ``outcore <sub>: error: <what is wrong> (see 'outcore <sub> --help')``;
+  no usage dump, since the usage of ``outcore train`` is longer than the screen and buries
+  the one line that matters.
+* ``ConfigError`` or ``DataError`` raised while a subcommand runs (a bad config key, a missing
+  data file): also exit 2 and one line; they are the same kind of mistake, found later.
+* ``StorageError`` and every other ``OutcoreError`` (disk full, corrupt checkpoint, a part of
+  outcore missing from this build): exit 1 and one line.
+* Ctrl-C: exit 130, the shell's code for SIGINT.
+* Any other exception is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import re
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any, NoReturn
+
+from outcore import estimate as est
+from outcore.errors import ConfigError, DataError, OutcoreError
+from outcore.units import format_bytes, format_count, parse_count, parse_size
+
+__all__ = ["build_parser", "main"]
+
+SUBCOMMANDS = ("train", "probe", "estimate", "consolidate")
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose errors are one line (see [Note: the CLI error policy])."""
+
+    subcommands: dict[str, argparse.ArgumentParser]
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+
+def _size(text: str) -> int:
+    """argparse type for sizes with units; argparse shows an ArgumentTypeError's own text."""
+    try:
+        return parse_size(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _positive_size(text: str) -> int:
+    value = _size(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"size {text!r} must be at least 1 byte")
+    return value
+
+
+def _count(text: str) -> int:
+    try:
+        return parse_count(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 1")
+    return value
+
+
+def _import_part(module: str, what: str) -> ModuleType:
+    """Import a subcommand's module, or say in one line that this build lacks it."""
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name != module:
+            raise  # the module exists but one of its own imports is broken: a bug
+        raise OutcoreError(f"this build of outcore has no {module} ({what})") from None
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("outcore")
+    except PackageNotFoundError:  # a source checkout that was not pip-installed
+        pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
+        found = re.search(r'^version\s*=\s*"([^"]+)"', pyproject.read_text(), re.M) \
+            if pyproject.is_file() else None
+        return found[1] if found else "unknown"
+
+
+def build_parser(with_train_options: bool = False) -> _Parser:
+    """The ``outcore`` parser; ``outcore.train``'s options are added only when asked for,
+    because importing the training job (and torch) for ``outcore estimate`` would be waste."""
+    parser = _Parser(prog="outcore", description="ZeRO-Infinity for PyTorch: train models "
+                     "larger than device and host memory.")
+    parser.add_argument("--version", action="version", version=f"outcore {_version()}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    parser.subcommands = sub.choices
+
+    train = sub.add_parser("train", help="train a model (see 'outcore train --help')",
+                           description="Train a model with outcore.")
+    if with_train_options:
+        job = _import_part("outcore.train", "the training job")
+        job.add_arguments(train)
+        train.set_defaults(run=job.run)
+
+    probe = sub.add_parser("probe", help="measure this machine's disk, memory and matmul rates",
+                           description="Measure disk read/write, host copy and matmul rates.")
+    probe.add_argument("--path", default=".", help="folder on the disk to measure (default: .)")
+    probe.add_argument("--size", type=_positive_size, help="bytes of disk traffic, e.g. 1GB")
+    probe.add_argument("--json", action="store_true", help="print JSON")
+    probe.set_defaults(run=_run_probe)
+
+    cons = sub.add_parser("consolidate", help="write a checkpoint's full weights to one file",
+                          description="Gather a sharded checkpoint into one safetensors file.")
+    cons.add_argument("ckpt", metavar="CKPT", help="checkpoint folder")
+    cons.add_argument("out", metavar="OUT", help="output file, e.g. model.safetensors")
+    cons.set_defaults(run=_run_consolidate)
+
+    _add_estimate(sub.add_parser(
+        "estimate", help="memory per tier, the largest trainable model, predicted efficiency",
+        description="The ZeRO-Infinity paper's memory and bandwidth analysis. Sizes take "
+                    "units: 32GB, 1.5TB, 24GiB."))
+    return parser
+
+
+def _add_estimate(p: argparse.ArgumentParser) -> None:
+    m = p.add_argument_group("model (one of --model, --params, --layers/--hidden)")
+    m.add_argument("--model", help="preset name, config.json, or Hugging Face model folder")
+    m.add_argument("--params", type=_count, help="parameter count, e.g. 1.3B (GPT shape assumed)")
+    m.add_argument("--layers", type=_positive)
+    m.add_argument("--hidden", type=_positive)
+    m.add_argument("--heads", type=_positive, help="default: hidden / 128")
+    m.add_argument("--vocab", type=_positive, help="default: 50257")
+    m.add_argument("--ffn", type=_positive, help="MLP width, default: 4 x hidden")
+    w = p.add_argument_group("workload")
+    w.add_argument("--batch", type=_positive, default=1, help="sequences per device (default 1)")
+    w.add_argument("--seq", type=_positive, help="sequence length (default: the model's, or 1024)")
+    w.add_argument("--gpus", "--devices", dest="gpus", type=_positive, default=1,
+                   help="devices in all (default 1)")
+    w.add_argument("--nodes", type=_positive, default=1,
+                   help="machines the devices are spread over (default 1)")
+    w.add_argument("--fp32-grads", action="store_true",
+                   help="count an fp32 gradient copy: 20 bytes/param, the paper's accounting")
+    w.add_argument("--no-checkpointing", action="store_true", help="keep all activations")
+    w.add_argument("--tiles", type=_positive, default=1, help="memory-centric tiling factor")
+    h = p.add_argument_group("largest model (--max-model)")
+    h.add_argument("--max-model", action="store_true", help="largest model per strategy")
+    h.add_argument("--gpu-memory", type=_size, help="memory per device, e.g. 32GB")
+    h.add_argument("--host-memory", type=_size, default=0, help="host memory per node")
+    h.add_argument("--nvme", type=_size, default=0, help="NVMe capacity per node")
+    e = p.add_argument_group("efficiency")
+    e.add_argument("--probe", metavar="FILE.json", help="output of 'outcore probe --json'")
+    e.add_argument("--tokens-per-step", type=_positive, help="per device (default batch x seq)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(run=_run_estimate)
+
+
+def _shape(args: argparse.Namespace) -> est.ModelShape | None:
+    """The model the options describe, or None; contradictions are ConfigErrors (exit 2)."""
+    given = [o for o, v in (("--model", args.model), ("--params", args.params),
+                            ("--layers", args.layers)) if v is not None]
+    if len(given) > 1:
+        raise ConfigError(f"give one model description, not {' and '.join(given)}")
+    if (args.layers is None) != (args.hidden is None):
+        raise ConfigError("--layers and --hidden go together")
+    if args.model is not None:
+        return est.resolve_model(args.model)
+    if args.params is not None:
+        return est.shape_from_params(args.params, seq_len=args.seq or 1024,
+                                     vocab=args.vocab or 50257)
+    if args.layers is not None:
+        heads = args.heads or max(1, args.hidden // 128)
+        if args.hidden % heads:
+            raise ConfigError(f"--hidden {args.hidden} is not divisible by --heads {heads}")
+        return est.ModelShape(layers=args.layers, hidden=args.hidden, heads=heads,
+                              vocab=args.vocab or 50257, seq_len=args.seq or 1024, ffn=args.ffn)
+    return None
+
+
+def _run_estimate(args: argparse.Namespace) -> int:
+    shape = _shape(args)
+    if shape is None and not args.max_model and args.probe is None:
+        raise ConfigError("give a model (--model, --params or --layers/--hidden), "
+                          "--max-model, or --probe")
+    state_bytes = est.StateBytes(fp32_grads=4 if args.fp32_grads else 0)
+    seq = args.seq or (shape.seq_len if shape else 1024)
+    out: dict[str, Any] = {}
+    if shape is not None:
+        out["memory"] = est.memory_estimate(
+            shape, batch=args.batch, seq_len=seq, devices=args.gpus, state_bytes=state_bytes,
+            checkpointing=not args.no_checkpointing, tiles=args.tiles)
+    if args.max_model:
+        if args.gpu_memory is None:
+            raise ConfigError("--max-model needs --gpu-memory (and --host-memory, --nvme)")
+        out["max"] = est.max_model(args.gpus, args.gpu_memory, args.host_memory, args.nvme,
+                                   nodes=args.nodes, batch=args.batch, seq_len=seq,
+                                   state_bytes=state_bytes, tiles=args.tiles)
+    if args.probe is not None:
+        tokens = args.tokens_per_step or args.batch * seq
+        out["efficiency"] = est.efficiency_from_probe(
+            _read_probe(args.probe), tokens, devices_per_node=args.gpus // args.nodes,
+            hidden=shape.hidden if shape else None, source=args.probe)
+    if args.json:
+        print(json.dumps(_estimate_json(out), indent=2))
+    else:
+        print("\n\n".join(_render(k, v) for k, v in out.items()))
+    return 0
+
+
+def _read_probe(path: str) -> dict[str, Any]:
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--probe {path}: cannot read it as JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"--probe {path}: expected a JSON object from 'outcore probe --json'")
+    return data
+
+
+def _estimate_json(out: dict[str, Any]) -> dict[str, Any]:
+    """``max_params`` at the top level (the documented contract), the rest beside it."""
+    data: dict[str, Any] = {}
+    if "memory" in out:
+        data["memory"] = out["memory"].to_json()
+    if "max" in out:
+        data.update(out["max"].to_json())
+    if "efficiency" in out:
+        data["efficiency"] = {tier: e.to_json() for tier, e in out["efficiency"].items()}
+    return data
+
+
+def _table(rows: list[list[str]]) -> str:
+    """Left-aligned columns two spaces apart."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows)
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def _render(kind: str, value: Any) -> str:
+    if kind == "memory":
+        m: est.MemoryEstimate = value
+        devices = "1 device" if m.devices == 1 else f"{m.devices} devices"
+        head = [
+            f"model: {m.shape.describe()}",
+            f"workload: batch {m.batch} x seq {m.seq_len} per device, {devices}, "
+            f"{m.bytes_per_param} bytes/param (mixed-precision Adam)",
+            "",
+            _table([
+                ["model states, whole model", format_bytes(m.model_states)],
+                ["activation checkpoints, per device", format_bytes(m.activation_checkpoints)],
+                ["activations without checkpointing, per device",
+                 format_bytes(m.activations_full)],
+                ["working memory, largest operator (MSWM)", format_bytes(m.mswm)],
+                ["working memory, activations (AWM)", format_bytes(m.awm)]]),
+            ""]
+        rows = [["bytes per device", *est.TIERS]] + [
+            [name, *(format_bytes(getattr(t, tier)) for tier in est.TIERS)]
+            for name, t in m.strategies.items()]
+        return "\n".join(head) + "\n" + _table(rows)
+    if kind == "max":
+        x: est.MaxModel = value
+        hw, a = x.hardware, x.assumptions
+        rows = [["strategy", "max parameters", "runs out of"]] + [
+            [s, format_count(n), x.limited_by[s]] for s, n in x.max_params.items()]
+        return "\n".join([
+            f"hardware: {hw['gpus']} devices x {format_bytes(hw['gpu_memory'])} on "
+            f"{hw['nodes']} node(s); per node {format_bytes(hw['host_memory_per_node'])} host, "
+            f"{format_bytes(hw['nvme_per_node'])} NVMe",
+            f"assumes {a['bytes_per_param']} bytes/param, batch {a['batch_per_device']} x seq "
+            f"{a['seq_len']} per device, GPT shape, usable fraction "
+            + ", ".join(f"{t} {f:.0%}" for t, f in a["usable_fraction"].items()),
+            "", _table(rows)])
+    effs: dict[str, est.Efficiency] = value
+    first = next(iter(effs.values()))
+    rows = [["tier", "read GB/s", "params+grads", "optimizer", "both, no overlap",
+             "act. checkpoints"]] + [
+        [t, f"{e.bandwidth_GBps:.3g}", f"{e.params_grads:.0%}", f"{e.optimizer_states:.0%}",
+         f"{e.combined:.0%}",
+         "-" if e.activation_checkpoints is None else f"{e.activation_checkpoints:.0%}"]
+        for t, e in effs.items()]
+    return (f"predicted efficiency at {first.tokens_per_step} tokens/step per device, peak "
+            f"{first.peak_TFLOPs:.3g} TFLOP/s (paper sec. 4: ait*bw / (ait*bw + peak))\n\n"
+            + _table(rows))
+
+
+_PROBE_LABELS = {"disk_read_GBps": ("disk read", "GB/s"), "disk_write_GBps": ("disk write", "GB/s"),
+                 "host_copy_GBps": ("host copy", "GB/s"),
+                 "matmul_bf16_TFLOPs": ("matmul bf16", "TFLOP/s"),
+                 "matmul_fp32_TFLOPs": ("matmul fp32", "TFLOP/s"),
+                 "direct_io": ("disk bypassed page cache", "")}
+
+
+def _run_probe(args: argparse.Namespace) -> int:
+    if not Path(args.path).is_dir():
+        raise ConfigError(f"--path {args.path} is not a folder")
+    probe = _import_part("outcore.probe", "the machine probe")
+    kwargs: dict[str, Any] = {} if args.size is None else {"size_bytes": args.size}
+    if not args.json:
+        kwargs["progress"] = True  # progress goes to stderr; a person is waiting ~10 s
+    result = probe.measure(args.path, **kwargs).to_json()
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    rows = []
+    for key, value in result.items():
+        label, unit = _PROBE_LABELS.get(key, (key, ""))
+        shown = ("yes" if value else "no") if isinstance(value, bool) else \
+            f"{value:.3g}" if isinstance(value, float) else str(value)
+        rows.append([label, f"{shown} {unit}".rstrip()])
+    print(_table(rows))
+    return 0
+
+
+def _run_consolidate(args: argparse.Namespace) -> int:
+    if not Path(args.ckpt).exists():
+        raise ConfigError(f"checkpoint {args.ckpt} does not exist")
+    checkpoint = _import_part("outcore.checkpoint", "checkpoints")
+    checkpoint.consolidate(args.ckpt, args.out)
+    size = Path(args.out).stat().st_size if Path(args.out).is_file() else None
+    print(f"wrote {args.out}" + (f" ({format_bytes(size)})" if size is not None else ""))
+    return 0
+
+
+def _one_line(prog: str, error: BaseException) -> str:
+    text = " ".join(str(error).split()) or type(error).__name__
+    return f"{prog}: error: {text}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the ``outcore`` command and return its exit code (see [Note: the CLI error policy])."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = argv[0] if argv and argv[0] in SUBCOMMANDS else None
+    prog = f"outcore {command}" if command else "outcore"
+    try:
+        parser = build_parser(with_train_options=command == "train")
+        args, extra = parser.parse_known_args(argv)
+        if extra:  # name the subcommand whose options these are not
+            where = parser.subcommands.get(args.command, parser) if args.command else parser
+            where.error(f"unrecognized arguments: {' '.join(extra)}")
+        if args.command is None:
+            parser.print_help(sys.stderr)
+            return 2
+        return int(args.run(args) or 0)
+    except SystemExit as e:  # argparse: --help, --version, bad arguments (already printed)
+        if isinstance(e.code, str):
+            print(_one_line(prog, e), file=sys.stderr)
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except (ConfigError, DataError) as e:
+        print(_one_line(prog, e), file=sys.stderr)
+        return 2
+    except OutcoreError as e:
+        print(_one_line(prog, e), file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

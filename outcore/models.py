@@ -1,0 +1,232 @@
+"""Built-in GPT presets in plain PyTorch, and a loader for local Hugging Face model folders.
+
+The presets exist so that ``outcore train`` has something to train on every machine without a
+download, and so that tests and benchmarks name models by size instead of re-declaring them.
+Nothing in this file knows about outcore's sharding or tiers: the engine wraps these modules
+unchanged, which is the point (the paper's "ease-inspired implementation").
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from outcore.errors import ConfigError
+
+__all__ = ["GPT", "GPTConfig", "PRESETS", "build_model", "is_hf_folder", "load_hf_model",
+           "num_params", "resolve_config"]
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """Shape of a GPT-2-style decoder."""
+
+    layers: int
+    """Number of transformer blocks."""
+    hidden: int
+    """Width of the residual stream; must be divisible by ``heads``."""
+    heads: int
+    """Attention heads per block."""
+    vocab: int
+    """Token vocabulary size (256 for the byte-level presets)."""
+    seq_len: int
+    """Longest sequence the learned position embedding covers."""
+    mlp_ratio: int = 4
+    """MLP inner width as a multiple of ``hidden``."""
+    tie_embeddings: bool = True
+    """Output head reuses the token embedding matrix (GPT-2 does; saves vocab*hidden params)."""
+    dropout: float = 0.0
+    """Dropout on attention and residual outputs; 0 keeps steps deterministic for resume tests."""
+
+    def __post_init__(self) -> None:
+        for name in ("layers", "hidden", "heads", "vocab", "seq_len", "mlp_ratio"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"GPTConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.hidden % self.heads:
+            raise ConfigError(
+                f"GPTConfig.hidden ({self.hidden}) must be divisible by heads ({self.heads})")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout}")
+
+
+# [Note: choosing the presets]
+# tiny: ~1.7M params, for tests; a step takes milliseconds.
+# small: the default job's model. `outcore train` with no arguments must finish ~300 steps with
+#   NVMe offload in well under 10 minutes on a 2-core CPU and visibly learn byte-level Python.
+#   Measured in plain PyTorch on the test machine (see train.py's defaults for batch/seq):
+#   6 layers x 384 wide, batch 8 x 256 tokens, fp32 AdamW step ~0.3 s (bf16 autocast is slower at
+#   this width on CPU), which leaves room for the offload engine's overhead.
+# gpt-125m / gpt-335m / gpt-1.3b / gpt-3b: GPT-2 / GPT-3 shaped models for benchmarks and the
+#   scale demo; 32000-token vocabularies (Llama-sized) so the head is not the whole model.
+PRESETS: dict[str, GPTConfig] = {
+    "tiny": GPTConfig(layers=2, hidden=256, heads=4, vocab=256, seq_len=128),
+    "small": GPTConfig(layers=6, hidden=384, heads=6, vocab=256, seq_len=256),
+    "gpt-125m": GPTConfig(layers=12, hidden=768, heads=12, vocab=50304, seq_len=1024),
+    "gpt-335m": GPTConfig(layers=24, hidden=1024, heads=16, vocab=32000, seq_len=1024),
+    "gpt-1.3b": GPTConfig(layers=24, hidden=2048, heads=16, vocab=32000, seq_len=2048),
+    "gpt-3b": GPTConfig(layers=40, hidden=2560, heads=20, vocab=32000, seq_len=2048),
+}
+
+
+def num_params(cfg: GPTConfig) -> int:
+    """Parameter count of ``GPT(cfg)``, computed without building it (for estimates of huge models)."""
+    h, inner = cfg.hidden, cfg.hidden * cfg.mlp_ratio
+    per_block = (
+        2 * h                      # ln_1
+        + h * 3 * h + 3 * h        # qkv
+        + h * h + h                # attention output projection
+        + 2 * h                    # ln_2
+        + h * inner + inner        # mlp up
+        + inner * h + h            # mlp down
+    )
+    total = cfg.vocab * h + cfg.seq_len * h + cfg.layers * per_block + 2 * h
+    if not cfg.tie_embeddings:
+        total += cfg.vocab * h
+    return total
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal attention; the kernel is torch's fused scaled-dot-product attention."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.heads = cfg.heads
+        self.dropout = cfg.dropout
+        self.qkv = nn.Linear(cfg.hidden, 3 * cfg.hidden)
+        self.proj = nn.Linear(cfg.hidden, cfg.hidden)
+        self.resid_drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        y = y.transpose(1, 2).reshape(b, t, c)
+        return self.resid_drop(self.proj(y))
+
+
+class MLP(nn.Module):
+    """Position-wise feed-forward block with GELU."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.fc = nn.Linear(cfg.hidden, cfg.mlp_ratio * cfg.hidden)
+        self.proj = nn.Linear(cfg.mlp_ratio * cfg.hidden, cfg.hidden)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.proj(F.gelu(self.fc(x))))
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block (GPT-2 layout)."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.hidden)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.hidden)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    """GPT-2-style decoder: token + learned position embeddings, pre-LN blocks, tied head."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab, cfg.hidden)
+        self.pos_emb = nn.Embedding(cfg.seq_len, cfg.hidden)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+        self.ln_f = nn.LayerNorm(cfg.hidden)
+        self.lm_head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
+        if cfg.tie_embeddings:
+            # [Note: the tied head] One Parameter, two modules: the engine must treat it as
+            # one shard that is used twice (once by tok_emb, once by lm_head) per step.
+            self.lm_head.weight = self.tok_emb.weight
+        self.apply(self._init_weights)
+        # GPT-2: residual projections are scaled so the residual stream's variance does not
+        # grow with depth (two residual adds per block).
+        resid_std = 0.02 / math.sqrt(2 * cfg.layers)
+        for name, p in self.named_parameters():
+            if name.endswith("attn.proj.weight") or name.endswith("mlp.proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=resid_std)
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        elif isinstance(module, nn.LayerNorm):
+            nn.init.ones_(module.weight)
+            nn.init.zeros_(module.bias)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits ``(batch, seq, vocab)``, or the mean cross-entropy loss if ``targets`` given."""
+        t = idx.shape[1]
+        if t > self.config.seq_len:
+            raise ValueError(f"sequence length {t} exceeds the model's seq_len "
+                             f"{self.config.seq_len}")
+        pos = torch.arange(t, device=idx.device)
+        x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+
+
+def resolve_config(name_or_config: str | GPTConfig) -> GPTConfig:
+    """A preset's config by name (or the config itself), with a ConfigError listing presets."""
+    if isinstance(name_or_config, GPTConfig):
+        return name_or_config
+    try:
+        return PRESETS[name_or_config]
+    except KeyError:
+        raise ConfigError(
+            f"model: unknown preset {name_or_config!r}; choose one of "
+            f"{', '.join(PRESETS)} or give a local Hugging Face model folder") from None
+
+
+def build_model(name_or_config: str | GPTConfig) -> GPT:
+    """Build a preset GPT; call inside ``outcore.init(cfg)`` to shard it as it is created."""
+    return GPT(resolve_config(name_or_config))
+
+
+def is_hf_folder(path: str | Path) -> bool:
+    """Whether ``path`` is a local folder holding a Hugging Face ``config.json``."""
+    p = Path(path)
+    return p.is_dir() and (p / "config.json").is_file()
+
+
+def load_hf_model(path: str | Path) -> nn.Module:
+    """A randomly initialised causal LM from a local Hugging Face folder's ``config.json``.
+
+    Only the architecture is read (no download, no weights): loading pretrained weights into
+    the tiers is outcore.init's job.
+    """
+    p = Path(path)
+    if not is_hf_folder(p):
+        raise ConfigError(f"model: {p} is not a folder with a Hugging Face config.json")
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+    except ImportError:
+        raise ConfigError(f"model: {p} is a Hugging Face model folder, which needs the "
+                          "'transformers' package: pip install transformers") from None
+    hf_config = AutoConfig.from_pretrained(str(p), local_files_only=True)
+    return AutoModelForCausalLM.from_config(hf_config)

@@ -1,0 +1,159 @@
+"""Aligned host buffers and a fixed pool of them, reused for every transfer.
+
+[Note: one pool, one budget]
+Every byte that moves between host memory and the NVMe tier passes through a buffer from a
+``BufferPool`` unless the tensor itself is already aligned. The pool allocates all of its
+buffers once, from one byte budget, and never more: when every buffer is busy the caller
+waits for one to come back. That is what keeps host memory inside the budget the user gave,
+however much data is in flight, and it is why there is no allocation per I/O call.
+
+[Note: alignment]
+``O_DIRECT`` needs the memory address, the length and the file offset aligned to the
+device's logical block size (512 B or 4 KiB). We align everything to 4 KiB, the page size,
+which satisfies every block device and lets the kernel map the pages for DMA directly.
+
+[Note: the CUDA seam]
+Page-locked ("pinned") memory lets a CUDA copy stream move a buffer to the device
+asynchronously. It is the only CUDA-specific thing in the tiers and lives behind the
+``pin`` flag of ``aligned_empty``; without CUDA the flag is ignored.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import TracebackType
+
+import torch
+
+ALIGN = 4096
+"""Alignment in bytes of buffer addresses, lengths and file offsets (see [Note: alignment])."""
+
+
+def round_up(nbytes: int, alignment: int = ALIGN) -> int:
+    """Smallest multiple of ``alignment`` that is at least ``nbytes``."""
+    return -(-nbytes // alignment) * alignment
+
+
+def is_aligned(tensor: torch.Tensor, alignment: int = ALIGN) -> bool:
+    """Whether the tensor's first byte sits on an ``alignment`` boundary."""
+    return tensor.data_ptr() % alignment == 0
+
+
+def aligned_empty(nbytes: int, *, alignment: int = ALIGN, pin: bool = False) -> torch.Tensor:
+    """A 1-D uint8 CPU tensor of ``nbytes`` whose first byte is ``alignment``-aligned.
+
+    We over-allocate by one alignment unit and slice, because torch's allocator only
+    promises 64-byte alignment; the slice keeps the whole allocation alive. With
+    ``pin=True`` and CUDA available the memory is page-locked (see [Note: the CUDA seam]).
+    """
+    if nbytes < 0:
+        raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+    if alignment <= 0 or alignment & (alignment - 1):
+        raise ValueError(f"alignment must be a power of two, got {alignment}")
+    pin = pin and torch.cuda.is_available()
+    raw = torch.empty(nbytes + alignment, dtype=torch.uint8, pin_memory=pin)
+    start = (-raw.data_ptr()) % alignment
+    return raw[start : start + nbytes]
+
+
+class PooledBuffer:
+    """One buffer lent by a ``BufferPool``; give it back with ``release()`` or ``with``."""
+
+    __slots__ = ("_pool", "_index", "tensor")
+
+    def __init__(self, pool: BufferPool, index: int, tensor: torch.Tensor) -> None:
+        self._pool: BufferPool | None = pool
+        self._index = index
+        self.tensor = tensor
+        """The whole buffer: a 1-D, 4 KiB-aligned uint8 tensor of ``pool.buffer_bytes``."""
+
+    def view(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        """A 1-D tensor of ``numel`` elements of ``dtype`` over the first bytes of the buffer."""
+        nbytes = numel * dtype.itemsize
+        if numel < 0 or nbytes > self.tensor.numel():
+            raise ValueError(
+                f"a view of {numel} x {dtype} needs {nbytes} bytes; the buffer has "
+                f"{self.tensor.numel()}"
+            )
+        return self.tensor[:nbytes].view(dtype)
+
+    @property
+    def released(self) -> bool:
+        """True once the buffer went back to its pool."""
+        return self._pool is None
+
+    def release(self) -> None:
+        """Return the buffer to its pool; calling it again does nothing."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool._give_back(self._index)
+
+    def __enter__(self) -> PooledBuffer:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.release()
+
+
+class BufferPool:
+    """A fixed set of aligned host buffers sized by one byte budget (see [Note: one pool, ...]).
+
+    ``count = max(1, budget_bytes // buffer_bytes)`` buffers of ``buffer_bytes`` (rounded up
+    to ``ALIGN``) are allocated here and nowhere else. ``acquire()`` blocks while all are lent.
+    """
+
+    def __init__(self, budget_bytes: int, buffer_bytes: int, *, pin: bool = False) -> None:
+        if buffer_bytes <= 0:
+            raise ValueError(f"buffer_bytes must be > 0, got {buffer_bytes}")
+        if budget_bytes < 0:
+            raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
+        self.buffer_bytes = round_up(buffer_bytes)
+        self.count = max(1, budget_bytes // self.buffer_bytes)
+        self.capacity_bytes = self.count * self.buffer_bytes
+        self.pinned = pin and torch.cuda.is_available()
+        # zero_() touches every page now: first-touch faults cost seconds per GiB on a VM
+        # and would otherwise land in the first transfers; the memory is resident from here.
+        self._buffers = [
+            aligned_empty(self.buffer_bytes, pin=pin).zero_() for _ in range(self.count)
+        ]
+        self._free = list(range(self.count - 1, -1, -1))
+        self._cond = threading.Condition()
+        self.in_use = 0
+        """Buffers lent right now."""
+        self.peak_in_use = 0
+        """Most buffers ever lent at the same time."""
+
+    def acquire(self, timeout: float | None = None) -> PooledBuffer:
+        """Borrow a buffer, waiting while all are busy; ``TimeoutError`` after ``timeout`` s."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while not self._free:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise TimeoutError(
+                        f"no buffer came back within {timeout} s: all {self.count} buffers of "
+                        f"{self.buffer_bytes} bytes are in use"
+                    )
+                self._cond.wait(remaining)
+            index = self._free.pop()
+            self.in_use += 1
+            self.peak_in_use = max(self.peak_in_use, self.in_use)
+        return PooledBuffer(self, index, self._buffers[index])
+
+    def _give_back(self, index: int) -> None:
+        with self._cond:
+            self._free.append(index)
+            self.in_use -= 1
+            self._cond.notify()
+
+    def __repr__(self) -> str:
+        return (
+            f"BufferPool(count={self.count}, buffer_bytes={self.buffer_bytes}, "
+            f"in_use={self.in_use}, pinned={self.pinned})"
+        )

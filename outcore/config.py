@@ -63,7 +63,7 @@ class OptimizerConfig(_Section):
 class OffloadConfig(_Section):
     """Where each kind of model state lives, and the host buffer budget for NVMe transfers."""
 
-    params: Placement = Field("none", description="home tier of the training-dtype parameter shards")
+    params: Placement = Field("none", description="home tier of training-dtype parameter shards")
     optimizer: Placement = Field(
         "none", description="home tier of fp32 master shards, optimizer states and gradients"
     )
@@ -111,7 +111,7 @@ class CommConfig(_Section):
 
 
 class Config(_Section):
-    """The whole outcore configuration. Build with ``Config(...)``, ``from_dict`` or ``from_file``."""
+    """The whole outcore configuration: ``Config(...)``, ``from_dict`` or ``from_file``."""
 
     dtype: Dtype = Field("bf16", description="compute dtype; master weights are always fp32")
     seed: int = Field(0, ge=0, description="seed used by the training job for init and data")
@@ -133,7 +133,8 @@ class Config(_Section):
     def from_dict(cls, data: dict[str, Any]) -> Config:
         """Validate a plain dict (e.g. parsed JSON); unknown keys are errors."""
         if not isinstance(data, dict):
-            raise ConfigError(f"config must be a mapping of keys to values, got {type(data).__name__}")
+            kind = type(data).__name__
+            raise ConfigError(f"config must be a mapping of keys to values, got {kind}")
         return cls(**data)
 
     @classmethod

@@ -72,6 +72,10 @@ class ParamGroup:
         self.state = GroupState.FETCHING
         if self.zero_copy:
             return
+        if self.rt.world_size == 1:
+            # A shard is the whole parameter: read it straight into the full tensor.
+            self._reads = [sp.compute.load(sp.alloc_full().view(-1)) for sp in self.params]
+            return
         send = torch.empty(self.shard_numel, dtype=self.rt.compute_dtype)
         self._reads = [
             sp.compute.load(send[off : off + sp.shard_numel])
@@ -92,7 +96,9 @@ class ParamGroup:
             for fut in self._reads:
                 fut.result()
             self._reads = []
-            self._gather()
+            if self._send is not None:
+                self._gather()
+            self.rt.ledger.add(Tier.DEVICE.value, "unsharded", self.full_bytes)
         self.state = GroupState.UNSHARDED
         self.stats["unshards"] += 1
 
@@ -100,23 +106,18 @@ class ParamGroup:
         rt, send = self.rt, self.rt.accel.to_device(self._send)
         self._send = None
         w = rt.world_size
-        if w == 1:
-            # The packed shards are the full tensors; show views of the one buffer.
-            fulls = [send[off : off + sp.numel] for sp, off in zip(self.params, self.offsets, strict=True)]
-        else:
-            out = torch.empty(w * self.shard_numel, dtype=send.dtype, device=send.device)
-            rt.comm.all_gather(out, send).wait()
-            blocks = out.view(w, self.shard_numel)
-            fulls = [
-                blocks[:, off : off + sp.shard_numel].reshape(-1)[: sp.numel]
-                for sp, off in zip(self.params, self.offsets, strict=True)
-            ]
-        for sp, full in zip(self.params, fulls, strict=True):
-            sp.show_full(full.view(sp.shape))
-        rt.ledger.add(Tier.DEVICE.value, "unsharded", self.full_bytes)
+        out = torch.empty(w * self.shard_numel, dtype=send.dtype, device=send.device)
+        rt.comm.all_gather(out, send).wait()
+        blocks = out.view(w, self.shard_numel)
+        for sp, off in zip(self.params, self.offsets, strict=True):
+            flat, s = sp.alloc_full().view(-1), sp.shard_numel
+            for r in range(w):
+                n = max(0, min(sp.numel - r * s, s))
+                if n:
+                    flat[r * s : r * s + n].copy_(blocks[r, off : off + n])
 
     def reshard(self) -> None:
-        """Drop the full tensors; only the shards remain."""
+        """Free the full tensors' storage; only the shards remain."""
         if self.state is GroupState.FETCHING:
             self.wait_unshard()
         if self.state is GroupState.SHARDED or self.zero_copy:

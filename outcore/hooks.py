@@ -26,7 +26,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from outcore.group import GroupState, ParamGroup
-from outcore.registry import METADATA_CALLS, managed
+from outcore.registry import METADATA_CALLS, managed, owner
 
 if TYPE_CHECKING:
     from outcore.param import ShardedParam
@@ -136,11 +136,13 @@ class Hooks:
 
     # -- backward ------------------------------------------------------------------------------
     def _unpack(self, saved: object) -> object:
-        sp = managed(saved)
-        if sp is not None and sp.group is not None and sp.group.state is not GroupState.UNSHARDED:
+        if type(saved) is not _SavedParam:
+            return saved
+        g = saved.sp.group
+        if g is not None and g.state is not GroupState.UNSHARDED:
             with self.mode.suspended():
-                self.schedule.need([sp.group], on_demand=True)
-        return saved
+                self.schedule.need([g], on_demand=True)
+        return saved.tensor
 
     def _make_grad_hook(self, sp: ShardedParam) -> Callable[[torch.Tensor], None]:
         def hook(_: torch.Tensor) -> None:
@@ -162,5 +164,15 @@ class Hooks:
                 self.schedule.done(g)
 
 
-def _pack(t: torch.Tensor) -> torch.Tensor:
-    return t
+class _SavedParam:
+    """A tensor autograd saved that is (a view of) a parameter's full storage."""
+
+    __slots__ = ("tensor", "sp")
+
+    def __init__(self, tensor: torch.Tensor, sp: ShardedParam) -> None:
+        self.tensor, self.sp = tensor, sp
+
+
+def _pack(t: torch.Tensor) -> object:
+    sp = owner(t)
+    return t if sp is None else _SavedParam(t, sp)

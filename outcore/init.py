@@ -70,21 +70,20 @@ class init:  # noqa: N801  (a context manager named like the function users call
         if self._open is sp:
             return
         self._close_open()
-        if func in OVERWRITE_CALLS:
-            full = torch.empty(sp.shape, dtype=sp.dtype, device=self.runtime.device)
-        else:
-            full = sp.gather_values().to(sp.dtype)
-        sp.show_full(full)
+        values = None if func in OVERWRITE_CALLS else sp.gather_values()
+        full = sp.alloc_full()
+        if values is not None:
+            full.copy_(values)
         self._open = sp
 
     def _close_open(self) -> None:
         sp, self._open = self._open, None
         if sp is None or not sp.alive:
             return
-        full = sp.param.data
-        sp.dtype = full.dtype  # e.g. ``model.to(torch.bfloat16)`` inside the context
-        sp.write_values(full)
-        sp.show_placeholder()
+        current = sp.param.data  # a new tensor if e.g. ``model.to(torch.bfloat16)`` ran
+        sp.write_values(current)
+        sp.adopt_dtype(current.dtype)
+        sp.show_placeholder(force=True)
 
 
 def _check_same_rng(rt: Runtime) -> None:

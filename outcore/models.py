@@ -74,7 +74,7 @@ PRESETS: dict[str, GPTConfig] = {
 
 
 def num_params(cfg: GPTConfig) -> int:
-    """Parameter count of ``GPT(cfg)``, computed without building it (for estimates of huge models)."""
+    """Parameter count of ``GPT(cfg)`` without building it (huge models do not fit in memory)."""
     h, inner = cfg.hidden, cfg.hidden * cfg.mlp_ratio
     per_block = (
         2 * h                      # ln_1

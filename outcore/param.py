@@ -1,16 +1,19 @@
 """One user parameter under sharding: its shard in its home tier and what ``param.data`` shows.
 
-[Note: the placeholder keeps the shape]
-A sharded parameter's ``.data`` is a single NaN element expanded to the full shape (stride 0,
-one element of storage). So ``p.shape``, ``p.numel()`` and ``p.dtype`` stay true for user
-code and init functions that compute fan-in, parameter counts stay right, and the full storage
-is really gone. Writing into a placeholder fails loudly in PyTorch (overlapping memory), and
-computing with one by mistake gives NaN rather than plausible numbers. Within outcore's
-forward, the access mode and saved-tensor hooks (hooks.py) fetch the real values before any
-use, so the placeholder is only ever seen by code running outside the engine.
+[Note: free the storage, keep the tensor]
+Each parameter owns one full-shape tensor in the compute dtype, and ``param.data`` *is* that
+tensor for the parameter's whole life. Releasing a parameter resizes the tensor's storage to
+zero bytes; fetching it allocates the storage again and fills it. Swapping ``.data`` instead
+would not free anything: autograd keeps views of weights for backward (``weight.t()`` inside
+``linear``), and a view pins the storage it was made from. With the storage freed in place,
+those saved views see the bytes vanish and, once backward fetches the group again (hooks.py
+maps a saved view's storage back to its parameter), see them come back.
 
-The user's ``nn.Parameter`` object is never replaced: only its ``.data`` changes, so optimizers,
-tied references and ``named_parameters`` all keep pointing at the same object.
+So a released parameter still answers ``p.shape``, ``p.numel()`` and ``p.dtype`` truthfully
+(init code computing fan-in and parameter counts keep working), while reading its values
+outside outcore's forward fails loudly instead of computing with stale numbers. The user's
+``nn.Parameter`` object is never replaced, so optimizers, tied references and
+``named_parameters`` keep pointing at the same object.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from enum import Enum
 import torch
 from torch import nn
 
+from outcore import registry
 from outcore.errors import ConfigError
 from outcore.runtime import Runtime
 from outcore.sharding import ShardLayout
@@ -32,8 +36,8 @@ class ParamState(str, Enum):
     UNSHARDED = "unsharded"
 
 
-def _placeholder(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-    return torch.full((), float("nan"), dtype=dtype).expand(shape)
+def _storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
 
 
 class ShardedParam:
@@ -41,7 +45,8 @@ class ShardedParam:
 
     def __init__(self, param: nn.Parameter, rt: Runtime) -> None:
         if not param.is_floating_point():
-            raise ConfigError(f"cannot shard a {param.dtype} parameter of shape {tuple(param.shape)}")
+            shape = tuple(param.shape)
+            raise ConfigError(f"cannot shard a {param.dtype} parameter of shape {shape}")
         self._param = weakref.ref(param)
         self.rt = rt
         self.name = ""
@@ -57,7 +62,15 @@ class ShardedParam:
         self.optim: dict[str, Stored] = {}
         self.group = None  # the ParamGroup that gathers this parameter (set by the engine)
         self.state = ParamState.SHARDED
+        self.full = self._new_full(self.dtype)
         self.show_placeholder()
+
+    def _new_full(self, dtype: torch.dtype) -> torch.Tensor:
+        full = torch.empty(self.shape, dtype=dtype, device=self.rt.device)
+        full.untyped_storage().resize_(0)
+        registry.register_storage(_storage_key(full), self)
+        self._full_shown = False
+        return full
 
     @property
     def param(self) -> nn.Parameter:
@@ -80,13 +93,41 @@ class ShardedParam:
         return self.param.requires_grad
 
     # -- what param.data shows ---------------------------------------------------------------
+    def alloc_full(self) -> torch.Tensor:
+        """Give the full tensor its storage back (contents undefined) and show it."""
+        storage = self.full.untyped_storage()
+        if storage.nbytes() == 0:
+            storage.resize_(self.numel * self.full.element_size())
+        if not self._full_shown:
+            self.param.data = self.full
+            self._full_shown = True
+        self.state = ParamState.UNSHARDED
+        return self.full
+
     def show_full(self, full: torch.Tensor) -> None:
+        """Show another tensor as the parameter (a zero-copy shard view, or user-gathered fp32)."""
         self.param.data = full
+        self._full_shown = False
         self.state = ParamState.UNSHARDED
 
-    def show_placeholder(self) -> None:
-        self.param.data = _placeholder(self.shape, self.dtype)
+    def show_placeholder(self, force: bool = False) -> None:
+        """Free the full tensor's storage in place; only the shard remains.
+
+        ``force`` re-points ``param.data`` even if outcore believes it already does (after
+        code outside outcore, such as ``Module._apply``, assigned ``.data``).
+        """
+        self.full.untyped_storage().resize_(0)
+        if force or not self._full_shown:
+            self.param.data = self.full
+            self._full_shown = True
         self.state = ParamState.SHARDED
+
+    def adopt_dtype(self, dtype: torch.dtype) -> None:
+        """Switch the full tensor to ``dtype`` (the compute dtype, or a ``.to()`` during init)."""
+        if dtype != self.full.dtype:
+            registry.forget_storage(_storage_key(self.full))
+            self.full = self._new_full(dtype)
+        self.dtype = dtype
 
     # -- shards ---------------------------------------------------------------------------------
     def prepare_for_training(self) -> None:
@@ -106,9 +147,8 @@ class ShardedParam:
             if not self.trainable:
                 self.master.free()
                 self.master = None
-        self.dtype = rt.compute_dtype
-        if self.state is ParamState.SHARDED:
-            self.show_placeholder()
+        self.adopt_dtype(rt.compute_dtype)
+        self.show_placeholder()
 
     def free_storage(self) -> None:
         """Give back every shard's bytes (the parameter is gone)."""

@@ -39,7 +39,29 @@ def register(param: nn.Parameter, sp: ShardedParam) -> None:
 def _forget(key: int) -> None:
     sp = _MANAGED.pop(key, None)
     if sp is not None:
+        forget_storage(sp.full.untyped_storage()._cdata)
         sp.free_storage()
+
+
+# Storage of each parameter's full tensor -> its ShardedParam, so a view autograd saved for
+# backward (``weight.t()``) can be traced back to the parameter whose group must be fetched.
+_STORAGES: dict[int, ShardedParam] = {}
+
+
+def register_storage(key: int, sp: ShardedParam) -> None:
+    _STORAGES[key] = sp
+
+
+def forget_storage(key: int) -> None:
+    _STORAGES.pop(key, None)
+
+
+def owner(t: torch.Tensor) -> ShardedParam | None:
+    """The parameter whose full storage ``t`` lives in (``t`` itself or a view), if any."""
+    sp = managed(t)
+    if sp is None and _STORAGES:
+        sp = _STORAGES.get(t.untyped_storage()._cdata)
+    return sp
 
 
 def _getter(name: str):

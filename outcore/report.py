@@ -85,6 +85,15 @@ def _encode(record: dict[str, Any]) -> bytes:
     return (json.dumps(record, separators=(",", ":")) + "\n").encode()
 
 
+def _smooth(values: tuple[float, ...], span: int = 20) -> list[float]:
+    """Bias-corrected exponential moving average: byte-level loss is noisy step to step."""
+    alpha, avg, out = 2.0 / (span + 1), 0.0, []
+    for i, v in enumerate(values, 1):
+        avg = (1 - alpha) * avg + alpha * v
+        out.append(avg / (1 - (1 - alpha) ** i))
+    return out
+
+
 _TIERS = (("bytes_device", "device"), ("bytes_host", "host"), ("bytes_nvme", "nvme"))
 
 
@@ -104,7 +113,10 @@ def write_report(metrics_path: str | Path, png_path: str | Path, title: str | No
     fig, (ax_loss, ax_mem) = plt.subplots(1, 2, figsize=(11, 4), constrained_layout=True)
     losses = [(s, float(r["loss"])) for s, r in zip(steps, records, strict=True) if "loss" in r]
     if losses:
-        ax_loss.plot(*zip(*losses, strict=True), lw=1, color="tab:blue")
+        xs, ys = zip(*losses, strict=True)
+        ax_loss.plot(xs, ys, lw=0.8, color="tab:blue", alpha=0.35, label="per step")
+        ax_loss.plot(xs, _smooth(ys), lw=1.8, color="tab:blue", label="smoothed")
+        ax_loss.legend()
     ax_loss.set(xlabel="step", ylabel="training loss", title="loss")
     ax_loss.grid(alpha=0.3)
     for key, label in _TIERS:

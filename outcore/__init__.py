@@ -5,6 +5,7 @@ every rank keeps 1/W of each, in device memory, host memory or on NVMe, and a la
 weights exist only while it runs.
 """
 
+from outcore.checkpoint import consolidate, latest_checkpoint
 from outcore.config import Config
 from outcore.engine import Engine, initialize
 from outcore.errors import ConfigError, DataError, OutcoreError, StorageError
@@ -20,7 +21,9 @@ __all__ = [
     "Engine",
     "OutcoreError",
     "StorageError",
+    "consolidate",
     "gathered_parameters",
     "init",
     "initialize",
+    "latest_checkpoint",
 ]

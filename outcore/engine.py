@@ -16,7 +16,9 @@ whole global batch: what one process training on all of it would see.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -250,6 +252,20 @@ class Engine:
 
     def schedule_stats(self) -> dict[str, int]:
         return self.schedule.stats()
+
+    # -- checkpoints -------------------------------------------------------------------------
+    def save_checkpoint(self, path: str | os.PathLike[str],
+                        client_state: dict[str, Any] | None = None) -> Path:
+        """Write a complete checkpoint folder atomically (a collective: every rank calls)."""
+        from outcore import checkpoint
+
+        return checkpoint.save(self, Path(path), client_state or {})
+
+    def load_checkpoint(self, path: str | os.PathLike[str]) -> dict[str, Any]:
+        """Restore weights, optimizer state, step, scaler and RNG; return the client state."""
+        from outcore import checkpoint
+
+        return checkpoint.load(self, Path(path))
 
     # -- lifetime ----------------------------------------------------------------------------
     def close(self) -> None:

@@ -148,7 +148,8 @@ class NvmeStored(Stored):
 
     def free(self) -> None:
         if self.extent is not None:
-            self._store.free(self.extent)
+            if not self._store.closed:  # a closed store already deleted the whole file
+                self._store.free(self.extent)
             self._ledger.add(Tier.NVME.value, self._kind, -self.nbytes)
             self.extent = None
 

@@ -5,7 +5,9 @@ every rank keeps 1/W of each, in device memory, host memory or on NVMe, and a la
 weights exist only while it runs.
 """
 
-from outcore.checkpoint import consolidate, latest_checkpoint
+import os
+from pathlib import Path
+
 from outcore.config import Config
 from outcore.engine import Engine, initialize
 from outcore.errors import ConfigError, DataError, OutcoreError, StorageError
@@ -13,6 +15,20 @@ from outcore.gathered import gathered_parameters
 from outcore.init import init
 
 __version__ = "0.1.0"
+
+
+def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
+    """The complete checkpoint with the highest step under ``root``, or None."""
+    from outcore import checkpoint
+
+    return checkpoint.latest_checkpoint(root)
+
+
+def consolidate(ckpt: str | os.PathLike[str], out: str | os.PathLike[str]) -> Path:
+    """Stream a checkpoint's full weights into one safetensors file (no pickle)."""
+    from outcore import checkpoint
+
+    return checkpoint.consolidate(ckpt, out)
 
 __all__ = [
     "Config",

@@ -61,7 +61,7 @@ class Engine:
         self.params = self._shard_params(module)
         self.groups, module_groups = self._build_groups(module)
         self._cast_buffers(module)
-        self.schedule = Schedule(cfg.zero.prefetch_bytes)
+        self.schedule = Schedule(cfg.zero.prefetch_bytes, self.groups)
         self.optimizer = ShardedOptimizer(self._optimizer_groups(param_groups), cfg.optimizer,
                                           self.rt)
         self.scaler = LossScaler(cfg.loss_scale, enabled=cfg.dtype == "fp16")

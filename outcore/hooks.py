@@ -100,7 +100,10 @@ class Hooks:
     def forward_context(self) -> Iterator[None]:
         """Active around the wrapped module's forward: access mode, saved-tensor hooks, frames."""
         self.frames.append([])
-        self.schedule.begin_pass("backward-recompute" if self.in_backward else "forward")
+        if not self.in_backward:  # a recomputation inside backward continues its iteration
+            with self.mode.suspended():
+                self.schedule.end_iteration()
+                self.schedule.begin_iteration()
         saved = torch.autograd.graph.saved_tensors_hooks(_pack, self._unpack)
         try:
             with self.mode, saved:
@@ -159,9 +162,7 @@ class Hooks:
         for g in self.groups:
             if g.has_pending_grads:
                 g.reduce_grads()
-        for g in self.groups:
-            if g.holds == 0:
-                self.schedule.done(g)
+        self.schedule.end_iteration()
 
 
 class _SavedParam:

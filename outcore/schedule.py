@@ -1,40 +1,175 @@
-"""When groups are fetched and released.
+"""When groups are fetched and released: a traced prefetch schedule within one byte budget.
 
-This is the on-demand schedule: a group is fetched when first needed and released when its
-user is done with it. The traced prefetch schedule (fetch the next groups of the recorded
-order within ``zero.prefetch_bytes``) plugs in behind the same three calls.
+[Note: trace, follow, re-trace]
+The first iteration (one forward and its backward) records the order in which groups are
+needed. Later iterations follow that trace with a cursor: each time a group is needed, the
+schedule finds it a short way ahead of the cursor (groups skipped over were already there,
+e.g. kept from forward into backward), moves the cursor past it, and starts fetching the
+next groups of the trace while their full size fits ``zero.prefetch_bytes``. A group not
+found ahead is a *divergence* (a module skipped, an MoE expert chosen differently, eval
+instead of train): it is counted, the group is fetched on demand, prefetching stops for the
+rest of the iteration, and the order actually seen becomes the trace for the next one.
+Divergence therefore costs some overlap, never correctness, and is never printed per step.
+
+[Note: why the all-gather is never prefetched]
+Prefetching issues only the *local* stages of a fetch: reading shards from NVMe into host
+memory (and, on CUDA, copying them to the device). The all-gather runs when the group is
+actually needed, i.e. in program order, which is the same on every rank. A collective issued
+from a trace could pair with a different collective on a rank whose control flow went
+elsewhere, which is how prefetching hangs or silently mixes up tensors in other systems.
+With one rank per machine the all-gather is cheap next to the disk; the disk is what the
+schedule hides.
+
+[Note: the budget is for bytes fetched ahead, and it is a hard cap]
+``prefetch_bytes`` bounds the full size of groups fetched or kept ahead of use and not held
+by a running module. A group larger than the whole budget is fetched on demand (a warning
+says so once). So the memory the schedule adds is at most the budget, whatever the model.
 """
 
 from __future__ import annotations
 
-from outcore.group import ParamGroup
+import logging
+import warnings
+
+from outcore.group import GroupState, ParamGroup
+
+log = logging.getLogger("outcore")
+
+LOOKAHEAD = 16  # trace entries searched for a needed group before calling it a divergence
 
 
 class Schedule:
-    """On-demand fetch and release; counts what it did for ``schedule_stats()``."""
+    """Fetch and release groups; prefetch along the recorded trace; count what happened."""
 
-    def __init__(self, prefetch_bytes: int) -> None:
+    def __init__(self, prefetch_bytes: int, groups: list[ParamGroup] | None = None) -> None:
         self.prefetch_bytes = prefetch_bytes
-        self.pass_kind = "forward"
-        self.counts = {"fetches": 0, "on_demand_fetches": 0, "releases": 0}
+        self.groups = groups or []
+        self.trace: list[int] | None = None
+        self.recording: list[int] = []
+        self.cursor = 0
+        self.diverged = False
+        self.ahead: dict[int, int] = {}  # group index -> full bytes fetched ahead of use
+        self.peak_ahead_bytes = 0
+        self._warned_small_budget = False
+        self._warned_divergence = False
+        self.counts = {"fetches": 0, "on_demand_fetches": 0, "prefetches": 0,
+                       "prefetch_hits": 0, "kept": 0, "releases": 0, "divergences": 0,
+                       "retraces": 0, "iterations": 0}
 
-    def begin_pass(self, kind: str) -> None:
-        self.pass_kind = kind
+    # -- iteration boundaries ------------------------------------------------------------------
+    def begin_iteration(self) -> None:
+        """A new forward starts: adopt a new trace if the last one diverged (or none exists)."""
+        if self.recording:
+            if self.trace is None or self.diverged:
+                if self.trace is not None:
+                    self.counts["retraces"] += 1
+                self.trace = self.recording
+            self.counts["iterations"] += 1
+        self.recording = []
+        self.cursor = 0
+        self.diverged = False
 
+    def end_iteration(self) -> None:
+        """Backward is over: drop everything fetched or kept ahead that was not used."""
+        for g in self.groups:
+            if g.holds == 0 and not g.persistent and g.state is not GroupState.SHARDED:
+                g.reshard()
+                self.counts["releases"] += 1
+        self.ahead.clear()
+
+    # -- the three calls the hooks make --------------------------------------------------------
     def need(self, groups: list[ParamGroup], on_demand: bool = False) -> None:
-        """Make ``groups`` unsharded before returning (issue all fetches, then wait)."""
+        """Make ``groups`` unsharded before returning, then prefetch along the trace."""
         for g in groups:
+            self._follow(g)
+            if g.state is GroupState.FETCHING and g.index in self.ahead:
+                self.counts["prefetch_hits"] += 1
+            elif g.state is not GroupState.UNSHARDED:
+                self.counts["on_demand_fetches" if on_demand else "fetches"] += 1
+            self.ahead.pop(g.index, None)
             g.unshard()
         for g in groups:
-            if g.state.value != "unsharded":
-                self.counts["on_demand_fetches" if on_demand else "fetches"] += 1
             g.wait_unshard()
+        self._prefetch()
 
     def done(self, group: ParamGroup) -> None:
-        """The current user of ``group`` is finished with it."""
-        if not group.persistent and group.state.value != "sharded":
-            group.reshard()
-            self.counts["releases"] += 1
+        """The current user of ``group`` is finished with it: release it, or keep it if the
+        trace needs it again within the budget."""
+        if group.persistent or group.state is GroupState.SHARDED:
+            return
+        if self._needed_soon(group):
+            self.ahead[group.index] = group.full_bytes
+            self.peak_ahead_bytes = max(self.peak_ahead_bytes, sum(self.ahead.values()))
+            self.counts["kept"] += 1
+            return
+        group.reshard()
+        self.counts["releases"] += 1
 
     def stats(self) -> dict[str, int]:
-        return dict(self.counts)
+        out = dict(self.counts)
+        out["peak_ahead_bytes"] = self.peak_ahead_bytes
+        out["prefetch_bytes"] = self.prefetch_bytes
+        out["trace_length"] = len(self.trace or [])
+        return out
+
+    # -- following the trace -------------------------------------------------------------------
+    def _follow(self, g: ParamGroup) -> None:
+        self.recording.append(g.index)
+        if self.trace is None or self.diverged:
+            return
+        window = self.trace[self.cursor : self.cursor + LOOKAHEAD]
+        if g.index in window:
+            self.cursor += window.index(g.index) + 1
+            return
+        self.diverged = True
+        self.counts["divergences"] += 1
+        if not self._warned_divergence:
+            self._warned_divergence = True
+            log.info("outcore: execution order differs from the recorded trace (group %s); "
+                     "fetching on demand and re-tracing. Later divergences are only counted "
+                     "(engine.schedule_stats()).", g.name)
+
+    def _upcoming(self):
+        if self.trace is None or self.diverged:
+            return
+        seen: set[int] = set()
+        for index in self.trace[self.cursor :]:
+            if index not in seen:
+                seen.add(index)
+                yield self.groups[index]
+
+    def _needed_soon(self, group: ParamGroup) -> bool:
+        budget = self.prefetch_bytes - sum(self.ahead.values())
+        for g in self._upcoming():
+            if g is group:
+                return group.full_bytes <= budget
+            if not g.persistent and g.state is GroupState.SHARDED:
+                budget -= g.full_bytes
+            if budget < 0:
+                return False
+        return False
+
+    def _prefetch(self) -> None:
+        if self.prefetch_bytes <= 0:
+            return
+        used = sum(self.ahead.values())
+        for g in self._upcoming():
+            if g.persistent or g.state is not GroupState.SHARDED:
+                continue
+            if g.full_bytes > self.prefetch_bytes:
+                self._warn_small_budget(g)
+                return
+            if used + g.full_bytes > self.prefetch_bytes:
+                return
+            g.unshard()
+            self.ahead[g.index] = g.full_bytes
+            used += g.full_bytes
+            self.counts["prefetches"] += 1
+            self.peak_ahead_bytes = max(self.peak_ahead_bytes, used)
+
+    def _warn_small_budget(self, g: ParamGroup) -> None:
+        if not self._warned_small_budget:
+            self._warned_small_budget = True
+            warnings.warn(
+                f"zero.prefetch_bytes={self.prefetch_bytes} is smaller than group '{g.name}' "
+                f"({g.full_bytes} bytes); such groups are fetched on demand", stacklevel=3)

@@ -3,19 +3,20 @@
 [Note: why threads and preadv, not libaio or io_uring]
 outcore is pure Python with no build step, so the kernel's async interfaces are out of
 reach without a native module. Blocking ``os.preadv``/``os.pwritev`` release the GIL for
-the whole system call, so a handful of threads, each with one large request in flight,
+the whole system call, so a few threads, each with one large request in flight,
 keep as many requests queued on the device as libaio does with the same queue depth. The
 cost per request is a few microseconds of Python, negligible against a 1 MiB+ transfer.
 ``bench/io.py`` checks that this reaches fio's bandwidth on the same folder.
 
 [Note: default block size and thread count]
 Measured on the test machine (2 cores, virtio disk on ext4, O_DIRECT, 1 GiB sequential
-transfers from one aligned buffer, 1-16 threads x 1-8 MiB blocks, medians of 4 rounds):
-one thread reaches 1.5 GB/s write / 1.35 read at 1 MiB and needs 8 MiB blocks for 2.4 /
-1.6; from 8 threads every block size from 1 to 4 MiB sits on the same plateau (2.4-2.6
-GB/s write, 1.6-1.8 read, as fio's best here), and more threads or bigger blocks add
-nothing. 8 threads x 1 MiB keeps 8 MiB in flight, like fio at iodepth 8 with 1 MiB
-blocks, and the small block spreads even a few-MiB shard over all threads.
+transfers from one aligned buffer, 1-16 threads x 1-8 MiB blocks, rounds interleaved with
+fio): one thread reaches only 1.5 GB/s write / 1.35 read at 1 MiB blocks. What matters is
+the bytes in flight: at 8 MiB (8 x 1 MiB, 4 x 2 MiB) writes reach 2.2-2.5 GB/s and reads
+1.6; at 16 MiB (16 x 1 MiB, 8 x 2 MiB) 2.3-2.8 and 1.65-1.7, the best medians and on par
+with fio's best setting here (libaio, iodepth 16, bs 1 MiB: the same 16 MiB in flight).
+Bigger blocks or more threads add nothing. 16 x 1 MiB also spreads a shard of a few MiB
+over several threads; idle threads cost nothing but a blocked ``queue.get``.
 
 [Note: errors are never silent]
 A request that moves fewer bytes than asked is retried from where it stopped; if the file
@@ -26,6 +27,7 @@ stale without an exception.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import logging
 import os
@@ -41,7 +43,7 @@ from outcore.errors import StorageError
 
 log = logging.getLogger(__name__)
 
-DEFAULT_THREADS = 8
+DEFAULT_THREADS = 16
 """I/O threads, each with one request in flight (see [Note: default block size ...])."""
 
 DEFAULT_BLOCK_BYTES = 1 << 20
@@ -143,6 +145,28 @@ class IOFuture:
                 return
         self._call(fn)
 
+    def then(self, fn: Callable[[bool], None], nbytes: int) -> IOFuture:
+        """A future done with ``nbytes`` once this one is done and ``fn(succeeded)`` returned.
+
+        For a step that must finish before the caller may look, such as copying out of a
+        staging buffer and returning it to its pool. An error of either is passed on.
+        """
+        out = IOFuture()
+
+        def finish(done: IOFuture) -> None:
+            error = done.exception()
+            try:
+                fn(error is None)
+            except Exception as e:  # noqa: BLE001 - passed on through the future
+                error = error or e
+            if error is None:
+                out.set_result(nbytes)
+            else:
+                out.set_exception(error)
+
+        self.add_done_callback(finish)
+        return out
+
     def set_result(self, nbytes: int) -> None:
         """Complete with success; for producers of futures (the engine, the store)."""
         self._complete(nbytes, None)
@@ -176,9 +200,13 @@ class IOFuture:
 
 
 class _Request:
-    """Book-keeping for one pread/pwrite split into blocks: completes its future once."""
+    """Book-keeping for one pread/pwrite split into blocks: completes its future once.
 
-    __slots__ = ("future", "_lock", "_pending", "_nbytes", "_error")
+    Of several failed blocks it reports the one at the lowest offset, where the damage
+    starts, whatever order the threads finished in.
+    """
+
+    __slots__ = ("future", "_lock", "_pending", "_nbytes", "_error", "_error_offset")
 
     def __init__(self, blocks: int) -> None:
         self.future = IOFuture()
@@ -186,13 +214,14 @@ class _Request:
         self._pending = blocks
         self._nbytes = 0
         self._error: BaseException | None = None
+        self._error_offset = 0
 
-    def block_done(self, nbytes: int, error: BaseException | None) -> None:
+    def block_done(self, offset: int, nbytes: int, error: BaseException | None) -> None:
         with self._lock:
             self._pending -= 1
             self._nbytes += nbytes
-            if error is not None and self._error is None:
-                self._error = error
+            if error is not None and (self._error is None or offset < self._error_offset):
+                self._error, self._error_offset = error, offset
             last = self._pending == 0
         if last:
             if self._error is not None:
@@ -245,9 +274,9 @@ def _worker(tasks: queue.SimpleQueue) -> None:
         try:
             moved = transfer(op, fd, view, offset, path)
         except BaseException as e:  # noqa: BLE001 - handed to the future, never lost
-            request.block_done(0, e)
+            request.block_done(offset, 0, e)
         else:
-            request.block_done(moved, None)
+            request.block_done(offset, moved, None)
 
 
 def _stop(tasks: queue.SimpleQueue, threads: list[threading.Thread]) -> None:
@@ -267,7 +296,13 @@ def byte_view(buf: torch.Tensor) -> memoryview:
             f"I/O buffers must be contiguous uint8 CPU tensors, got {buf.dtype} on "
             f"{buf.device} (contiguous={buf.is_contiguous()})"
         )
-    return memoryview(buf.reshape(-1).numpy())
+    # Not ``buf.numpy()``: that marks the tensor's storage non-resizable for good, and outcore
+    # frees parameter storage in place (resize to 0) between uses. A ctypes array over the
+    # same memory is just as copy-free; the caller keeps ``buf`` alive until the I/O is done.
+    n = buf.numel()
+    if n == 0:
+        return memoryview(bytearray(0))
+    return memoryview((ctypes.c_char * n).from_address(buf.data_ptr())).cast("B")
 
 
 class AioEngine:

@@ -1,0 +1,141 @@
+"""The traced prefetch schedule: same results with prefetch on and off, across divergence;
+the byte budget is a hard cap; a budget smaller than a group never deadlocks."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import outcore
+from tests.distributed import run_world
+
+DIM = 64  # one Linear(64, 64) group is 64*64*4 + 64*4 = 16640 bytes in fp32
+
+
+class Path_(nn.Module):
+    """Blocks run in an order chosen per step: the trace changes between steps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, DIM)
+        self.blocks = nn.ModuleList(nn.Linear(DIM, DIM) for _ in range(6))
+        self.out = nn.Linear(DIM, 1)
+
+    def forward(self, x: torch.Tensor, order: list[int]) -> torch.Tensor:
+        h = self.inp(x)
+        for i in order:
+            h = h + torch.tanh(self.blocks[i](h))
+        return F.mse_loss(self.out(h), x[:, :1])
+
+
+class MoE(nn.Module):
+    """Top-1 mixture of experts: which expert runs depends on the data."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, DIM)
+        self.router = nn.Linear(DIM, 4)
+        self.experts = nn.ModuleList(nn.Linear(DIM, DIM) for _ in range(4))
+        self.out = nn.Linear(DIM, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        gate = torch.softmax(self.router(h).mean(0), dim=-1)
+        k = int(gate.argmax())
+        h = h + gate[k] * torch.tanh(self.experts[k](h))
+        return F.mse_loss(self.out(h), x[:, :1])
+
+
+def _run(model_name: str, prefetch: int, params: str, swap: str, steps: int) -> dict:
+    cfg = outcore.Config.from_dict({
+        "dtype": "fp32", "optimizer": {"lr": 1e-2},
+        "zero": {"persistence_threshold_bytes": 0, "prefetch_bytes": prefetch},
+        "offload": {"params": params, "nvme_path": swap, "host_buffer_bytes": 1 << 20},
+    })
+    torch.manual_seed(0)
+    with outcore.init(cfg):
+        model = Path_() if model_name == "path" else MoE()
+    engine = outcore.initialize(model, cfg)
+    rank = engine.rank
+    gen = torch.Generator().manual_seed(3)
+    losses = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(steps):
+            x = torch.randn(4 * engine.world_size, 8, generator=gen)
+            x = x[rank * 4 : (rank + 1) * 4] if model_name == "path" else x
+            if model_name == "path":
+                # the same order on every rank (ZeRO-3 needs that), a different one per step
+                order = torch.randperm(6, generator=gen)[: 3 + step % 3].tolist()
+                loss = engine(x, order)
+            else:
+                loss = engine(x)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+    stats = engine.schedule_stats()
+    engine.close()
+    return {"losses": losses, "stats": stats,
+            "warnings": [str(w.message) for w in caught if "prefetch_bytes" in str(w.message)]}
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_prefetch_on_equals_off_across_divergence(world: int, tmp_path: Path) -> None:
+    off = run_world(_run, world, "path", 0, "nvme", str(tmp_path), 8)
+    on = run_world(_run, world, "path", 3 * 16640, "nvme", str(tmp_path), 8)
+    for a, b in zip(off, on, strict=True):
+        assert a["losses"] == b["losses"]
+        assert a["stats"]["prefetches"] == 0
+        s = b["stats"]
+        assert s["prefetches"] > 0 and s["prefetch_hits"] > 0
+        assert s["divergences"] > 0 and s["retraces"] > 0
+        assert s["peak_ahead_bytes"] <= 3 * 16640
+
+
+def test_static_model_follows_its_trace_without_divergence(tmp_path: Path) -> None:
+    r = run_world(_run_fixed, 1, str(tmp_path))[0]
+    s = r["stats"]
+    assert s["divergences"] == 0 and s["retraces"] == 0
+    # after the tracing iteration, every block is prefetched before it is needed
+    assert s["prefetch_hits"] >= 6 * (s["iterations"] - 1)
+
+
+def _run_fixed(swap: str) -> dict:
+    cfg = outcore.Config.from_dict({
+        "dtype": "fp32", "zero": {"persistence_threshold_bytes": 0,
+                                  "prefetch_bytes": 2 * 16640},
+        "offload": {"params": "nvme", "nvme_path": swap},
+    })
+    torch.manual_seed(0)
+    engine = outcore.initialize(Path_(), cfg)
+    for _ in range(4):
+        engine.backward(engine(torch.randn(4, 8), [0, 1, 2, 3, 4, 5]))
+        engine.step()
+    stats = engine.schedule_stats()
+    engine.close()
+    return {"stats": stats}
+
+
+def test_mixture_of_experts_routing_changes_are_divergences(tmp_path: Path, caplog) -> None:
+    off = run_world(_run, 1, "moe", 0, "nvme", str(tmp_path), 10)[0]
+    with caplog.at_level(logging.INFO, logger="outcore"):
+        on = _run("moe", 4 * 16640, "nvme", str(tmp_path), 10)
+    assert on["losses"] == off["losses"]
+    assert on["stats"]["divergences"] >= 1
+    # the divergence is logged once, however many times it happens
+    assert sum("differs from the recorded trace" in r.message for r in caplog.records) <= 1
+
+
+def test_budget_smaller_than_a_group_fetches_on_demand_and_warns_once(tmp_path: Path) -> None:
+    small = run_world(_run, 1, "path", 1000, "nvme", str(tmp_path), 6)[0]
+    off = run_world(_run, 1, "path", 0, "nvme", str(tmp_path), 6)[0]
+    assert small["losses"] == off["losses"]
+    # only the 260-byte output layer fits the 1000-byte budget; the 16 KiB blocks do not
+    assert small["stats"]["peak_ahead_bytes"] <= 1000
+    assert len(small["warnings"]) == 1

@@ -58,13 +58,13 @@ class Comm:
         work = dist.all_gather_single(out, shard, async_op=async_op)
         return work if async_op else _Done()
 
-    def reduce_scatter_mean(self, out: torch.Tensor, full: torch.Tensor) -> None:
-        """``out`` (n) receives the mean over ranks of this rank's slice of ``full`` (W*n)."""
+    def reduce_scatter_sum(self, out: torch.Tensor, full: torch.Tensor, async_op: bool = False):
+        """``out`` (n) receives the sum over ranks of this rank's slice of ``full`` (W*n)."""
         if self.world_size == 1:
             out.copy_(full)
-            return
-        dist.reduce_scatter_single(out, full, op=dist.ReduceOp.SUM)
-        out.div_(self.world_size)
+            return _Done()
+        work = dist.reduce_scatter_single(out, full, op=dist.ReduceOp.SUM, async_op=async_op)
+        return work if async_op else _Done()
 
     def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
         if self.world_size > 1:

@@ -94,6 +94,9 @@ class ZeroConfig(_Section):
     prefetch_bytes: int = Field(
         128 * _MiB, ge=0, description="byte budget for parameters gathered ahead of use"
     )
+    overlap_optimizer: bool = Field(
+        True, description="update parameters during backward when clipping and fp16 allow"
+    )
 
 
 class LossScaleConfig(_Section):

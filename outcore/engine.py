@@ -168,14 +168,24 @@ class Engine:
         self._check_open()
         factor = self.scaler.scale / self.cfg.gradient_accumulation_steps
         scaled = loss.float() * factor if factor != 1.0 else loss
+        boundary = (self.micro_steps + 1) % self.cfg.gradient_accumulation_steps == 0
+        if boundary and self.overlaps_optimizer:
+            self.hooks.on_reduced = lambda g: self.optimizer.submit(g.trainable)
         self.hooks.in_backward = True
         try:
             scaled.backward()
+            with self.hooks.mode.suspended():
+                self.hooks.finish_backward()
         finally:
             self.hooks.in_backward = False
-        with self.hooks.mode.suspended():
-            self.hooks.finish_backward()
+            self.hooks.on_reduced = None
         self.micro_steps += 1
+
+    @property
+    def overlaps_optimizer(self) -> bool:
+        """Whether updates start during the boundary backward (see optim.py's note)."""
+        return (self.cfg.zero.overlap_optimizer and self.cfg.gradient_clipping == 0
+                and not self.scaler.enabled)
 
     @property
     def is_accumulation_boundary(self) -> bool:
@@ -188,7 +198,8 @@ class Engine:
         if not self.is_accumulation_boundary:
             return False
         self.micro_steps = 0
-        grads = [sp.grad for sp in self.optimizer.params]
+        self.optimizer.wait()
+        grads = [sp.grad for sp in self.optimizer.params if sp.grad is not None]
         if self.scaler.enabled:
             bad = torch.tensor([0.0 if all(bool(g.isfinite().all()) for g in grads) else 1.0])
             if self.rt.comm.all_reduce_max(bad).item() > 0:
@@ -247,11 +258,13 @@ class Engine:
         report["by_kind"] = led.snapshot()
         report["rss"] = psutil.Process().memory_info().rss
         report["rank"], report["world_size"] = self.rank, self.world_size
-        report["schedule"] = self.schedule.stats()
+        report["schedule"] = self.schedule_stats()
         return report
 
     def schedule_stats(self) -> dict[str, int]:
-        return self.schedule.stats()
+        """What the schedule and optimizer did: fetches, prefetch hits, divergences, re-traces,
+        and how many parameter updates ran during backward versus at the step."""
+        return {**self.schedule.stats(), **self.optimizer.stats}
 
     # -- checkpoints -------------------------------------------------------------------------
     def save_checkpoint(self, path: str | os.PathLike[str],
@@ -273,6 +286,7 @@ class Engine:
         if self._closed:
             return
         self._closed = True
+        self.optimizer.close()
         self.hooks.remove()
         self.rt.close()
 

@@ -143,21 +143,24 @@ class ParamGroup:
     def has_pending_grads(self) -> bool:
         return any(sp.param.grad is not None for sp in self.trainable)
 
-    def reduce_grads(self) -> None:
-        """Reduce-scatter this backward's gradients and add them to the fp32 gradient shards."""
+    def reduce_grads(self) -> PendingReduce | None:
+        """Start reducing this backward's gradients into the fp32 gradient shards.
+
+        At world size one the gradients are added at once and None is returned; otherwise the
+        reduce-scatter runs in the background and the returned handle's ``finish()`` adds its
+        result. Either way the parameters' full gradients are dropped here.
+        """
         self._grads_seen.clear()
         live = [(sp, off) for sp, off in zip(self.params, self.offsets, strict=True)
                 if sp.trainable and sp.param.grad is not None]
         if not live:
-            return
-        for sp, _ in live:
-            sp.has_grad = True
+            return None
         w, rt = self.rt.world_size, self.rt
         if w == 1:
             for sp, _ in live:
-                sp.grad.add_(sp.param.grad.reshape(-1))
+                sp.add_grad(sp.param.grad.reshape(-1))
                 sp.param.grad = None
-            return
+            return None
         send = torch.zeros(w, self.shard_numel, dtype=torch.float32, device=rt.device)
         for sp, off in live:
             flat = sp.param.grad.reshape(-1)
@@ -168,6 +171,21 @@ class ParamGroup:
                     send[r, off : off + n].copy_(flat[r * s : r * s + n])
             sp.param.grad = None
         out = torch.empty(self.shard_numel, dtype=torch.float32, device=rt.device)
-        rt.comm.reduce_scatter_mean(out, send.view(-1))
-        for sp, off in live:
-            sp.grad.add_(out[off : off + sp.shard_numel])
+        work = rt.comm.reduce_scatter_sum(out, send.view(-1), async_op=True)
+        return PendingReduce(self, live, out, send, work)
+
+
+class PendingReduce:
+    """A reduce-scatter in flight; ``finish()`` waits and adds the mean to the grad shards."""
+
+    def __init__(self, group: ParamGroup, live: list, out: torch.Tensor, send: torch.Tensor,
+                 work) -> None:
+        self.group, self._live, self._out, self._send, self._work = group, live, out, send, work
+
+    def finish(self) -> ParamGroup:
+        self._work.wait()
+        self._send = None
+        self._out.div_(self.group.rt.world_size)
+        for sp, off in self._live:
+            sp.add_grad(self._out[off : off + sp.shard_numel])
+        return self.group

@@ -18,6 +18,7 @@ as all of them are final, and the group is released.
 from __future__ import annotations
 
 import contextlib
+from collections import deque
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
@@ -25,7 +26,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from outcore.group import GroupState, ParamGroup
+from outcore.group import GroupState, ParamGroup, PendingReduce
 from outcore.registry import METADATA_CALLS, managed, owner
 
 if TYPE_CHECKING:
@@ -78,6 +79,9 @@ class Hooks:
         self.schedule = schedule
         self.frames: list[list[ParamGroup]] = []
         self.in_backward = False
+        self.pending: deque[PendingReduce] = deque()
+        # called with each group whose gradients for this backward are reduced (or None)
+        self.on_reduced: Callable[[ParamGroup], None] | None = None
         self.mode = ParamAccessMode(self._on_access)
         self._handles: list = []
         for m, gs in module_groups.items():
@@ -151,17 +155,35 @@ class Hooks:
         def hook(_: torch.Tensor) -> None:
             g = sp.group
             if g.grad_arrived(sp):
-                g.reduce_grads()
-                if g.holds == 0:
-                    self.schedule.done(g)
+                with self.mode.suspended():
+                    self._reduce(g)
+                    if g.holds == 0:
+                        self.schedule.done(g)
 
         return hook
 
+    def _reduce(self, g: ParamGroup) -> None:
+        """Start ``g``'s reduction; keep at most two in flight while backward goes on."""
+        pending = g.reduce_grads()
+        if pending is None:
+            self._reduced(g)
+            return
+        self.pending.append(pending)
+        while len(self.pending) > 2:
+            self._reduced(self.pending.popleft().finish())
+
+    def _reduced(self, g: ParamGroup) -> None:
+        if self.on_reduced is not None:
+            self.on_reduced(g)
+
     def finish_backward(self) -> None:
-        """Reduce what autograd left partial (params without grads) and release everything."""
+        """Reduce what autograd left partial (params without grads), finish every reduction
+        in flight, and release everything fetched for this iteration."""
         for g in self.groups:
             if g.has_pending_grads:
-                g.reduce_grads()
+                self._reduce(g)
+        while self.pending:
+            self._reduced(self.pending.popleft().finish())
         self.schedule.end_iteration()
 
 

@@ -18,6 +18,7 @@ parameters whose ``.grad`` is None.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -49,7 +50,16 @@ class _Work:
 
 
 class ShardedOptimizer:
-    """AdamW or SGD over ShardedParams; ``param_groups`` is editable like torch's (e.g. lr)."""
+    """AdamW or SGD over ShardedParams; ``param_groups`` is editable like torch's (e.g. lr).
+
+    [Note: updating during backward]
+    ``submit(params)`` queues an update of parameters whose gradients are final on a worker
+    thread, so it runs (and, with state on NVMe, does its reads and writes) while backward
+    continues on earlier layers; torch kernels and file I/O release the GIL. ``step()`` waits
+    for the queue and updates whatever was not submitted. The engine only submits when the
+    update cannot depend on gradients still to come: no clipping (the global norm needs every
+    gradient) and no fp16 (an overflow anywhere must cancel the whole step).
+    """
 
     def __init__(self, groups: list[tuple[dict, list[ShardedParam]]], cfg: OptimizerConfig,
                  rt: Runtime) -> None:
@@ -57,24 +67,25 @@ class ShardedOptimizer:
         self.rt = rt
         self.param_groups: list[dict] = []
         self._members: list[list[ShardedParam]] = []
-        for hp, sps in groups:
+        self._hp_index: dict[int, int] = {}
+        for i, (hp, sps) in enumerate(groups):
             self.param_groups.append(hp)
             self._members.append(sps)
-        kinds = _STATE_KINDS[cfg.type] if (cfg.type == "adamw" or cfg.momentum) else ()
-        grad_tier = Tier.DEVICE if rt.state_tier is Tier.DEVICE else Tier.HOST
-        for sps in self._members:
             for sp in sps:
-                zeros = torch.zeros(sp.shard_numel, dtype=torch.float32, device=rt.device)
-                sp.grad = zeros.clone()
-                rt.ledger.add(grad_tier.value, "grads", sp.grad.nbytes)
-                sp.optim = {k: rt.store(zeros.clone() if rt.state_tier is not Tier.NVME else zeros,
-                                        rt.state_tier, "optimizer") for k in kinds}
-                sp.step = 0
-                sp.has_grad = False
+                self._hp_index[id(sp)] = i
+        kinds = _STATE_KINDS[cfg.type] if (cfg.type == "adamw" or cfg.momentum) else ()
+        for sp in self.params:
+            sp.optim = {k: rt.store(torch.zeros(sp.shard_numel, dtype=torch.float32,
+                                                device=rt.device), rt.state_tier, "optimizer")
+                        for k in kinds}
+            sp.step = 0
         self.state_kinds = kinds
         per_elem = 4 * (1 + len(kinds))
         self._subgroup_bytes = max(rt.cfg.offload.host_buffer_bytes // 3, per_elem)
         self._fused = rt.device.type in ("cpu", "cuda")
+        self._worker: ThreadPoolExecutor | None = None
+        self._submitted: list[Future] = []
+        self.stats = {"updates_during_backward": 0, "updates_at_step": 0}
 
     @property
     def params(self) -> Iterator[ShardedParam]:
@@ -83,28 +94,62 @@ class ShardedOptimizer:
 
     def zero_grad(self) -> None:
         for sp in self.params:
-            sp.grad.zero_()
-            sp.has_grad = False
+            sp.drop_grad()
+
+    def submit(self, sps: list[ShardedParam]) -> None:
+        """Update ``sps`` (gradients final) in the background; see the note above."""
+        todo = [sp for sp in sps if sp.has_grad and not sp.stepped and id(sp) in self._hp_index]
+        if not todo:
+            return
+        for sp in todo:
+            sp.stepped = True
+        self.stats["updates_during_backward"] += len(todo)
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="outcore-optim")
+        self._submitted.append(self._worker.submit(self._update_all, todo))
 
     def step(self) -> None:
-        """Update every parameter that received a gradient, then refresh its compute shard."""
-        for hp, sps in zip(self.param_groups, self._members, strict=True):
-            live = [sp for sp in sps if sp.has_grad]
-            chunks = list(self._subgroups(live))
-            ahead = self._load(chunks[0]) if chunks else None
-            behind: _Work | None = None
-            for i in range(len(chunks)):
-                work = ahead
-                ahead = self._load(chunks[i + 1]) if i + 1 < len(chunks) else None
-                work.wait()
-                self._update(work, hp)
-                if behind is not None:
-                    behind.wait()
-                self._store(work)
-                behind = work
+        """Finish submitted updates, then update every other parameter that got a gradient."""
+        self.wait()
+        rest = [sp for sp in self.params if sp.has_grad and not sp.stepped]
+        for sp in rest:
+            sp.stepped = True
+        self.stats["updates_at_step"] += len(rest)
+        self._update_all(rest)
+
+    def wait(self) -> None:
+        submitted, self._submitted = self._submitted, []
+        for fut in submitted:
+            fut.result()
+
+    def close(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+            self._worker = None
+
+    def _update_all(self, sps: list[ShardedParam]) -> None:
+        by_group: dict[int, list[ShardedParam]] = {}
+        for sp in sps:
+            by_group.setdefault(self._hp_index[id(sp)], []).append(sp)
+        for i, members in sorted(by_group.items()):
+            self._run(self.param_groups[i], members)
+
+    def _run(self, hp: dict, live: list[ShardedParam]) -> None:
+        """The streamed pipeline over sub-groups: read k+1, update k, write k-1."""
+        chunks = list(self._subgroups(live))
+        ahead = self._load(chunks[0]) if chunks else None
+        behind: _Work | None = None
+        for i in range(len(chunks)):
+            work = ahead
+            ahead = self._load(chunks[i + 1]) if i + 1 < len(chunks) else None
+            work.wait()
+            self._update(work, hp)
             if behind is not None:
                 behind.wait()
-
+            self._store(work)
+            behind = work
+        if behind is not None:
+            behind.wait()
     def _subgroups(self, sps: list[ShardedParam]) -> Iterator[list[ShardedParam]]:
         if self.rt.state_tier is not Tier.NVME:
             if sps:

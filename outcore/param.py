@@ -59,6 +59,9 @@ class ShardedParam:
         )
         self.compute: Stored | None = None
         self.grad: torch.Tensor | None = None
+        self.has_grad = False  # a gradient arrived since the last step
+        self.stepped = False  # the optimizer already updated this parameter in this step
+        self.step = 0
         self.optim: dict[str, Stored] = {}
         self.group = None  # the ParamGroup that gathers this parameter (set by the engine)
         self.state = ParamState.SHARDED
@@ -149,6 +152,26 @@ class ShardedParam:
                 self.master = None
         self.adopt_dtype(rt.compute_dtype)
         self.show_placeholder()
+
+    # -- gradients ------------------------------------------------------------------------------
+    def add_grad(self, shard_grad: torch.Tensor) -> None:
+        """Accumulate one backward's reduced gradient into the fp32 gradient shard.
+
+        The shard is allocated when the first gradient arrives and freed after the optimizer
+        step (``drop_grad``), so gradient memory exists only between backward and step.
+        """
+        if self.grad is None:
+            self.grad = torch.zeros(self.shard_numel, dtype=torch.float32, device=self.rt.device)
+            self.rt.ledger.add(self.rt.grad_tier.value, "grads", self.grad.nbytes)
+        self.grad.add_(shard_grad)
+        self.has_grad = True
+
+    def drop_grad(self) -> None:
+        if self.grad is not None:
+            self.rt.ledger.add(self.rt.grad_tier.value, "grads", -self.grad.nbytes)
+            self.grad = None
+        self.has_grad = False
+        self.stepped = False
 
     def free_storage(self) -> None:
         """Give back every shard's bytes (the parameter is gone)."""

@@ -31,6 +31,9 @@ class Runtime:
         self.compute_dtype = _DTYPES[cfg.dtype]
         self.param_tier = Tier.for_placement(cfg.offload.params)
         self.state_tier = Tier.for_placement(cfg.offload.optimizer)
+        # fp32 gradient shards live beside the optimizer state, but never on disk: they exist
+        # only between a backward and its step, and the step reads them right away.
+        self.grad_tier = Tier.DEVICE if self.state_tier is Tier.DEVICE else Tier.HOST
         self._nvme = None
         self.closed = False
 

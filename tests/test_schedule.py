@@ -139,3 +139,44 @@ def test_budget_smaller_than_a_group_fetches_on_demand_and_warns_once(tmp_path: 
     # only the 260-byte output layer fits the 1000-byte budget; the 16 KiB blocks do not
     assert small["stats"]["peak_ahead_bytes"] <= 1000
     assert len(small["warnings"]) == 1
+
+
+def _overlap(swap: str, overlap: bool, clip: float) -> dict:
+    cfg = outcore.Config.from_dict({
+        "dtype": "fp32", "optimizer": {"lr": 1e-2}, "gradient_clipping": clip,
+        "zero": {"persistence_threshold_bytes": 0, "overlap_optimizer": overlap},
+        "offload": {"params": "nvme", "optimizer": "nvme", "nvme_path": swap,
+                    "host_buffer_bytes": 1 << 20},
+        "gradient_accumulation_steps": 2,
+    })
+    torch.manual_seed(0)
+    engine = outcore.initialize(Path_(), cfg)
+    gen = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(6):
+        x = torch.randn(4, 8, generator=gen)
+        loss = engine(x[engine.rank * 2 : engine.rank * 2 + 2], [0, 1, 2, 3])
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    stats = engine.schedule_stats()
+    engine.close()
+    return {"losses": losses, "stats": stats}
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_optimizer_overlapped_with_backward_gives_identical_results(world: int,
+                                                                     tmp_path: Path) -> None:
+    on = run_world(_overlap, world, str(tmp_path), True, 0.0)
+    off = run_world(_overlap, world, str(tmp_path), False, 0.0)
+    for a, b in zip(on, off, strict=True):
+        assert a["losses"] == b["losses"]
+        # 3 boundary steps; every parameter that got a gradient was updated during backward
+        assert a["stats"]["updates_during_backward"] > 0
+        assert a["stats"]["updates_at_step"] == 0
+        assert b["stats"]["updates_during_backward"] == 0
+
+
+def test_clipping_turns_the_overlap_off(tmp_path: Path) -> None:
+    r = run_world(_overlap, 1, str(tmp_path), True, 1.0)[0]
+    assert r["stats"]["updates_during_backward"] == 0 and r["stats"]["updates_at_step"] > 0

@@ -208,8 +208,7 @@ class Engine:
                 return False
             for g in grads:
                 g.mul_(1.0 / self.scaler.scale)
-        sq = sum((g.double().pow(2).sum() for g in grads), torch.zeros((), dtype=torch.float64))
-        norm = float(self.rt.comm.all_reduce_sum(sq.reshape(1))) ** 0.5
+        norm = self._global_norm(grads)
         self.last_grad_norm = norm
         clip = self.cfg.gradient_clipping
         if clip > 0:
@@ -224,6 +223,14 @@ class Engine:
             g.refresh_after_step()
         self.global_steps += 1
         return True
+
+    def _global_norm(self, grads: list[torch.Tensor]) -> float:
+        """L2 norm over every rank's gradient shards (padding is zero, so it adds nothing)."""
+        if grads:
+            local = torch.stack(torch._foreach_norm(grads)).double().pow(2).sum().reshape(1)
+        else:
+            local = torch.zeros(1, dtype=torch.float64)
+        return float(self.rt.comm.all_reduce_sum(local)) ** 0.5
 
     # -- modes and inspection ----------------------------------------------------------------
     def train(self, mode: bool = True) -> Engine:

@@ -161,9 +161,11 @@ class ShardedParam:
         step (``drop_grad``), so gradient memory exists only between backward and step.
         """
         if self.grad is None:
-            self.grad = torch.zeros(self.shard_numel, dtype=torch.float32, device=self.rt.device)
+            # the first gradient is copied (cast) rather than added to zeros: one pass, not two
+            self.grad = shard_grad.to(torch.float32, copy=True)
             self.rt.ledger.add(self.rt.grad_tier.value, "grads", self.grad.nbytes)
-        self.grad.add_(shard_grad)
+        else:
+            self.grad.add_(shard_grad)
         self.has_grad = True
 
     def drop_grad(self) -> None:

@@ -26,9 +26,9 @@ def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
 
 def consolidate(ckpt: str | os.PathLike[str], out: str | os.PathLike[str]) -> Path:
     """Stream a checkpoint's full weights into one safetensors file (no pickle)."""
-    from outcore import checkpoint
+    from outcore import full_weights
 
-    return checkpoint.consolidate(ckpt, out)
+    return full_weights.consolidate(ckpt, out)
 
 __all__ = [
     "Config",

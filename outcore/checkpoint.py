@@ -1,23 +1,430 @@
-"""Checkpoints: per-rank safetensors shards plus a JSON manifest (being written)."""
+"""Checkpoints: per-rank safetensors shards plus a JSON manifest; no pickle anywhere.
+
+A checkpoint is a folder: ``manifest.json`` (written last, by rank 0) and one
+``rank{r:05d}-of-{W:05d}.safetensors`` per rank holding, for every parameter, the *valid*
+part of that rank's shard (``<name>::master``, ``<name>::exp_avg`` ... or ``<name>::values``
+for frozen parameters) and the rank's RNG state (``__rng__::torch_cpu``); rank 0's file also
+holds the persistent buffers (``__buffer__::<name>``). Everything moves one parameter at a
+time, so saving, loading and consolidating never hold more than one parameter's state.
+
+[Note: atomicity protocol]
+1. Rank 0 removes a stale ``<path>.partial`` (a save that died; the suffix is ours) and
+   creates it fresh; all ranks agree before writing.
+2. Each rank streams its file to ``<file>.tmp``, fsyncs it and renames it into place; sizes
+   and checksums travel to rank 0 in one all-reduce, which is also the barrier.
+3. Rank 0 writes ``manifest.json`` the same way (tmp, fsync, rename), fsyncs the folder,
+   moves an existing ``<path>`` aside, renames ``<path>.partial`` to ``<path>``, fsyncs the
+   parent, and only then deletes the old checkpoint.
+A folder without a valid manifest is never a checkpoint, and ``.partial`` folders are never
+candidates, so a process killed at any moment leaves the previous checkpoint as the latest.
+Every rank returns only after step 3, and an I/O error on any rank (disk full) is raised on
+every rank instead of leaving the others waiting in a collective.
+
+[Note: valid-only shards make resharding a slice problem]
+Rank r of W owns elements ``[r*s, r*s + valid)`` of each flattened parameter (s = ceil(n/W),
+sharding.py), and the file stores exactly those, without padding. So the files of all ranks,
+in rank order, are the flat parameter cut at known points, and a rank of another world size
+W' finds its range ``[r'*s', r'*s' + valid')`` by reading the overlapping pieces of one or two
+old files with ``get_slice``, then zero-fills its padding. The optimizer is elementwise, so
+the re-cut state trains on exactly as the old one would have. Saving padding would have tied
+the file to W for nothing.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import re
+import secrets
+import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
+import torch
+from safetensors import safe_open
 
+from outcore import safetensors_stream as sts
+from outcore.errors import ConfigError, OutcoreError, StorageError
+from outcore.safetensors_stream import CHECKSUM, FileInfo, StreamWriter, TensorSpec
+from outcore.storage import load_now
+
+FORMAT, VERSION, MANIFEST = "outcore-checkpoint", 1, "manifest.json"
+_PARTIAL, _ASIDE = ".partial", ".replaced-"
+_OURS = re.compile(r"^(rank\d{5}-of-\d{5}\.safetensors|manifest\.json|config\.json)(\.tmp)?$")
+_RNG_CPU, _RNG_CUDA = "__rng__::torch_cpu", "__rng__::torch_cuda"
+_DTYPES = {v: k for k, v in sts.DTYPE_NAMES.items()}
+
+
+def rank_file(rank: int, world: int) -> str:
+    """Name of rank ``rank``'s shard file in a checkpoint saved at ``world`` ranks."""
+    return f"rank{rank:05d}-of-{world:05d}.safetensors"
+
+
+# -- save ----------------------------------------------------------------------------------------
 def save(engine: Any, path: Path, client_state: dict[str, Any]) -> Path:
-    raise NotImplementedError("checkpoint.save is being written")
+    """Write a complete checkpoint of ``engine`` to ``path`` (a collective; see the notes).
+
+    ``path`` must be on a filesystem every rank sees. Rank 0's ``client_state`` is the one
+    recorded. Save at an accumulation boundary: gradients of unfinished micro-steps are not kept.
+    """
+    comm, path = engine.rt.comm, Path(path)
+    _check_json(client_state)
+    partial = path.with_name(path.name + _PARTIAL)
+    err: OutcoreError | OSError | None = None
+    if comm.rank == 0:
+        try:
+            _check_replaceable(path)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            _remove_ours(partial)
+            partial.mkdir(mode=0o700)
+        except (OutcoreError, OSError) as e:
+            err = e
+    _agree(engine, err, f"preparing {partial}")
+    info, err = None, None
+    try:
+        info = _write_rank_file(engine, partial)
+    except (OutcoreError, OSError) as e:
+        err = _storage_error(e, partial)
+    world = engine.rt.world_size
+    try:
+        table = _agree(engine, err, f"writing {partial}",
+                       (info.nbytes, int(info.checksum, 16)) if info else (0, 0))
+    except OutcoreError:
+        if comm.rank == 0:  # every rank is past its write: give the space back (disk full)
+            _remove_ours(partial)
+        raise
+    files = {rank_file(r, world): {"bytes": int(n), "checksum": f"{int(c):08x}"}
+             for r, (n, c) in enumerate(table.tolist())}
+    if comm.rank == 0:
+        try:
+            manifest = _manifest(engine, client_state, files)
+            sts.write_json_durably(partial / MANIFEST, manifest)
+            sts.fsync_dir(partial)
+            _publish(partial, path)
+        except (OutcoreError, OSError) as e:
+            err = _storage_error(e, path)
+    _agree(engine, err, f"publishing {path}")
+    return path
 
 
-def load(engine: Any, path: Path) -> dict[str, Any]:
-    raise NotImplementedError("checkpoint.load is being written")
+def _check_json(client_state: dict[str, Any]) -> None:
+    """Checkpoints hold JSON, never pickle: reject what JSON cannot carry, naming the key."""
+    if not isinstance(client_state, dict):
+        raise ConfigError(f"client_state must be a dict, got {type(client_state).__name__}")
+    for key, value in client_state.items():
+        if not isinstance(key, str):
+            raise ConfigError(f"client_state key {key!r} is not a string (JSON keys are strings)")
+        if not _jsonable(value):
+            raise ConfigError(f"client_state[{key!r}] ({type(value).__name__}) is not "
+                              "JSON-serializable; checkpoints store JSON only, never pickle")
+
+
+def _state(sp: Any) -> list[tuple[str, Any]]:
+    """(key suffix, Stored) saved for one parameter: master + optimizer states, or values."""
+    if sp.trainable and sp.master is not None:
+        return [("master", sp.master), *sp.optim.items()]
+    return [("values", sp.master if sp.master is not None else sp.compute)]
+
+
+def _rng_states(engine: Any) -> dict[str, torch.Tensor]:
+    out = {_RNG_CPU: torch.get_rng_state()}
+    if engine.rt.accel.is_cuda:
+        out[_RNG_CUDA] = torch.cuda.get_rng_state(engine.rt.device)
+    return out
+
+
+def _buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Persistent buffers by state-dict name (the live tensors, so load can copy into them)."""
+    params = {n for n, _ in module.named_parameters(remove_duplicate=False)}
+    return {k: v for k, v in module.state_dict(keep_vars=True).items()
+            if k not in params and isinstance(v, torch.Tensor)}
+
+
+def _write_rank_file(engine: Any, folder: Path) -> FileInfo:
+    """Stream this rank's valid shard state, RNG state and (rank 0) buffers to its file."""
+    rank, world = engine.rt.rank, engine.rt.world_size
+    extra = _rng_states(engine)
+    if rank == 0:
+        extra.update({f"__buffer__::{k}": v for k, v in _buffers(engine.module).items()})
+    specs = [TensorSpec(f"{sp.name}::{kind}", st.dtype, (sp.layout.valid_numel,))
+             for sp in engine.params for kind, st in _state(sp)]
+    specs += [TensorSpec(k, t.dtype, tuple(t.shape)) for k, t in extra.items()]
+    meta = {"format": "pt", "outcore": FORMAT, "rank": str(rank), "world_size": str(world)}
+    need, free = sum(s.nbytes for s in specs), shutil.disk_usage(folder).free
+    if need > free:
+        raise StorageError(f"not enough space for checkpoint file {folder / rank_file(rank, world)}"
+                           f": it needs {need} bytes, {free} bytes are free")
+    with torch.no_grad(), StreamWriter(folder / rank_file(rank, world), specs, meta) as w:
+        for sp in engine.params:
+            n = sp.layout.valid_numel
+            for kind, st in _state(sp):
+                w.write(f"{sp.name}::{kind}", load_now(st)[:n])
+        for k, t in extra.items():
+            w.write(k, t)
+        return w.finish()
+
+
+def _manifest(engine: Any, client_state: dict[str, Any], files: dict[str, dict]) -> dict:
+    aliases: dict[int, list[str]] = {}
+    for name, p in engine.module.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), []).append(name)
+    params = {}
+    for sp in engine.params:
+        names = aliases.get(id(sp.param), [sp.name])
+        params[sp.name] = {"shape": list(sp.shape), "numel": sp.numel, "trainable": sp.trainable,
+                           "step": int(getattr(sp, "step", 0)),
+                           "aliases": [n for n in names if n != sp.name]}
+    groups = [{k: v for k, v in hp.items() if _jsonable(v)} for hp in engine.param_groups]
+    man = {"format": FORMAT, "version": VERSION, "world_size": engine.rt.world_size,
+           "dtype": engine.cfg.dtype, "global_steps": engine.global_steps,
+           "optimizer": {"type": engine.optimizer.kind,
+                         "states": list(engine.optimizer.state_kinds)},
+           "params": params, "buffers": list(_buffers(engine.module)),
+           "scaler": engine.scaler.state_dict(), "param_groups": groups,
+           "config": engine.cfg.model_dump(mode="json"), "client_state": client_state,
+           "checksum": CHECKSUM, "files": files}
+    return {**man, "manifest_checksum": manifest_checksum(man)}
+
+
+def manifest_checksum(man: dict) -> str:
+    """Checksum of the manifest's own content (all keys but this one), so a flipped digit in
+    a shape, step or learning rate is caught like a flipped bit in a tensor."""
+    body = {k: v for k, v in man.items() if k != "manifest_checksum"}
+    return sts.checksum_hex(sts.checksum_update(0, json.dumps(body, sort_keys=True).encode()))
+
+
+def _jsonable(value: Any) -> bool:
+    try:
+        json.dumps(value)
+        return True
+    except (TypeError, ValueError):
+        return False
+
+
+def _check_replaceable(path: Path) -> None:
+    """Refuse to replace anything but an empty folder or an outcore checkpoint."""
+    if path.exists() and not path.is_dir():
+        raise StorageError(f"checkpoint path {path} exists and is not a folder")
+    if path.is_dir() and any(path.iterdir()) and not (path / MANIFEST).exists():
+        raise StorageError(f"{path} exists and is not an outcore checkpoint; not replacing it")
+
+
+def _publish(partial: Path, path: Path) -> None:
+    """Move the finished folder into place; delete the old checkpoint only afterwards."""
+    aside = None
+    if path.exists():
+        aside = path.with_name(path.name + _ASIDE + secrets.token_hex(4))
+        os.replace(path, aside)
+    os.replace(partial, path)
+    sts.fsync_dir(path.parent)
+    if aside is not None:
+        _remove_ours(aside)
+
+
+def _remove_ours(folder: Path) -> None:
+    """Delete the files a checkpoint consists of, then the folder if nothing else is left."""
+    if not folder.is_dir():
+        return
+    for f in folder.iterdir():
+        if f.is_file() and _OURS.match(f.name):
+            f.unlink()
+    try:
+        folder.rmdir()
+    except OSError:
+        warnings.warn(f"left {folder}: it holds files outcore did not write", stacklevel=3)
+
+
+def _storage_error(e: Exception, path: Path) -> Exception:
+    if isinstance(e, OSError) and not isinstance(e, StorageError):
+        free = shutil.disk_usage(path.parent).free if path.parent.exists() else -1
+        return StorageError(f"writing checkpoint {path} failed: {e.strerror or e} "
+                            f"({free} bytes free on that filesystem)")
+    return e
+
+
+def _agree(engine: Any, err: Exception | None, what: str,
+           row: tuple[int, ...] = ()) -> torch.Tensor:
+    """A barrier that tells every rank whether any rank failed, so none waits forever in a
+    later collective; it also shares a small row of integers from each rank (W x len(row))."""
+    table = torch.zeros(engine.rt.world_size, 1 + len(row), dtype=torch.int64)
+    table[engine.rt.rank] = torch.tensor([int(err is not None), *row], dtype=torch.int64)
+    dev = engine.rt.accel.to_device(table)
+    engine.rt.comm.all_reduce_sum(dev)
+    table = dev.cpu()
+    if err is not None:
+        raise err
+    failed = table[:, 0].nonzero().flatten().tolist()
+    if failed:
+        raise StorageError(f"{what} failed on rank(s) {failed}; see their errors")
+    return table[:, 1:]
+
+
+# -- reading -------------------------------------------------------------------------------------
+def read_manifest(folder: Path) -> dict[str, Any]:
+    """The manifest of a checkpoint folder, checked for format and version."""
+    mf = Path(folder) / MANIFEST
+    try:
+        man = json.loads(mf.read_text())
+    except FileNotFoundError:
+        raise StorageError(f"{folder} is not a complete checkpoint (no {MANIFEST})") from None
+    except (OSError, ValueError) as e:
+        raise StorageError(f"{mf} is unreadable or not JSON: {e}") from None
+    if not isinstance(man, dict) or man.get("format") != FORMAT:
+        raise StorageError(f"{mf} is not an outcore checkpoint manifest")
+    if man.get("version") != VERSION:
+        raise StorageError(f"{mf}: format version {man.get('version')}, this outcore reads "
+                           f"version {VERSION}")
+    if man.get("checksum") != CHECKSUM:
+        raise StorageError(f"{mf}: unknown checksum algorithm {man.get('checksum')!r}")
+    if man.get("manifest_checksum") != manifest_checksum(man):
+        raise StorageError(f"{mf} is corrupt: its content does not match its checksum")
+    return man
+
+
+def _check_file(folder: Path, man: dict, name: str, full: bool = True) -> None:
+    """Size always; with ``full`` also the checksum (reads the whole file once)."""
+    rec, path = man["files"].get(name), folder / name
+    if rec is None or not path.is_file():
+        raise StorageError(f"checkpoint file {path} is missing")
+    size = path.stat().st_size
+    if size != rec["bytes"]:
+        raise StorageError(f"checkpoint file {path} has {size} bytes, the manifest says "
+                           f"{rec['bytes']}: truncated or replaced")
+    if full and (digest := sts.file_checksum(path)[1]) != rec["checksum"]:
+        raise StorageError(f"checkpoint file {path} is corrupt: {CHECKSUM} {digest}, the "
+                           f"manifest says {rec['checksum']}")
 
 
 def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
-    raise NotImplementedError("latest_checkpoint is being written")
+    """The complete checkpoint with the highest global step among ``root``'s subfolders.
+
+    Complete means: a valid manifest and every rank file present at its recorded size
+    (checksums are verified by ``load``, not here, so this stays cheap).
+    """
+    root, best = Path(root), None
+    if not root.is_dir():
+        return None
+    for child in sorted(root.iterdir()):
+        if not child.is_dir() or child.name.endswith(_PARTIAL) or _ASIDE in child.name:
+            continue
+        try:
+            man = read_manifest(child)
+            for r in range(man["world_size"]):
+                _check_file(child, man, rank_file(r, man["world_size"]), full=False)
+            key = (int(man["global_steps"]), child.name)
+        except (StorageError, KeyError, TypeError, ValueError):
+            continue
+        if best is None or key > best[0]:
+            best = (key, child)
+    return None if best is None else best[1]
 
 
-def consolidate(ckpt: str | os.PathLike[str], out: str | os.PathLike[str]) -> Path:
-    raise NotImplementedError("consolidate is being written")
+# -- load ----------------------------------------------------------------------------------------
+def load(engine: Any, path: Path) -> dict[str, Any]:
+    """Restore ``engine`` from the checkpoint at ``path``, at any world size; return client_state.
+
+    Two phases, each ending in an agreement among ranks: first check the manifest against the
+    model and verify every file this rank will read (size and checksum), so a bad checkpoint
+    changes nothing; then stream the state in, one parameter at a time.
+    """
+    folder, err, man, plan = Path(path), None, {}, {}
+    try:
+        man = read_manifest(folder)
+        plan = _plan(engine, man)
+        for r in sorted(plan["ranks"]):
+            _check_file(folder, man, rank_file(r, man["world_size"]))
+    except OutcoreError as e:
+        err = e
+    _agree(engine, err, f"checking checkpoint {folder}")
+    try:
+        with torch.no_grad(), contextlib.ExitStack() as stack:
+            old = man["world_size"]
+            handles = {r: stack.enter_context(safe_open(folder / rank_file(r, old), "pt"))
+                       for r in plan["ranks"]}
+            for sp in engine.params:
+                _load_param(sp, plan["entries"][sp.name], man, handles)
+            for name, buf in _buffers(engine.module).items():
+                buf.copy_(handles[0].get_tensor(f"__buffer__::{name}"))
+            rng = handles[plan["rng_rank"]]
+            torch.set_rng_state(rng.get_tensor(_RNG_CPU))
+            if engine.rt.accel.is_cuda and _RNG_CUDA in rng.keys():  # noqa: SIM118
+                torch.cuda.set_rng_state(rng.get_tensor(_RNG_CUDA), engine.rt.device)
+    except (OutcoreError, OSError) as e:
+        err = e
+    _agree(engine, err, f"loading checkpoint {folder}")
+    for hp, saved in zip(engine.param_groups, man["param_groups"], strict=True):
+        hp.update({k: tuple(v) if isinstance(hp.get(k), tuple) else v for k, v in saved.items()})
+    engine.scaler.load_state_dict(man["scaler"])
+    engine.global_steps, engine.micro_steps = int(man["global_steps"]), 0
+    engine.optimizer.zero_grad()
+    for g in engine.groups:
+        g.refresh_after_step()
+    return man["client_state"]
+
+
+def _plan(engine: Any, man: dict) -> dict[str, Any]:
+    """Match the model against the manifest (ConfigError naming what differs) and list the
+    old rank files this rank must read."""
+    by_name = {}
+    for canon, entry in man["params"].items():
+        for n in (canon, *entry["aliases"]):
+            by_name[n] = (canon, entry)
+    model = [sp.name for sp in engine.params]
+    missing = [n for n in model if n not in by_name]
+    extra = sorted(set(man["params"]) - {by_name[n][0] for n in model if n in by_name})
+    if missing or extra:
+        raise ConfigError(f"checkpoint does not match the model: parameters missing from the "
+                          f"checkpoint {missing}, in the checkpoint but not the model {extra}")
+    shapes = [f"{sp.name}: checkpoint {by_name[sp.name][1]['shape']}, model {list(sp.shape)}"
+              for sp in engine.params if by_name[sp.name][1]["shape"] != list(sp.shape)]
+    if shapes:
+        raise ConfigError(f"checkpoint shapes differ from the model: {shapes}")
+    bufs, saved_bufs = list(_buffers(engine.module)), man["buffers"]
+    if set(bufs) != set(saved_bufs):
+        raise ConfigError(f"checkpoint buffers differ from the model's: missing "
+                          f"{sorted(set(bufs) - set(saved_bufs))}, "
+                          f"extra {sorted(set(saved_bufs) - set(bufs))}")
+    need = set(engine.optimizer.state_kinds) - set(man["optimizer"]["states"])
+    if need:
+        raise ConfigError(f"checkpoint has optimizer states {man['optimizer']['states']}, this "
+                          f"optimizer ({engine.optimizer.kind}) also needs {sorted(need)}")
+    if len(man["param_groups"]) != len(engine.param_groups):
+        raise ConfigError(f"checkpoint has {len(man['param_groups'])} param groups, the engine "
+                          f"{len(engine.param_groups)}")
+    old, rank = man["world_size"], engine.rt.rank
+    rng_rank = rank if rank < old else 0  # a new rank past the old world takes rank 0's RNG
+    ranks = {rng_rank}
+    if bufs:
+        ranks.add(0)
+    for sp in engine.params:
+        ranks.update(sts.pieces_overlapping(sp.numel, old, sp.layout.start, sp.layout.valid_numel))
+    return {"entries": {sp.name: by_name[sp.name] for sp in engine.params}, "ranks": ranks,
+            "rng_rank": rng_rank}
+
+
+def _load_param(sp: Any, found: tuple[str, dict], man: dict, handles: dict[int, Any]) -> None:
+    """Re-cut one parameter's saved state into this rank's shard and write it to its tiers."""
+    canon, entry = found
+    lay, old = sp.layout, man["world_size"]
+
+    def read(kind: str, dtype: torch.dtype) -> torch.Tensor:
+        out = torch.zeros(lay.shard_numel, dtype=dtype)
+        end = lay.start + lay.valid_numel
+        sts.read_flat_range(handles, old, f"{canon}::{kind}", sp.numel, lay.start, end, out)
+        return out
+
+    src = "master" if entry["trainable"] else "values"
+    if sp.master is not None:
+        master = read(src, torch.float32)
+        sp.master.save(master).result()
+        if sp.compute is not sp.master:
+            sp.compute.save(master.to(sp.compute.dtype)).result()
+    else:
+        sp.compute.save(read(src, sp.compute.dtype)).result()
+    for kind, stored in sp.optim.items():
+        stored.save(read(kind, torch.float32) if entry["trainable"]
+                    else torch.zeros(lay.shard_numel)).result()
+    if sp.trainable:
+        sp.step = int(entry["step"]) if entry["trainable"] else 0

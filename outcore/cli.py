@@ -328,10 +328,9 @@ def _run_probe(args: argparse.Namespace) -> int:
 def _run_consolidate(args: argparse.Namespace) -> int:
     if not Path(args.ckpt).exists():
         raise ConfigError(f"checkpoint {args.ckpt} does not exist")
-    checkpoint = _import_part("outcore.checkpoint", "checkpoints")
-    checkpoint.consolidate(args.ckpt, args.out)
-    size = Path(args.out).stat().st_size if Path(args.out).is_file() else None
-    print(f"wrote {args.out}" + (f" ({format_bytes(size)})" if size is not None else ""))
+    full_weights = _import_part("outcore.full_weights", "checkpoints")
+    out = full_weights.consolidate(args.ckpt, args.out)
+    print(f"wrote {out} ({format_bytes(out.stat().st_size)})")
     return 0
 
 

@@ -1,0 +1,83 @@
+"""``outcore consolidate``: one safetensors file of full weights from a sharded checkpoint.
+
+The file is assembled one parameter at a time from the rank files' valid pieces (see
+checkpoint.py's note on valid-only shards), so it never holds more than the largest
+parameter, and it is written atomically by the streaming writer. No pickle is involved.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import shutil
+import warnings
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from outcore import safetensors_stream as sts
+from outcore.checkpoint import _DTYPES, _check_file, rank_file, read_manifest
+from outcore.safetensors_stream import StreamWriter, TensorSpec
+
+
+def consolidate(ckpt: str | os.PathLike[str], out: str | os.PathLike[str]) -> Path:
+    """Write the checkpoint's full weights to one safetensors file; return its path.
+
+    Parameters come out in fp32 (the master values; frozen parameters' values upcast), every
+    name of a tied parameter as its own copy, and the persistent buffers, so that
+    ``model.load_state_dict(safetensors.torch.load_file(out))`` works with ``strict=True``.
+    The file is assembled one parameter at a time (memory: the largest parameter) and written
+    atomically; ``out`` may be a folder, which gets ``model.safetensors``.
+
+    Hugging Face models: if the trainer copied the model's ``config.json`` into the checkpoint
+    folder, it is copied next to ``out`` (unless a different one is already there, which is
+    kept), so ``from_pretrained(out.parent)`` loads the result.
+    """
+    folder, out = Path(ckpt), Path(out)
+    if out.is_dir():
+        out = out / "model.safetensors"
+    man = read_manifest(folder)
+    old = man["world_size"]
+    for r in range(old):
+        _check_file(folder, man, rank_file(r, old))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with contextlib.ExitStack() as stack:
+        handles = {r: stack.enter_context(safe_open(folder / rank_file(r, old), "pt"))
+                   for r in range(old)}
+        specs = [TensorSpec(n, torch.float32, tuple(e["shape"]))
+                 for canon, e in man["params"].items() for n in (canon, *e["aliases"])]
+        buf_dtypes = {}
+        for name in man["buffers"]:
+            dtype = _DTYPES[handles[0].get_slice(f"__buffer__::{name}").get_dtype()]
+            buf_dtypes[name] = torch.float32 if dtype.is_floating_point else dtype
+            shape = handles[0].get_slice(f"__buffer__::{name}").get_shape()
+            specs.append(TensorSpec(name, buf_dtypes[name], tuple(shape)))
+        with StreamWriter(out, specs, {"format": "pt"}) as w:
+            for canon, e in man["params"].items():
+                n, kind = e["numel"], "master" if e["trainable"] else "values"
+                full = torch.empty(n, dtype=torch.float32)
+                sts.read_flat_range(handles, old, f"{canon}::{kind}", n, 0, n, full)
+                for name in (canon, *e["aliases"]):
+                    w.write(name, full.view(e["shape"]))
+                del full
+            for name, dtype in buf_dtypes.items():
+                w.write(name, handles[0].get_tensor(f"__buffer__::{name}").to(dtype))
+            w.finish()
+    _copy_hf_config(folder, out.parent)
+    sts.fsync_dir(out.parent)
+    return out
+
+
+def _copy_hf_config(folder: Path, dest: Path) -> None:
+    src, dst = folder / "config.json", dest / "config.json"
+    if not src.is_file() or src.resolve() == dst.resolve():
+        return
+    if dst.exists():
+        if dst.read_bytes() != src.read_bytes():
+            warnings.warn(f"kept the existing {dst}; it differs from {src}", stacklevel=3)
+        return
+    tmp = dst.with_name(f"config.json.tmp-{secrets.token_hex(4)}")
+    shutil.copyfile(src, tmp)
+    os.replace(tmp, dst)

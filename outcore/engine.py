@@ -226,10 +226,10 @@ class Engine:
 
     def _global_norm(self, grads: list[torch.Tensor]) -> float:
         """L2 norm over every rank's gradient shards (padding is zero, so it adds nothing)."""
+        freed = self.optimizer.take_freed_norm_sq()  # gradients already applied and freed
+        local = torch.tensor([freed], dtype=torch.float64)
         if grads:
-            local = torch.stack(torch._foreach_norm(grads)).double().pow(2).sum().reshape(1)
-        else:
-            local = torch.zeros(1, dtype=torch.float64)
+            local += torch.stack(torch._foreach_norm(grads)).double().pow(2).sum()
         return float(self.rt.comm.all_reduce_sum(local)) ** 0.5
 
     # -- modes and inspection ----------------------------------------------------------------

@@ -7,6 +7,11 @@ memory a sub-group at a time, sized so three sub-groups fit ``offload.host_buffe
 while sub-group k is updated, k+1 is being read and k-1 written back. Both cases run the
 same loop; for memory tiers a "read" is simply handing over the resident tensor.
 
+A sub-group is a list of *slices* of parameter shards, not of whole parameters: the update
+is elementwise, so a 100M-element embedding shard is streamed in budget-sized pieces like
+any other. Slices are cut at multiples of ``_ALIGN_ELEMS`` elements so every piece starts on
+a 4 KiB boundary of its extent in both the fp32 and the 16-bit files (O_DIRECT needs that).
+
 [Note: torch's own kernels]
 The update itself is ``torch.optim.adamw.adamw`` / ``torch.optim.sgd.sgd`` (fused when the
 device supports it) over lists of shard tensors, so the arithmetic is exactly PyTorch's and a
@@ -31,13 +36,24 @@ from outcore.runtime import Runtime
 from outcore.storage import Tier
 
 _STATE_KINDS = {"adamw": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",)}
+_ALIGN_ELEMS = 2048  # 8 KiB of fp32, 4 KiB of bf16/fp16
+
+
+@dataclass
+class _Slice:
+    sp: ShardedParam
+    lo: int
+    hi: int
+
+    def of(self, t: torch.Tensor) -> torch.Tensor:
+        return t[self.lo : self.hi]
 
 
 @dataclass
 class _Work:
-    """One sub-group in flight: its params and their master/state tensors in memory."""
+    """One sub-group in flight: its slices and their master/state tensors in memory."""
 
-    params: list[ShardedParam]
+    params: list[_Slice]
     master: list[torch.Tensor] = field(default_factory=list)
     states: dict[str, list[torch.Tensor]] = field(default_factory=dict)
     pending: list = field(default_factory=list)
@@ -84,7 +100,11 @@ class ShardedOptimizer:
         self._subgroup_bytes = max(rt.cfg.offload.host_buffer_bytes // 3, per_elem)
         self._fused = rt.device.type in ("cpu", "cuda")
         self._worker: ThreadPoolExecutor | None = None
-        self._submitted: list[Future] = []
+        self._submitted: list[tuple[Future, int]] = []
+        # gradients waiting for a background update may hold at most this many bytes; the
+        # backward that submits more waits for the oldest update (see the note above)
+        self.pending_grad_limit = 2 * rt.cfg.offload.host_buffer_bytes
+        self._dropped_sq = 0.0  # squared norm of gradients already consumed and freed
         self.stats = {"updates_during_backward": 0, "updates_at_step": 0}
 
     @property
@@ -106,7 +126,11 @@ class ShardedOptimizer:
         self.stats["updates_during_backward"] += len(todo)
         if self._worker is None:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="outcore-optim")
-        self._submitted.append(self._worker.submit(self._update_all, todo))
+        nbytes = sum(sp.grad.nbytes for sp in todo)
+        while self._submitted and (sum(n for _, n in self._submitted) + nbytes
+                                   > self.pending_grad_limit):
+            self._submitted.pop(0)[0].result()
+        self._submitted.append((self._worker.submit(self._update_and_free, todo), nbytes))
 
     def step(self) -> None:
         """Finish submitted updates, then update every other parameter that got a gradient."""
@@ -119,8 +143,22 @@ class ShardedOptimizer:
 
     def wait(self) -> None:
         submitted, self._submitted = self._submitted, []
-        for fut in submitted:
+        for fut, _ in submitted:
             fut.result()
+
+    def take_freed_norm_sq(self) -> float:
+        """Squared L2 norm of the gradients that background updates consumed and freed."""
+        sq, self._dropped_sq = self._dropped_sq, 0.0
+        return sq
+
+    def _update_and_free(self, sps: list[ShardedParam]) -> None:
+        """Background update; the gradients are freed as soon as they are applied."""
+        self._update_all(sps)
+        norms = torch._foreach_norm([sp.grad for sp in sps])
+        self._dropped_sq += float(torch.stack(norms).double().pow(2).sum())
+        for sp in sps:
+            sp.drop_grad()
+            sp.stepped = True
 
     def close(self) -> None:
         if self._worker is not None:
@@ -133,6 +171,8 @@ class ShardedOptimizer:
             by_group.setdefault(self._hp_index[id(sp)], []).append(sp)
         for i, members in sorted(by_group.items()):
             self._run(self.param_groups[i], members)
+            for sp in members:
+                sp.step += 1
 
     def _run(self, hp: dict, live: list[ShardedParam]) -> None:
         """The streamed pipeline over sub-groups: read k+1, update k, write k-1."""
@@ -150,40 +190,52 @@ class ShardedOptimizer:
             behind = work
         if behind is not None:
             behind.wait()
-    def _subgroups(self, sps: list[ShardedParam]) -> Iterator[list[ShardedParam]]:
+    def _subgroups(self, sps: list[ShardedParam]) -> Iterator[list[_Slice]]:
         if self.rt.state_tier is not Tier.NVME:
             if sps:
-                yield sps
+                yield [_Slice(sp, 0, sp.shard_numel) for sp in sps]
             return
         per_elem = 4 * (1 + len(self.state_kinds))
-        chunk: list[ShardedParam] = []
-        size = 0
+        limit = max(_ALIGN_ELEMS, self._subgroup_bytes // per_elem // _ALIGN_ELEMS * _ALIGN_ELEMS)
+        chunk: list[_Slice] = []
+        room = limit
         for sp in sps:
-            if chunk and size + sp.shard_numel * per_elem > self._subgroup_bytes:
-                yield chunk
-                chunk, size = [], 0
-            chunk.append(sp)
-            size += sp.shard_numel * per_elem
+            lo = 0
+            while lo < sp.shard_numel:
+                hi = min(sp.shard_numel, lo + room)
+                chunk.append(_Slice(sp, lo, hi))
+                room -= hi - lo
+                lo = hi
+                if room < _ALIGN_ELEMS:
+                    yield chunk
+                    chunk, room = [], limit
+                else:  # keep the next slice of any parameter aligned
+                    room -= room % _ALIGN_ELEMS
         if chunk:
             yield chunk
 
-    def _load(self, sps: list[ShardedParam]) -> _Work:
-        work = _Work(sps, states={k: [] for k in self.state_kinds})
-        for sp in sps:
+    def _load(self, slices: list[_Slice]) -> _Work:
+        work = _Work(slices, states={k: [] for k in self.state_kinds})
+        for sl in slices:
+            sp = sl.sp
             for dst, stored in [(work.master, sp.master)] + [
                 (work.states[k], sp.optim[k]) for k in self.state_kinds
             ]:
                 t = stored.resident()
                 if t is None:
-                    t = torch.empty(stored.numel, dtype=stored.dtype)
-                    work.pending.append(stored.load(t))
+                    t = torch.empty(sl.hi - sl.lo, dtype=stored.dtype)
+                    work.pending.append(stored.load_range(sl.lo, t))
+                else:
+                    t = sl.of(t)
                 dst.append(t)
         return work
 
     def _update(self, work: _Work, hp: dict) -> None:
-        grads = [sp.grad for sp in work.params]
+        grads = [sl.of(sl.sp.grad) for sl in work.params]
         if self.kind == "adamw":
-            steps = [torch.tensor(float(sp.step), dtype=torch.float32) for sp in work.params]
+            # each slice gets its own copy of the parameter's step count: the kernel
+            # increments it, and a parameter cut in several slices must advance only once
+            steps = [torch.tensor(float(sl.sp.step), dtype=torch.float32) for sl in work.params]
             adamw(
                 work.master, grads, work.states["exp_avg"], work.states["exp_avg_sq"], [], steps,
                 fused=self._fused, foreach=False if self._fused else None, amsgrad=False,
@@ -197,17 +249,16 @@ class ShardedOptimizer:
                 momentum=hp["momentum"], lr=hp["lr"], dampening=0.0, nesterov=hp["nesterov"],
                 maximize=False,
             )
-        for sp in work.params:
-            sp.step += 1
 
     def _store(self, work: _Work) -> None:
         """Write back what lives on disk and refresh each compute shard from its master."""
-        for i, sp in enumerate(work.params):
+        for i, sl in enumerate(work.params):
+            sp = sl.sp
             if sp.master.resident() is None:
-                work.pending.append(sp.master.save(work.master[i]))
+                work.pending.append(sp.master.save_range(sl.lo, work.master[i]))
                 for k in self.state_kinds:
-                    work.pending.append(sp.optim[k].save(work.states[k][i]))
+                    work.pending.append(sp.optim[k].save_range(sl.lo, work.states[k][i]))
             if sp.compute is not sp.master:
                 cast = work.master[i].to(sp.compute.dtype)
                 work.keep.append(cast)
-                work.pending.append(sp.compute.save(cast))
+                work.pending.append(sp.compute.save_range(sl.lo, cast))

@@ -100,6 +100,14 @@ class Stored:
     def free(self) -> None:
         raise NotImplementedError
 
+    def load_range(self, start: int, out: torch.Tensor) -> Future:
+        """Copy elements ``[start, start + out.numel())`` into ``out``."""
+        raise NotImplementedError
+
+    def save_range(self, start: int, src: torch.Tensor) -> Future:
+        """Overwrite elements ``[start, start + src.numel())`` with ``src``."""
+        raise NotImplementedError
+
 
 class MemoryStored(Stored):
     """State kept as a tensor in device or host memory."""
@@ -127,6 +135,16 @@ class MemoryStored(Stored):
             self._ledger.add(self.tier.value, self._kind, -self.nbytes)
             self.tensor = None  # type: ignore[assignment]
 
+    def load_range(self, start: int, out: torch.Tensor) -> Future:
+        out.copy_(self.tensor[start : start + out.numel()])
+        return _Ready(out)
+
+    def save_range(self, start: int, src: torch.Tensor) -> Future:
+        dst = self.tensor[start : start + src.numel()]
+        if src.data_ptr() != dst.data_ptr():
+            dst.copy_(src)
+        return _Ready()
+
 
 class NvmeStored(Stored):
     """State kept in an extent of this rank's swap file."""
@@ -145,6 +163,22 @@ class NvmeStored(Stored):
 
     def save(self, src: torch.Tensor) -> Future:
         return self._store.write(self.extent, src.contiguous())
+
+    def _sub_extent(self, start: int, numel: int):
+        """The part of the extent holding elements ``[start, start + numel)``.
+
+        Callers cut ranges at 4 KiB boundaries (optim.py), as O_DIRECT needs aligned offsets.
+        """
+        esize = self.nbytes // max(self.numel, 1)
+        offset = self.extent.offset + start * esize
+        nbytes = numel * esize
+        return type(self.extent)(offset, nbytes, -(-nbytes // 4096) * 4096)
+
+    def load_range(self, start: int, out: torch.Tensor) -> Future:
+        return self._store.read(self._sub_extent(start, out.numel()), out)
+
+    def save_range(self, start: int, src: torch.Tensor) -> Future:
+        return self._store.write(self._sub_extent(start, src.numel()), src.contiguous())
 
     def free(self) -> None:
         if self.extent is not None:

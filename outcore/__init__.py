@@ -13,6 +13,7 @@ from outcore.engine import Engine, initialize
 from outcore.errors import ConfigError, DataError, OutcoreError, StorageError
 from outcore.gathered import gathered_parameters
 from outcore.init import init
+from outcore.pretrained import load_pretrained
 
 __version__ = "0.1.0"
 
@@ -42,4 +43,5 @@ __all__ = [
     "init",
     "initialize",
     "latest_checkpoint",
+    "load_pretrained",
 ]

@@ -198,7 +198,10 @@ class ShardedParam:
 
     def write_values(self, full: torch.Tensor) -> None:
         """Replace this rank's shard with its slice of ``full`` (master and compute shards)."""
-        shard = self.layout.cut(full.to(self.rt.device), torch.float32)
+        self.write_shard(self.layout.cut(full.to(self.rt.device), torch.float32))
+
+    def write_shard(self, shard: torch.Tensor) -> None:
+        """Replace this rank's shard (fp32, ``shard_numel`` long, zero padding) everywhere."""
         if self.master is not None:
             self.master.save(shard).result()
         if self.compute is not None and self.compute is not self.master:

@@ -1,0 +1,149 @@
+"""Pretrained weights straight into the tiers: safetensors in, shards out, one slice at a time.
+
+[Note: read only this rank's slice]
+A model built under ``outcore.init`` has no full parameters to ``load_state_dict`` into, and
+a model larger than host memory could not take one anyway. So each parameter is loaded on its
+own: this rank's shard covers elements ``[start, start + valid)`` of the flattened tensor, the
+rows of the file's tensor that hold them are read with safetensors' lazy ``get_slice`` (the
+rest of the file is never touched), the shard is cut out, cast to fp32 and written to the
+master and training-dtype shards in their home tiers. Host memory holds at most the rows of
+one tensor that overlap this rank's shard, and never a whole model.
+
+Names and shapes are checked for every tensor before anything is written, so a mismatch
+leaves the model as it was and the error lists every offending name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from outcore.errors import ConfigError
+from outcore.registry import managed
+
+_INDEX = "model.safetensors.index.json"
+
+
+def weight_files(path: str | os.PathLike[str]) -> dict[str, Path]:
+    """Map tensor name -> file for a ``.safetensors`` file or a Hugging Face style folder."""
+    p = Path(path)
+    if p.is_file():
+        files = [p]
+    elif (p / _INDEX).is_file():
+        weight_map = json.loads((p / _INDEX).read_text())["weight_map"]
+        return {name: p / fname for name, fname in weight_map.items()}
+    elif p.is_dir():
+        files = sorted(p.glob("*.safetensors"))
+        if not files:
+            raise ConfigError(f"no *.safetensors files in {p}")
+    else:
+        raise ConfigError(f"pretrained weights not found: {p}")
+    out: dict[str, Path] = {}
+    for f in files:
+        with safe_open(f, framework="pt") as h:
+            for name in h.keys():  # noqa: SIM118  (safe_open is not a dict)
+                out[name] = f
+    return out
+
+
+def load_pretrained(model: nn.Module, path: str | os.PathLike[str]) -> None:
+    """Load weights (and persistent buffers) from ``path`` into ``model``.
+
+    ``model`` may be plain, built under ``outcore.init``, or already wrapped by
+    ``outcore.initialize`` (gathered copies are refreshed). Tied parameters may appear under
+    any of their names. Every rank must call this (collective only in that each rank reads
+    its own slices; no communication is needed).
+    """
+    where = weight_files(path)
+    params: list[tuple[list[str], nn.Parameter]] = []
+    by_id: dict[int, int] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in by_id:
+            params[by_id[id(p)]][0].append(name)
+        else:
+            by_id[id(p)] = len(params)
+            params.append(([name], p))
+    buffers = dict(_persistent_buffers(model))
+    plan, missing, used = [], [], set()
+    for names, p in params:
+        key = next((n for n in names if n in where), None)
+        if key is None:
+            missing.append(names[0])
+            continue
+        plan.append((key, p))
+        used.update(n for n in names if n in where)
+    for name in buffers:
+        if name in where:
+            used.add(name)
+    unexpected = sorted(set(where) - used)
+    if missing or unexpected:
+        raise ConfigError(f"weights in {path} do not match the model: missing "
+                          f"{_few(missing)}; unexpected {_few(unexpected)}")
+    with contextlib.ExitStack() as stack:
+        handles: dict[Path, object] = {}
+
+        def handle(f: Path):
+            if f not in handles:
+                handles[f] = stack.enter_context(safe_open(f, framework="pt"))
+            return handles[f]
+
+        bad = []
+        for key, p in plan:
+            shape = tuple(handle(where[key]).get_slice(key).get_shape())
+            if shape != tuple(p.shape):
+                bad.append(f"{key}: file {list(shape)} vs model {list(p.shape)}")
+        if bad:
+            raise ConfigError(f"shape mismatch in {path}: " + "; ".join(bad[:10]))
+        with torch.no_grad():
+            for key, p in plan:
+                _load_one(handle(where[key]), key, p)
+            for name, buf in buffers.items():
+                if name in where:
+                    buf.copy_(handle(where[name]).get_tensor(name))
+
+
+def _load_one(h, key: str, p: nn.Parameter) -> None:
+    sp = managed(p)
+    if sp is None:
+        p.copy_(h.get_tensor(key))
+        return
+    lay = sp.layout
+    shard = torch.zeros(lay.shard_numel, dtype=torch.float32)
+    if lay.valid_numel:
+        piece = read_flat_range(h, key, tuple(sp.shape), lay.start, lay.start + lay.valid_numel)
+        shard[: lay.valid_numel].copy_(piece)
+    sp.write_shard(shard.to(sp.rt.device))
+    if sp.group is not None:
+        sp.group.refresh_after_step()
+
+
+def read_flat_range(h, key: str, shape: tuple[int, ...], start: int, stop: int) -> torch.Tensor:
+    """Elements ``[start, stop)`` of the flattened tensor ``key``, reading only their rows."""
+    if len(shape) <= 1:
+        t = h.get_tensor(key) if not shape else h.get_slice(key)[start:stop]
+        return t.reshape(-1)[: stop - start] if not shape else t
+    row = math.prod(shape[1:])
+    first, last = start // row, -(-stop // row)
+    rows = h.get_slice(key)[first:last].reshape(-1)
+    return rows[start - first * row : stop - first * row]
+
+
+def _persistent_buffers(model: nn.Module):
+    for mod_name, mod in model.named_modules():
+        for name, buf in mod._buffers.items():
+            if buf is not None and name not in mod._non_persistent_buffers_set:
+                yield (f"{mod_name}.{name}" if mod_name else name), buf
+
+
+def _few(names: list[str]) -> str:
+    if not names:
+        return "none"
+    more = f" and {len(names) - 10} more" if len(names) > 10 else ""
+    return ", ".join(names[:10]) + more

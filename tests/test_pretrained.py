@@ -1,0 +1,90 @@
+"""Pretrained safetensors weights load straight into sharded, offloaded parameters."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import outcore
+from tests.distributed import run_world
+
+transformers = pytest.importorskip("transformers")
+
+
+def _gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=96,
+                                      n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0,
+                                      attn_pdrop=0.0, bos_token_id=0, eos_token_id=0))
+
+
+def _load_and_finetune(folder: str, swap: str, out: str) -> dict:
+    cfg = outcore.Config(dtype="fp32", optimizer={"lr": 1e-3},
+                         zero={"persistence_threshold_bytes": 0},
+                         offload={"params": "nvme", "optimizer": "nvme", "nvme_path": swap})
+    torch.manual_seed(123)  # a different init, so the load must overwrite it
+    with outcore.init(cfg):
+        model = _gpt2()
+    outcore.load_pretrained(model, folder)
+    engine = outcore.initialize(model, cfg)
+    with engine.gathered_parameters():
+        loaded = {n: p.data.clone() for n, p in model.named_parameters()}
+    ids = torch.arange(32).reshape(2, 16) % 96
+    losses = []
+    for _ in range(3):
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    engine.eval()
+    with torch.no_grad():
+        logits = engine(input_ids=ids).logits.clone()
+    engine.save_checkpoint(Path(out) / "ckpt")
+    engine.close()
+    return {"loaded": loaded, "losses": losses, "logits": logits}
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_hf_sharded_weights_load_into_nvme_shards_and_finetune(world: int,
+                                                               tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    plain = _gpt2()
+    folder = tmp_path / "pretrained"
+    plain.save_pretrained(folder, max_shard_size="40KB")  # several files + an index
+    assert (folder / "model.safetensors.index.json").exists()
+    results = run_world(_load_and_finetune, world, str(folder), str(tmp_path),
+                        str(tmp_path / "run"))
+    for r in results:
+        for name, p in plain.named_parameters():
+            assert torch.equal(torch.as_tensor(r["loaded"][name]), p.detach()), name
+        assert r["losses"][-1] < r["losses"][0]
+    # the fine-tuned checkpoint consolidates into a file from_pretrained loads
+    out = tmp_path / "export"
+    outcore.consolidate(tmp_path / "run" / "ckpt", out / "model.safetensors")
+    plain.config.save_pretrained(out)
+    again = type(plain).from_pretrained(out).eval()
+    ids = torch.arange(32).reshape(2, 16) % 96
+    with torch.no_grad():
+        expected = torch.as_tensor(results[0]["logits"])
+        assert torch.allclose(again(input_ids=ids).logits, expected, atol=1e-5)
+
+
+def test_name_and_shape_mismatches_are_clear_errors(tmp_path: Path) -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    save_file({"0.weight": torch.zeros(3, 4), "0.bias": torch.zeros(3),
+               "1.weight": torch.zeros(2, 3), "extra": torch.zeros(1)}, tmp_path / "a.safetensors")
+    with pytest.raises(outcore.ConfigError, match=r"missing 1.bias; unexpected extra"):
+        outcore.load_pretrained(model, tmp_path / "a.safetensors")
+    save_file({"0.weight": torch.zeros(4, 4), "0.bias": torch.zeros(3),
+               "1.weight": torch.zeros(2, 3), "1.bias": torch.zeros(2)},
+              tmp_path / "b.safetensors")
+    before = model[0].weight.detach().clone()
+    with pytest.raises(outcore.ConfigError, match=r"0.weight: file \[4, 4\] vs model \[3, 4\]"):
+        outcore.load_pretrained(model, tmp_path / "b.safetensors")
+    assert torch.equal(model[0].weight, before)  # nothing was written
+    with pytest.raises(outcore.ConfigError, match="not found"):
+        outcore.load_pretrained(model, tmp_path / "nope")

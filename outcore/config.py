@@ -165,6 +165,22 @@ class Config(_Section):
             return cls.from_dict(source)
         return cls.from_file(source)
 
+    @classmethod
+    def from_deepspeed(cls, source: dict[str, Any] | str | os.PathLike[str]) -> Config:
+        """Map a DeepSpeed ZeRO-3 config (dict or JSON path); warns once about ignored keys."""
+        from outcore.deepspeed_config import from_deepspeed
+
+        return from_deepspeed(source)
+
+    @classmethod
+    def auto(cls, model_or_params: Any, base: Config | dict[str, Any] | None = None, *,
+             world_size: int = 1, nvme_path: str | None = None, **measured: Any) -> Config:
+        """Choose tiers and budgets for this machine (placement.py); prints the plan and why."""
+        from outcore.placement import auto_config
+
+        return auto_config(model_or_params, base, world_size=world_size, nvme_path=nvme_path,
+                           **measured)
+
     def with_overrides(self, overrides: dict[str, Any]) -> Config:
         """Deep-merge ``overrides`` into this config and validate the result."""
         return Config.from_dict(_merge(self.model_dump(), overrides))

@@ -1,0 +1,137 @@
+"""``Config.auto``: choose tiers and byte budgets from the model size and this machine.
+
+[Note: the fastest tier that fits wins]
+Per parameter and rank, mixed-precision training keeps 2 bytes of training-dtype parameters
+and 12 bytes of fp32 master weights and Adam moments, plus fp32 gradients (4 bytes) between
+backward and step. Each tier is an order of magnitude faster than the next (device memory >
+host memory > NVMe, as ``outcore probe`` measures), and moving a kind of state down a tier
+only adds traffic, so throughput is highest when each kind sits in the fastest tier that still
+holds it. The plan therefore tries, in order: everything on the device; optimizer state on the
+host; parameters on the host too; optimizer state on NVMe (parameters on the host); both on
+NVMe. Optimizer state moves first because its traffic per step (read and write once) is lower
+per byte than the parameters' (read in forward and again in backward), which is the paper's
+arithmetic-intensity argument: optimizer ait is tokens/4, parameters' is tokens.
+
+A tier counts as holding a kind of state when that state uses at most ``usable`` of the free
+memory measured now (default 60%: activations, gathered layers, the allocator and the rest of
+the process need the remainder). On a CPU-only machine the device *is* host memory, so device
+and host share one free-memory figure and the two tiers are never both counted. Budgets follow:
+host I/O buffers get 2% of free host memory (64 MiB to 1 GiB), prefetch gets 5% of free device
+memory (64 MiB to 2 GiB).
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+
+from outcore.errors import ConfigError
+
+_MiB = 1 << 20
+PARAM_BYTES, STATE_BYTES, GRAD_BYTES = 2, 12, 4
+_ORDER = [("none", "none"), ("none", "cpu"), ("cpu", "cpu"), ("cpu", "nvme"), ("nvme", "nvme")]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The chosen placement and the numbers behind it."""
+
+    params: str
+    optimizer: str
+    host_buffer_bytes: int
+    prefetch_bytes: int
+    reasons: list[str]
+
+    def explain(self) -> str:
+        head = (f"placement: params={self.params}, optimizer={self.optimizer}, "
+                f"host_buffer_bytes={self.host_buffer_bytes >> 20} MiB, "
+                f"prefetch_bytes={self.prefetch_bytes >> 20} MiB")
+        return "\n".join([head, *("  " + r for r in self.reasons)])
+
+
+def free_memory() -> tuple[int, int]:
+    """Free (device, host) bytes now; on a CPU-only machine both are host memory."""
+    host = psutil.virtual_memory().available
+    if torch.cuda.is_available():
+        free, _ = torch.cuda.mem_get_info()
+        return free, host
+    return host, host
+
+
+def plan(num_params: int, world_size: int = 1, *, nvme_path: str | None = None,
+         device_free: int | None = None, host_free: int | None = None,
+         disk_free: int | None = None, usable: float = 0.6) -> Plan:
+    """Pick the fastest placement that fits (see the note above)."""
+    if num_params <= 0:
+        raise ConfigError(f"auto placement needs a positive parameter count, got {num_params}")
+    measured_dev, measured_host = free_memory()
+    dev = measured_dev if device_free is None else device_free
+    host = measured_host if host_free is None else host_free
+    shared = not torch.cuda.is_available() and device_free is None
+    if disk_free is None:
+        disk_free = shutil.disk_usage(_existing(nvme_path)).free if nvme_path else 0
+    per_rank = -(-num_params // world_size)
+    need = {"params": per_rank * PARAM_BYTES, "optimizer": per_rank * (STATE_BYTES + GRAD_BYTES)}
+    reasons = [f"{num_params:,} parameters over {world_size} rank(s): "
+               f"{need['params'] / 2**30:.2f} GiB of parameter shards and "
+               f"{need['optimizer'] / 2**30:.2f} GiB of fp32 optimizer state + gradients "
+               "per rank"]
+    for params, optimizer in _ORDER:
+        use = {"device": 0, "host": 0, "nvme": 0}
+        for kind, where in (("params", params), ("optimizer", optimizer)):
+            use[{"none": "device", "cpu": "host", "nvme": "nvme"}[where]] += need[kind]
+        if optimizer == "nvme":  # gradients stay in host memory until their update
+            use["host"] += per_rank * GRAD_BYTES
+            use["nvme"] -= per_rank * GRAD_BYTES
+        mem_used = use["device"] + use["host"] if shared else max(use["device"], 0)
+        fits = (mem_used <= usable * dev and (shared or use["host"] <= usable * host)
+                and use["nvme"] <= usable * disk_free)
+        label = f"params={params}, optimizer={optimizer}"
+        if fits:
+            reasons.append(f"{label}: fits ({_gib(use)})")
+            break
+        reasons.append(f"{label}: does not fit ({_gib(use)}; free device {dev / 2**30:.1f} GiB, "
+                       f"host {host / 2**30:.1f} GiB, disk {disk_free / 2**30:.1f} GiB, "
+                       f"{usable:.0%} usable)")
+    else:
+        where = f"{disk_free:,} bytes free at {nvme_path}" if nvme_path else "no nvme_path given"
+        raise ConfigError(
+            f"the model does not fit this machine even with everything on NVMe: "
+            f"{need['params'] + need['optimizer']:,} bytes per rank, {where}")
+    host_buffers = int(min(max(0.02 * host, 64 * _MiB), 1024 * _MiB)) // 4096 * 4096
+    prefetch = int(min(max(0.05 * dev, 64 * _MiB), 2048 * _MiB))
+    return Plan(params, optimizer, host_buffers, prefetch, reasons)
+
+
+def auto_config(num_params: int | torch.nn.Module, base: dict[str, Any] | None = None, *,
+                world_size: int = 1, nvme_path: str | None = None, **measured: Any):
+    """An ``outcore.Config`` with the planned placement merged into ``base``; prints the plan."""
+    from outcore.config import Config
+
+    if isinstance(num_params, torch.nn.Module):
+        num_params = sum(p.numel() for p in num_params.parameters())
+    chosen = plan(int(num_params), world_size, nvme_path=nvme_path, **measured)
+    print(chosen.explain(), flush=True)
+    cfg = Config.load(base)
+    offload = {"params": chosen.params, "optimizer": chosen.optimizer,
+               "host_buffer_bytes": chosen.host_buffer_bytes}
+    if nvme_path:
+        offload["nvme_path"] = nvme_path
+    return cfg.with_overrides({"offload": offload,
+                               "zero": {"prefetch_bytes": chosen.prefetch_bytes}})
+
+
+def _existing(path: str) -> str:
+    p = Path(path).resolve()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return str(p)
+
+
+def _gib(use: dict[str, int]) -> str:
+    return ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in use.items() if v)

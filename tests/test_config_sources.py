@@ -1,0 +1,94 @@
+"""Config from a DeepSpeed config, and automatic placement."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+
+import outcore
+from outcore.placement import plan
+
+GiB = 1 << 30
+
+
+def test_deepspeed_zero3_nvme_config_maps_and_reports_ignored_keys(tmp_path) -> None:
+    ds = {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 2,
+        "gradient_clipping": 1.0,
+        "bf16": {"enabled": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.95],
+                                                  "eps": 1e-8, "weight_decay": 0.1}},
+        "zero_optimization": {
+            "stage": 3, "sub_group_size": 1e9, "stage3_max_live_parameters": 1e9,
+            "stage3_prefetch_bucket_size": 5e7, "stage3_param_persistence_threshold": 1e5,
+            "offload_param": {"device": "nvme", "nvme_path": str(tmp_path), "pin_memory": True,
+                              "buffer_count": 5, "buffer_size": 1e8},
+            "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path),
+                                  "buffer_count": 4},
+        },
+        "aio": {"block_size": 1048576, "queue_depth": 8, "thread_count": 2,
+                "single_submit": False},
+    }
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(ds))
+    with pytest.warns(UserWarning) as caught:
+        cfg = outcore.Config.from_deepspeed(path)
+    text = str(caught[0].message)
+    for key in ("train_micro_batch_size_per_gpu", "sub_group_size",
+                "stage3_max_live_parameters", "offload_param.pin_memory", "aio.queue_depth"):
+        assert key in text
+    assert len(caught) == 1
+    assert cfg.dtype == "bf16" and cfg.gradient_accumulation_steps == 2
+    assert cfg.optimizer.lr == 3e-4 and cfg.optimizer.weight_decay == 0.1
+    assert cfg.offload.params == "nvme" and cfg.offload.optimizer == "nvme"
+    assert cfg.offload.nvme_path == str(tmp_path)
+    assert cfg.offload.host_buffer_bytes == 5 * 10**8 * 2
+    assert cfg.zero.prefetch_bytes == 10**8 and cfg.zero.persistence_threshold_bytes == 2 * 10**5
+    assert cfg.offload.io_block_bytes == 1 << 20 and cfg.offload.io_threads == 2
+
+
+def test_deepspeed_errors_name_the_key() -> None:
+    with pytest.raises(outcore.ConfigError, match="zero_optimization.stage: 2"):
+        outcore.Config.from_deepspeed({"zero_optimization": {"stage": 2}})
+    with pytest.raises(outcore.ConfigError, match="optimizer.type: 'Lamb'"):
+        outcore.Config.from_deepspeed({"optimizer": {"type": "Lamb"}})
+    with pytest.raises(outcore.ConfigError, match="adam_w_mode"):
+        outcore.Config.from_deepspeed({"optimizer": {"type": "Adam",
+                                                     "params": {"adam_w_mode": False}}})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing to ignore, so no warning
+        cfg = outcore.Config.from_deepspeed({"fp16": {"enabled": True, "loss_scale_window": 50}})
+    assert cfg.dtype == "fp16" and cfg.loss_scale.growth_interval == 50
+
+
+@pytest.mark.parametrize(
+    ("params", "dev", "host", "disk", "expected"),
+    [
+        (10**8, 8 * GiB, 64 * GiB, 100 * GiB, ("none", "none")),   # 1.6 GB of states fits
+        (10**9, 8 * GiB, 64 * GiB, 100 * GiB, ("none", "cpu")),    # 2 GB params fit, 16 GB not
+        (3 * 10**9, 8 * GiB, 128 * GiB, 100 * GiB, ("cpu", "cpu")),
+        (3 * 10**9, 8 * GiB, 24 * GiB, 100 * GiB, ("cpu", "nvme")),
+        (20 * 10**9, 8 * GiB, 24 * GiB, 900 * GiB, ("nvme", "nvme")),
+    ],
+)
+def test_auto_placement_picks_the_fastest_tier_that_fits(params, dev, host, disk,
+                                                         expected, tmp_path) -> None:
+    chosen = plan(params, device_free=dev, host_free=host, disk_free=disk,
+                  nvme_path=str(tmp_path))
+    assert (chosen.params, chosen.optimizer) == expected
+    assert "fits" in chosen.explain()
+
+
+def test_auto_placement_fails_clearly_when_nothing_fits(tmp_path) -> None:
+    with pytest.raises(outcore.ConfigError, match="does not fit this machine"):
+        plan(10**12, device_free=8 * GiB, host_free=16 * GiB, disk_free=GiB,
+             nvme_path=str(tmp_path))
+
+
+def test_config_auto_returns_a_valid_config(tmp_path, capsys) -> None:
+    cfg = outcore.Config.auto(10**6, {"dtype": "fp32"}, nvme_path=str(tmp_path))
+    assert cfg.dtype == "fp32" and cfg.offload.params == "none"
+    assert "placement: params=none" in capsys.readouterr().out

@@ -65,8 +65,14 @@ def free_memory() -> tuple[int, int]:
 
 def plan(num_params: int, world_size: int = 1, *, nvme_path: str | None = None,
          device_free: int | None = None, host_free: int | None = None,
-         disk_free: int | None = None, usable: float = 0.6) -> Plan:
-    """Pick the fastest placement that fits (see the note above)."""
+         disk_free: int | None = None, usable: float = 0.6,
+         grads_resident: bool = True) -> Plan:
+    """Pick the fastest placement that fits (see the note above).
+
+    ``grads_resident``: whether a whole step's fp32 gradients live at once. With the optimizer
+    overlapped with backward (no clipping, not fp16) each group's gradient is freed after its
+    update, so gradients need no room of their own beyond the host buffer budget.
+    """
     if num_params <= 0:
         raise ConfigError(f"auto placement needs a positive parameter count, got {num_params}")
     measured_dev, measured_host = free_memory()
@@ -76,7 +82,8 @@ def plan(num_params: int, world_size: int = 1, *, nvme_path: str | None = None,
     if disk_free is None:
         disk_free = shutil.disk_usage(_existing(nvme_path)).free if nvme_path else 0
     per_rank = -(-num_params // world_size)
-    need = {"params": per_rank * PARAM_BYTES, "optimizer": per_rank * (STATE_BYTES + GRAD_BYTES)}
+    grad_bytes = GRAD_BYTES if grads_resident else 0
+    need = {"params": per_rank * PARAM_BYTES, "optimizer": per_rank * (STATE_BYTES + grad_bytes)}
     reasons = [f"{num_params:,} parameters over {world_size} rank(s): "
                f"{need['params'] / 2**30:.2f} GiB of parameter shards and "
                f"{need['optimizer'] / 2**30:.2f} GiB of fp32 optimizer state + gradients "
@@ -86,8 +93,8 @@ def plan(num_params: int, world_size: int = 1, *, nvme_path: str | None = None,
         for kind, where in (("params", params), ("optimizer", optimizer)):
             use[{"none": "device", "cpu": "host", "nvme": "nvme"}[where]] += need[kind]
         if optimizer == "nvme":  # gradients stay in host memory until their update
-            use["host"] += per_rank * GRAD_BYTES
-            use["nvme"] -= per_rank * GRAD_BYTES
+            use["host"] += per_rank * grad_bytes
+            use["nvme"] -= per_rank * grad_bytes
         mem_used = use["device"] + use["host"] if shared else max(use["device"], 0)
         fits = (mem_used <= usable * dev and (shared or use["host"] <= usable * host)
                 and use["nvme"] <= usable * disk_free)
@@ -115,9 +122,12 @@ def auto_config(num_params: int | torch.nn.Module, base: dict[str, Any] | None =
 
     if isinstance(num_params, torch.nn.Module):
         num_params = sum(p.numel() for p in num_params.parameters())
+    cfg = Config.load(base)
+    overlapped = (cfg.zero.overlap_optimizer and cfg.gradient_clipping == 0
+                  and cfg.dtype != "fp16")
+    measured.setdefault("grads_resident", not overlapped)
     chosen = plan(int(num_params), world_size, nvme_path=nvme_path, **measured)
     print(chosen.explain(), flush=True)
-    cfg = Config.load(base)
     offload = {"params": chosen.params, "optimizer": chosen.optimizer,
                "host_buffer_bytes": chosen.host_buffer_bytes}
     if nvme_path:

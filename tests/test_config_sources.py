@@ -70,8 +70,9 @@ def test_deepspeed_errors_name_the_key() -> None:
         (10**8, 8 * GiB, 64 * GiB, 100 * GiB, ("none", "none")),   # 1.6 GB of states fits
         (10**9, 8 * GiB, 64 * GiB, 100 * GiB, ("none", "cpu")),    # 2 GB params fit, 16 GB not
         (3 * 10**9, 8 * GiB, 128 * GiB, 100 * GiB, ("cpu", "cpu")),
-        (3 * 10**9, 8 * GiB, 24 * GiB, 100 * GiB, ("cpu", "nvme")),
-        (20 * 10**9, 8 * GiB, 24 * GiB, 900 * GiB, ("nvme", "nvme")),
+        (3 * 10**9, 8 * GiB, 64 * GiB, 100 * GiB, ("cpu", "nvme")),
+        # 3B: fp32 gradients of a whole step (12 GB) do not fit 60% of 24 GiB of host memory
+        (3 * 10**9, 8 * GiB, 24 * GiB, 100 * GiB, ("nvme", "nvme")),
     ],
 )
 def test_auto_placement_picks_the_fastest_tier_that_fits(params, dev, host, disk,
@@ -80,6 +81,15 @@ def test_auto_placement_picks_the_fastest_tier_that_fits(params, dev, host, disk
                   nvme_path=str(tmp_path))
     assert (chosen.params, chosen.optimizer) == expected
     assert "fits" in chosen.explain()
+
+
+def test_overlapped_updates_free_gradients_so_larger_models_fit(tmp_path) -> None:
+    kw = {"device_free": 8 * GiB, "host_free": 24 * GiB, "disk_free": 900 * GiB,
+          "nvme_path": str(tmp_path)}
+    with pytest.raises(outcore.ConfigError):
+        plan(20 * 10**9, **kw)  # 80 GB of resident fp32 gradients
+    chosen = plan(20 * 10**9, grads_resident=False, **kw)
+    assert (chosen.params, chosen.optimizer) == ("nvme", "nvme")
 
 
 def test_auto_placement_fails_clearly_when_nothing_fits(tmp_path) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from outcore.config import Config
 from outcore.engine import Engine, initialize
-from outcore.errors import ConfigError, DataError, OutcoreError, StorageError
+from outcore.errors import CommError, ConfigError, DataError, OutcoreError, StorageError
 from outcore.gathered import gathered_parameters
 from outcore.init import init
 from outcore.pretrained import load_pretrained
@@ -32,6 +32,7 @@ def consolidate(ckpt: str | os.PathLike[str], out: str | os.PathLike[str]) -> Pa
     return full_weights.consolidate(ckpt, out)
 
 __all__ = [
+    "CommError",
     "Config",
     "ConfigError",
     "DataError",

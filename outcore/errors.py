@@ -24,3 +24,7 @@ class DataError(OutcoreError, ValueError):
 
 class StorageError(OutcoreError, OSError):
     """A swap or checkpoint path cannot be used: missing, read-only, full, or corrupt."""
+
+
+class CommError(OutcoreError, RuntimeError):
+    """A collective failed: another rank died, or did not answer within ``comm.timeout_s``."""

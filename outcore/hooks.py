@@ -118,10 +118,12 @@ class Hooks:
     def _pre_forward(self, module: nn.Module, args: tuple) -> None:
         with self.mode.suspended():
             groups = self.module_groups[module]
+            # push the frame before fetching: if the fetch raises, the post-forward hook (which
+            # always runs) must pop this frame, not its parent's
+            self.frames.append(list(groups))
             for g in groups:
                 g.holds += 1
             self.schedule.need(groups)
-            self.frames.append(list(groups))
 
     def _post_forward(self, module: nn.Module, args: tuple, output: object) -> None:
         with self.mode.suspended():

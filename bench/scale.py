@@ -49,6 +49,11 @@ class PeakRSS:
         return max(self.peak, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
 
 
+def _page_cache() -> int:
+    """Bytes of file pages the kernel caches now: swap traffic through O_DIRECT adds none."""
+    return psutil.virtual_memory().cached
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="gpt-3b", choices=sorted(PRESETS))
@@ -79,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     })
     print(f"{args.model}: {n / 1e9:.2f}B parameters, model states {16 * n / 1e9:.1f} GB "
           f"(16 B/param), RAM {psutil.virtual_memory().total / 2**30:.0f} GiB", flush=True)
+    cache0 = _page_cache()
     rss = PeakRSS()
     t0 = time.perf_counter()
     torch.manual_seed(0)
@@ -109,10 +115,14 @@ def main(argv: list[str] | None = None) -> int:
               f"wrote {wrote / 1e9:.1f} GB  floor {floor:.1f} s  step/floor {dt / floor:.2f}  "
               f"peak RSS {rss.peak / 2**30:.2f} GiB", flush=True)
     report = engine.memory_report()
+    cache_growth = _page_cache() - cache0
+    direct = store.direct
     engine.close()
     peak = rss.close()
     result = {"model": args.model, "params": n, "model_state_GB": 16 * n / 1e9,
               "build_s": build_s, "steps": rows, "peak_rss_GiB": peak / 2**30,
+              "peak_rss_over_model_states": peak / (16 * n),
+              "page_cache_growth_GiB": cache_growth / 2**30, "o_direct": direct,
               "schedule": report["schedule"], "probe": probe,
               "command": " ".join([sys.executable, *sys.argv])}
     print(json.dumps({k: v for k, v in result.items() if k != "steps"}, indent=1))

@@ -10,13 +10,14 @@ import codecs
 import os
 import sysconfig
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
 from outcore.errors import DataError
 
-__all__ = ["DEFAULT_CORPUS_BYTES", "BatchSampler", "default_corpus", "load_text",
+__all__ = ["DEFAULT_CORPUS_BYTES", "BatchSampler", "default_corpus", "encode", "load_text",
            "load_tokens", "split_tokens"]
 
 DEFAULT_CORPUS_BYTES = 16 << 20
@@ -121,6 +122,25 @@ def load_tokens(path: str | Path | None = None,
     """Byte-level tokens (uint8) of ``path``, or of the default corpus when path is None."""
     raw = default_corpus(max_bytes) if path is None else load_text(path)
     return torch.from_numpy(np.frombuffer(raw, dtype=np.uint8).copy())
+
+
+def encode(raw: bytes, tokenizer: Any, chunk_bytes: int = 1 << 20) -> torch.Tensor:
+    """Token ids (int32) of UTF-8 text under a Hugging Face tokenizer.
+
+    The text is encoded in pieces of about ``chunk_bytes`` cut at line ends, because fast
+    tokenizers warn about (and slow ones choke on) one multi-megabyte string.
+    """
+    text = raw.decode("utf-8", errors="replace")
+    ids: list[int] = []
+    start = 0
+    while start < len(text):
+        end = text.find("\n", start + chunk_bytes)
+        end = len(text) if end < 0 else end + 1
+        ids += tokenizer(text[start:end], add_special_tokens=False)["input_ids"]
+        start = end
+    if not ids:
+        raise DataError("data: the tokenizer produced no tokens from the text")
+    return torch.tensor(ids, dtype=torch.int32)
 
 
 def split_tokens(tokens: torch.Tensor,

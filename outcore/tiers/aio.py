@@ -157,7 +157,7 @@ class IOFuture:
             error = done.exception()
             try:
                 fn(error is None)
-            except Exception as e:  # noqa: BLE001 - passed on through the future
+            except Exception as e:  # passed on through the future
                 error = error or e
             if error is None:
                 out.set_result(nbytes)
@@ -273,7 +273,7 @@ def _worker(tasks: queue.SimpleQueue) -> None:
         op, fd, view, offset, path, request = task
         try:
             moved = transfer(op, fd, view, offset, path)
-        except BaseException as e:  # noqa: BLE001 - handed to the future, never lost
+        except BaseException as e:  # handed to the future, never lost
             request.block_done(offset, 0, e)
         else:
             request.block_done(offset, moved, None)

@@ -21,7 +21,8 @@ A transfer whose tensor is not aligned goes through pool buffers, one chunk per 
 ``write``/``read`` borrow those buffers in the calling thread, so when the pool is empty
 the call waits for earlier chunks to finish rather than allocating: host memory never
 exceeds the pool's budget. Aligned tensors go straight to disk and borrow at most one
-buffer, for their last partial page.
+buffer, for their last partial page. So never call them from a done-callback: that runs
+on an I/O thread, and waiting there for a buffer can stall the threads that free them.
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ import shutil
 import threading
 import warnings
 import weakref
-from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 from typing import NamedTuple
@@ -131,16 +131,10 @@ class _FreeList:
             return self._sizes[-1]
         return 0
 
-    def holes(self) -> list[tuple[int, int]]:
-        return list(zip(self._starts, self._sizes, strict=True))
-
 
 class _SwapFile:
-    """What the store created on disk, and the in-flight count that must reach 0 to delete it.
-
-    Kept apart from ``NvmeStore`` so that ``weakref.finalize`` can clean up without holding
-    the store alive, at garbage collection or at interpreter exit.
-    """
+    """What the store created, and its in-flight I/O count; apart from ``NvmeStore`` so that
+    ``weakref.finalize`` can delete it at collection or exit without keeping the store alive."""
 
     def __init__(self, folder: Path, path: Path) -> None:
         self.folder = folder
@@ -223,25 +217,6 @@ def _warn_buffered(path: Path) -> None:
             "buffered I/O for its NVMe swap, so swap traffic will go through the page cache",
             stacklevel=4,
         )
-
-
-def _after(future: IOFuture, then: Callable[[bool], None], result: int) -> IOFuture:
-    """A future that completes with ``result`` once ``future`` is done and ``then()`` ran."""
-    out = IOFuture()
-
-    def finish(done: IOFuture) -> None:
-        error = done.exception()
-        try:
-            then(error is None)
-        except Exception as e:  # noqa: BLE001 - reported through the future
-            error = error or e
-        if error is None:
-            out.set_result(result)
-        else:
-            out.set_exception(error)
-
-    future.add_done_callback(finish)
-    return out
 
 
 def _as_bytes(tensor: torch.Tensor, extent: Extent, op: str) -> torch.Tensor:
@@ -374,10 +349,17 @@ class NvmeStore:
         except BaseException:
             IOFuture.gather(parts).add_done_callback(self._swap.end)
             raise
-        future = IOFuture.gather(parts)
-        future.add_done_callback(self._swap.end)
-        future.add_done_callback(lambda f: self._count(op, f))
-        return future
+
+        def finish(ok: bool) -> None:  # runs before the caller's result() returns
+            self._swap.end()
+            if ok:
+                with self._lock:
+                    if op == "read":
+                        self.bytes_read += total
+                    else:
+                        self.bytes_written += total
+
+        return IOFuture.gather(parts).then(finish, total)
 
     def _through_pool(self, op: str, offset: int, data: torch.Tensor) -> IOFuture:
         """One chunk of ``data`` through a pool buffer, padded to whole pages."""
@@ -403,15 +385,7 @@ class NvmeStore:
             finally:
                 buffer.release()
 
-        return _after(future, unstage, length)
-
-    def _count(self, op: str, future: IOFuture) -> None:
-        if future.exception() is None:
-            with self._lock:
-                if op == "read":
-                    self.bytes_read += future.result()
-                else:
-                    self.bytes_written += future.result()
+        return future.then(unstage, length)
 
     def _grow(self, new_size: int) -> None:
         """Extend the file to ``new_size`` bytes, checking space first; caller holds the lock."""

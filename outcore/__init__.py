@@ -8,12 +8,14 @@ weights exist only while it runs.
 import os
 from pathlib import Path
 
+from outcore.activations import checkpoint_activations
 from outcore.config import Config
 from outcore.engine import Engine, initialize
 from outcore.errors import CommError, ConfigError, DataError, OutcoreError, StorageError
 from outcore.gathered import gathered_parameters
 from outcore.init import init
 from outcore.pretrained import load_pretrained
+from outcore.tiling import TiledLinear, tile_linears
 
 __version__ = "0.1.0"
 
@@ -39,10 +41,13 @@ __all__ = [
     "Engine",
     "OutcoreError",
     "StorageError",
+    "TiledLinear",
+    "checkpoint_activations",
     "consolidate",
     "gathered_parameters",
     "init",
     "initialize",
     "latest_checkpoint",
     "load_pretrained",
+    "tile_linears",
 ]

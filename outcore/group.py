@@ -72,6 +72,8 @@ class ParamGroup:
         self.state = GroupState.FETCHING
         if self.zero_copy:
             return
+        # counted from the moment memory is committed to this fetch, prefetches included
+        self.rt.ledger.add(Tier.DEVICE.value, "unsharded", self.full_bytes)
         if self.rt.world_size == 1:
             # A shard is the whole parameter: read it straight into the full tensor.
             self._reads = [sp.compute.load(sp.alloc_full().view(-1)) for sp in self.params]
@@ -98,7 +100,6 @@ class ParamGroup:
             self._reads = []
             if self._send is not None:
                 self._gather()
-            self.rt.ledger.add(Tier.DEVICE.value, "unsharded", self.full_bytes)
         self.state = GroupState.UNSHARDED
         self.stats["unshards"] += 1
 

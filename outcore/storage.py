@@ -39,10 +39,13 @@ class Ledger:
         self._lock = threading.Lock()
         self._bytes: dict[tuple[str, str], int] = defaultdict(int)
         self._peak: dict[str, int] = defaultdict(int)
+        self._kind_peak: dict[tuple[str, str], int] = defaultdict(int)
 
     def add(self, tier: str, kind: str, nbytes: int) -> None:
         with self._lock:
             self._bytes[(tier, kind)] += nbytes
+            key = (tier, kind)
+            self._kind_peak[key] = max(self._kind_peak[key], self._bytes[key])
             total = sum(v for (t, _), v in self._bytes.items() if t == tier)
             self._peak[tier] = max(self._peak[tier], total)
 
@@ -54,7 +57,16 @@ class Ledger:
         with self._lock:
             out = {f"{t}.{k}": v for (t, k), v in sorted(self._bytes.items())}
             out.update({f"peak.{t}": v for t, v in self._peak.items()})
+            out.update({f"peak.{t}.{k}": v for (t, k), v in sorted(self._kind_peak.items())})
             return out
+
+    def reset_peaks(self) -> None:
+        """Start peak tracking afresh from the current values (e.g. after warm-up)."""
+        with self._lock:
+            self._kind_peak = defaultdict(int, self._bytes)
+            tiers = {t for t, _ in self._bytes}
+            self._peak = defaultdict(int, {t: sum(v for (u, _), v in self._bytes.items()
+                                                  if u == t) for t in tiers})
 
 
 class Future(Protocol):

@@ -23,10 +23,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -34,9 +35,12 @@ from torch import nn
 
 from outcore import data as datamod
 from outcore import models
-from outcore.errors import ConfigError, OutcoreError
+from outcore.errors import ConfigError
 from outcore.report import MetricsWriter, read_metrics, write_report
 from outcore.units import format_bytes, format_count
+
+if TYPE_CHECKING:
+    from outcore.config import Config
 
 __all__ = ["JOB_DEFAULTS", "add_arguments", "run"]
 
@@ -96,6 +100,10 @@ def _read_config_file(path: str | None) -> dict[str, Any]:
         return {}
     if not isinstance(loaded, dict):
         raise ConfigError(f"--config: {p} must hold a mapping of keys, not {type(loaded).__name__}")
+    if "zero_optimization" in loaded:  # a DeepSpeed config: keep the keys that mean something
+        from outcore import Config
+
+        return Config.from_deepspeed(loaded).model_dump(mode="json")
     return loaded
 
 
@@ -126,28 +134,42 @@ def _default_lr(model: str, n_params: int) -> float:
 
 
 def _engine_config(args: argparse.Namespace, file_cfg: dict[str, Any], job: dict[str, Any],
-                   n_params: int) -> Any:
-    import outcore
+                   n_params: int) -> Config:
+    """The engine's Config: job defaults < file < flags (see [Note: where settings come from]).
 
-    cfg = outcore.Config.from_dict(_merge(_ENGINE_DEFAULTS, file_cfg))
-    over: dict[str, Any] = {"offload": {}}
-    if args.nvme_path is not None or not cfg.offload.nvme_path:
+    ``--offload`` is shorthand for both placements; without the flag, a placement the file
+    names explicitly wins over the job's default tier. ``auto`` asks ``Config.auto`` to choose
+    from the model size and this machine's free memory and disk (it prints the plan and why).
+    """
+    from outcore import Config
+
+    def section(key: str) -> dict[str, Any]:
+        value = file_cfg.get(key)
+        return value if isinstance(value, dict) else {}  # a non-mapping fails validation below
+
+    file_off, over = section("offload"), {"offload": {}}
+    if args.nvme_path is not None or not file_off.get("nvme_path"):
         over["offload"]["nvme_path"] = str(args.nvme_path or job["out"] / "swap")
-    if args.offload is not None or "offload" not in file_cfg or job["offload"] == "auto":
-        tier = job["offload"]
-        if tier == "auto":
-            over["offload"].update(_auto_offload(n_params))
-        else:
-            over["offload"].update(params=tier, optimizer=tier)
-    if args.lr is not None:
-        over.setdefault("optimizer", {})["lr"] = args.lr
-    elif "lr" not in file_cfg.get("optimizer", {}):
-        over.setdefault("optimizer", {})["lr"] = _default_lr(job["model"], n_params)
+    tier = job["offload"]
+    if tier != "auto":
+        for kind in ("params", "optimizer"):
+            if args.offload is not None or kind not in file_off:
+                over["offload"][kind] = tier
+    if args.lr is not None or "lr" not in section("optimizer"):
+        lr = args.lr if args.lr is not None else _default_lr(job["model"], n_params)
+        over["optimizer"] = {"lr": lr}
     if args.dtype is not None:
         over["dtype"] = args.dtype
     if args.seed is not None:
         over["seed"] = args.seed
-    return cfg.with_overrides(over)
+    merged = _merge(_merge(_ENGINE_DEFAULTS, file_cfg), over)
+    if tier != "auto":
+        return Config.from_dict(merged)
+    nvme_path = merged["offload"]["nvme_path"]
+    merged["offload"] = {k: v for k, v in merged["offload"].items()
+                         if k not in ("params", "optimizer")}  # the plan decides these
+    return Config.auto(n_params, Config.from_dict(merged),
+                       world_size=int(os.environ.get("WORLD_SIZE", "1")), nvme_path=nvme_path)
 
 
 def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
@@ -157,41 +179,37 @@ def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-# [Note: --offload auto]
-# Model states of mixed-precision AdamW take ~2 bytes/param (training-dtype weights) plus ~16
-# (fp32 master, gradient, two moments). Each kind goes to the fastest tier where it fits in 40%
-# of that tier's free memory (leaving room for activations and the I/O buffer pool): device
-# ("none"), then host ("cpu", only distinct from the device with a GPU), then NVMe.
-def _auto_offload(n_params: int) -> dict[str, str]:
-    import psutil
-
-    host_free = psutil.virtual_memory().available
-    dev_free = torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else host_free
-    plan = {}
-    for kind, per_param in (("params", 2), ("optimizer", 16)):
-        need = per_param * n_params
-        if need <= 0.4 * dev_free:
-            plan[kind] = "none"
-        elif torch.cuda.is_available() and need <= 0.4 * host_free:
-            plan[kind] = "cpu"
-        else:
-            plan[kind] = "nvme"
-        _say(f"auto offload: {kind} need {format_bytes(need)}; device free "
-             f"{format_bytes(dev_free)}, host free {format_bytes(host_free)} -> {plan[kind]}")
-    return plan
-
-
 # -- model and data ------------------------------------------------------------------------
-def _describe_model(name: str) -> tuple[int, int]:
-    """(parameter count, longest sequence) without building the model."""
+def _describe_model(name: str) -> tuple[int, int, int]:
+    """(parameter count, longest sequence, vocabulary size) without building the model."""
     if models.is_hf_folder(name):
-        hf = json.loads((Path(name) / "config.json").read_text())
-        seq = int(hf.get("max_position_embeddings") or hf.get("n_positions") or 1024)
         from outcore.estimate import shape_from_hf_config
 
-        return int(shape_from_hf_config(Path(name)).params), seq
+        hf = json.loads((Path(name) / "config.json").read_text())
+        seq = int(hf.get("max_position_embeddings") or hf.get("n_positions") or 1024)
+        vocab = int(hf.get("vocab_size") or 0)
+        return int(shape_from_hf_config(Path(name)).params), seq, vocab
     cfg = models.resolve_config(name)
-    return models.num_params(cfg), cfg.seq_len
+    return models.num_params(cfg), cfg.seq_len, cfg.vocab
+
+
+# [Note: text to tokens]
+# Presets are byte-level (vocab 256), so any UTF-8 text works with no tokenizer to ship. A
+# Hugging Face folder that ships a tokenizer is fed through it (fine-tuning a pretrained model
+# on bytes would waste its embeddings); one without a tokenizer gets bytes too, which needs a
+# vocabulary of at least 256. The default corpus is cut to 4 MB for a tokenizer: it is still
+# several times the tokens the default job reads, and tokenizing 16 MB on 2 cores is slow.
+def _tokens(job: dict[str, Any], vocab: int) -> tuple[torch.Tensor, str]:
+    """The token stream of the job's text, and what tokenized it."""
+    tokenizer = models.load_hf_tokenizer(job["model"]) if models.is_hf_folder(job["model"]) \
+        else None
+    if tokenizer is None:
+        if vocab < 256:
+            raise ConfigError(f"--model: {job['model']} has a vocabulary of {vocab} and no "
+                              "tokenizer; byte tokens need at least 256")
+        return datamod.load_tokens(job["data"]), "bytes"
+    raw = datamod.load_text(job["data"]) if job["data"] else datamod.default_corpus(4 << 20)
+    return datamod.encode(raw, tokenizer), f"{type(tokenizer).__name__} from {job['model']}"
 
 
 def _build(name: str) -> nn.Module:
@@ -211,7 +229,9 @@ def _lr_at(step: int, total: int, peak: float, schedule: str) -> float:
 
 # -- the job -------------------------------------------------------------------------------
 def _say(text: str) -> None:
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    """Print on rank 0 only; before the process group exists, torchrun's RANK tells."""
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    if rank == 0:
         print(text, file=sys.stderr, flush=True)
 
 
@@ -223,32 +243,24 @@ def _global_mean(value: float, world_size: int) -> float:
     return float(t) / world_size
 
 
-def _checkpoint_api() -> Any:
-    import outcore
-
-    if not hasattr(outcore, "latest_checkpoint"):
-        raise OutcoreError("this build of outcore has no checkpoints (outcore.latest_checkpoint)")
-    return outcore.latest_checkpoint
-
-
 def run(args: argparse.Namespace) -> int:
     """Train as ``args`` say; returns the exit code. User mistakes raise ConfigError/DataError."""
     import outcore
 
     file_cfg = _read_config_file(args.config)
     job = _job_settings(args, file_cfg.pop("train", None) or {})
-    n_params, max_seq = _describe_model(job["model"])
+    n_params, max_seq, vocab = _describe_model(job["model"])
     seq = job["seq"] or min(256, max_seq)
     if seq > max_seq:
         raise ConfigError(f"--seq: {seq} exceeds the model's longest sequence {max_seq}")
     cfg = _engine_config(args, file_cfg, job, n_params)
     out: Path = job["out"]
     ckpt_root = out / "checkpoints"
-    latest = _checkpoint_api()(ckpt_root) if args.resume else None
+    latest = outcore.latest_checkpoint(ckpt_root) if args.resume else None
     if args.resume and latest is None:
         _say(f"--resume: no complete checkpoint in {ckpt_root}; starting from step 0")
 
-    tokens = datamod.load_tokens(job["data"])  # before any swap file exists: fail fast
+    tokens, tokenized_by = _tokens(job, vocab)  # before any swap file exists: fail fast
     train_tokens, _ = datamod.split_tokens(tokens)
     is_hf = models.is_hf_folder(job["model"])
 
@@ -256,6 +268,9 @@ def run(args: argparse.Namespace) -> int:
     torch.manual_seed(cfg.seed)
     with outcore.init(cfg):
         model = _build(job["model"])
+    if is_hf and latest is None and models.hf_has_weights(job["model"]):
+        _say(f"fine-tuning: loading the weights in {job['model']}")
+        outcore.load_pretrained(model, job["model"])  # shard by shard, straight into the tiers
     with outcore.initialize(model, cfg) as engine:
         rank, world = engine.rank, engine.world_size
         client: dict[str, Any] = {}
@@ -275,7 +290,8 @@ def run(args: argparse.Namespace) -> int:
         src = job["data"] or "the Python standard library's source"
         _say(f"outcore train: {job['model']} ({format_count(n_params)} params), {world} rank(s), "
              f"dtype {cfg.dtype}, offload params={cfg.offload.params} "
-             f"optimizer={cfg.offload.optimizer}\n  data: {src} ({format_bytes(len(tokens))}), "
+             f"optimizer={cfg.offload.optimizer}\n  data: {src} ({format_count(len(tokens))} "
+             f"tokens: {tokenized_by}), "
              f"batch {job['batch']}x{seq} per rank x{accum} accumulation\n  out: {out}"
              + (f" (resuming at step {start})" if start else ""))
         metrics = MetricsWriter(out / "metrics.jsonl", resume_step=start) if rank == 0 else None
@@ -297,8 +313,9 @@ def _loop(engine: Any, sampler: datamod.BatchSampler, job: dict[str, Any], seq: 
     steps, accum, world = job["steps"], engine.cfg.gradient_accumulation_steps, engine.world_size
     peak_lr = engine.cfg.optimizer.lr
     tokens_per_step = job["batch"] * seq * accum * world
+    device = engine.rt.device  # the compute device (CUDA under torchrun, else CPU)
     bar = tqdm(total=steps, initial=min(start, steps), unit="step", dynamic_ncols=True,
-               disable=engine.rank != 0, file=sys.stderr)
+               mininterval=0.5, disable=engine.rank != 0, file=sys.stderr)
     try:
         for step in range(start + 1, steps + 1):
             lr = _lr_at(step, steps, peak_lr, job["lr_schedule"])
@@ -307,9 +324,10 @@ def _loop(engine: Any, sampler: datamod.BatchSampler, job: dict[str, Any], seq: 
             t0 = time.perf_counter()
             total = 0.0
             for _ in range(accum):
-                x, y = sampler.next()
-                out = engine(input_ids=x, labels=x) if is_hf else engine(x, y)
-                loss = out.loss if is_hf else out
+                x, y = (t.to(device, non_blocking=True) for t in sampler.next())
+                # HF causal LMs shift labels themselves, so they get the inputs as labels.
+                result = engine(input_ids=x, labels=x) if is_hf else engine(x, y)
+                loss = result.loss if is_hf else result
                 engine.backward(loss)
                 total += float(loss.detach().float())
             engine.step()
@@ -351,7 +369,9 @@ def _finish(out: Path, job: dict[str, Any], n_params: int, start: int) -> None:
     this_run = [r for r in records if r["step"] > start] or records
     # Every step moves the same number of tokens, so the run's rate is the harmonic mean.
     tok_s = len(this_run) / sum(1.0 / r["tokens_per_s"] for r in this_run)
-    latest = _checkpoint_api()(out / "checkpoints")
+    import outcore
+
+    latest = outcore.latest_checkpoint(out / "checkpoints")
     _say(f"done: {records[-1]['step']} steps, loss {records[0]['loss']:.3f} -> "
          f"{records[-1]['loss']:.3f}, {tok_s:,.0f} tokens/s, "
          f"{records[-1]['elapsed_s']:.0f} s of training\n"

@@ -5,18 +5,21 @@ outcore is pure Python with no build step, so the kernel's async interfaces are 
 reach without a native module. Blocking ``os.preadv``/``os.pwritev`` release the GIL for
 the whole system call, so a few threads, each with one large request in flight,
 keep as many requests queued on the device as libaio does with the same queue depth. The
-cost per request is a few microseconds of Python, negligible against a 1 MiB+ transfer.
+cost per request is a few microseconds of Python, negligible against a 4 MiB transfer.
 ``bench/io.py`` checks that this reaches fio's bandwidth on the same folder.
 
 [Note: default block size and thread count]
 Measured on the test machine (2 cores, virtio disk on ext4, O_DIRECT, 1 GiB sequential
-transfers from one aligned buffer, 1-16 threads x 1-8 MiB blocks, rounds interleaved with
-fio): one thread reaches only 1.5 GB/s write / 1.35 read at 1 MiB blocks. What matters is
-the bytes in flight: at 8 MiB (8 x 1 MiB, 4 x 2 MiB) writes reach 2.2-2.5 GB/s and reads
-1.6; at 16 MiB (16 x 1 MiB, 8 x 2 MiB) 2.3-2.8 and 1.65-1.7, the best medians and on par
-with fio's best setting here (libaio, iodepth 16, bs 1 MiB: the same 16 MiB in flight).
-Bigger blocks or more threads add nothing. 16 x 1 MiB also spreads a shard of a few MiB
-over several threads; idle threads cost nothing but a blocked ``queue.get``.
+passes, 1-16 threads x 1-16 MiB blocks, interleaved with fio). Two things matter:
+- bytes in flight: one thread with 1 MiB blocks gets 1.5 GB/s write / 1.35 read; 16 MiB
+  or more in flight (16 x 1 MiB, 8 x 2 MiB, ...) reaches fio's best here (2.3-2.8 / 1.7);
+- GIL hand-offs: each finished block needs the GIL before its thread can start the next,
+  and a main thread running Python keeps the GIL for up to ``sys.getswitchinterval()``
+  (5 ms). With such a thread busy, 16 x 1 MiB fell to 0.8 GB/s write, while blocks of
+  4 MiB or more lost under 10% (8 x 4 MiB: 2.2 -> 2.0 write, 1.57 -> 1.48 read).
+Hence 8 threads x 4 MiB: 32 MiB in flight, few hand-offs per byte, and 4 MiB is the
+largest request the device takes whole (``max_sectors_kb``). A transfer smaller than
+4 MiB is one request; the engine gets its parallelism from many shards in flight.
 
 [Note: errors are never silent]
 A request that moves fewer bytes than asked is retried from where it stopped; if the file
@@ -43,10 +46,10 @@ from outcore.errors import StorageError
 
 log = logging.getLogger(__name__)
 
-DEFAULT_THREADS = 16
+DEFAULT_THREADS = 8
 """I/O threads, each with one request in flight (see [Note: default block size ...])."""
 
-DEFAULT_BLOCK_BYTES = 1 << 20
+DEFAULT_BLOCK_BYTES = 4 << 20
 """Largest single system call; bigger requests are split (see [Note: default block size ...])."""
 
 
@@ -206,10 +209,14 @@ class _Request:
     starts, whatever order the threads finished in.
     """
 
-    __slots__ = ("future", "_lock", "_pending", "_nbytes", "_error", "_error_offset")
+    __slots__ = ("future", "_lock", "_pending", "_nbytes", "_error", "_error_offset", "_buf")
 
-    def __init__(self, blocks: int) -> None:
+    def __init__(self, blocks: int, buf: torch.Tensor) -> None:
         self.future = IOFuture()
+        # The memoryview over ``buf`` is a raw-address view that does not own the memory, so
+        # the request holds the tensor until its last block is done; otherwise a caller that
+        # drops its source right after submitting would free bytes still being written.
+        self._buf = buf
         self._lock = threading.Lock()
         self._pending = blocks
         self._nbytes = 0
@@ -224,6 +231,7 @@ class _Request:
                 self._error, self._error_offset = error, offset
             last = self._pending == 0
         if last:
+            self._buf = None
             if self._error is not None:
                 self.future.set_exception(self._error)
             else:
@@ -298,7 +306,7 @@ def byte_view(buf: torch.Tensor) -> memoryview:
         )
     # Not ``buf.numpy()``: that marks the tensor's storage non-resizable for good, and outcore
     # frees parameter storage in place (resize to 0) between uses. A ctypes array over the
-    # same memory is just as copy-free; the caller keeps ``buf`` alive until the I/O is done.
+    # same memory is just as copy-free but does not own it: _Request holds ``buf`` until done.
     n = buf.numel()
     if n == 0:
         return memoryview(bytearray(0))
@@ -362,7 +370,7 @@ class AioEngine:
             return IOFuture.completed(0)
         name = os.fspath(path) if path is not None else f"<fd {fd}>"
         block = self.block_bytes
-        request = _Request(-(-total // block))
+        request = _Request(-(-total // block), buf)
         for start in range(0, total, block):
             self._tasks.put((op, fd, view[start : start + block], offset + start, name, request))
         return request.future

@@ -143,16 +143,7 @@ class Config(_Section):
     @classmethod
     def from_file(cls, path: str | os.PathLike[str]) -> Config:
         """Read a JSON or YAML file (by suffix; other suffixes are tried as YAML)."""
-        p = Path(path)
-        try:
-            text = p.read_text()
-        except OSError as err:
-            raise ConfigError(f"cannot read config file {p}: {err.strerror or err}") from None
-        try:
-            data = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
-        except (json.JSONDecodeError, yaml.YAMLError) as err:
-            raise ConfigError(f"config file {p} is not valid {p.suffix or 'YAML'}: {err}") from None
-        return cls.from_dict(data if data is not None else {})
+        return cls.from_dict(read_mapping(path))
 
     @classmethod
     def load(cls, source: Config | dict[str, Any] | str | os.PathLike[str] | None) -> Config:
@@ -188,6 +179,25 @@ class Config(_Section):
     @property
     def nvme_used(self) -> bool:
         return "nvme" in (self.offload.params, self.offload.optimizer)
+
+
+def read_mapping(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The mapping in a JSON or YAML file (empty for an empty file); errors name the path."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as err:
+        raise ConfigError(f"cannot read config file {p}: {err.strerror or err}") from None
+    try:
+        data = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as err:
+        raise ConfigError(f"config file {p} is not valid {p.suffix or 'YAML'}: {err}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {p} must hold a mapping of keys to values, "
+                          f"not {type(data).__name__}")
+    return data
 
 
 def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:

@@ -249,6 +249,11 @@ class Engine:
         return self.rt.world_size
 
     @property
+    def device(self) -> torch.device:
+        """The compute device: inputs go here (CUDA under torchrun on GPUs, else the CPU)."""
+        return self.rt.device
+
+    @property
     def param_groups(self) -> list[dict]:
         """Hyper-parameters per group; edit ``lr`` here for a schedule, as with torch optimizers."""
         return self.optimizer.param_groups

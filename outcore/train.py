@@ -24,6 +24,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -35,6 +36,7 @@ from torch import nn
 
 from outcore import data as datamod
 from outcore import models
+from outcore.config import read_mapping
 from outcore.errors import ConfigError
 from outcore.report import MetricsWriter, read_metrics, write_report
 from outcore.units import format_bytes, format_count
@@ -85,21 +87,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _read_config_file(path: str | None) -> dict[str, Any]:
     if path is None:
         return {}
-    p = Path(path)
-    try:
-        text = p.read_text()
-    except OSError as e:
-        raise ConfigError(f"--config: cannot read {p}: {e.strerror or e}") from None
-    import yaml
-
-    try:
-        loaded = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
-    except (json.JSONDecodeError, yaml.YAMLError) as e:
-        raise ConfigError(f"--config: {p} is not valid {p.suffix or 'YAML'}: {e}") from None
-    if loaded is None:
-        return {}
-    if not isinstance(loaded, dict):
-        raise ConfigError(f"--config: {p} must hold a mapping of keys, not {type(loaded).__name__}")
+    loaded = read_mapping(path)
     if "zero_optimization" in loaded:  # a DeepSpeed config: keep the keys that mean something
         from outcore import Config
 
@@ -313,7 +301,7 @@ def _loop(engine: Any, sampler: datamod.BatchSampler, job: dict[str, Any], seq: 
     steps, accum, world = job["steps"], engine.cfg.gradient_accumulation_steps, engine.world_size
     peak_lr = engine.cfg.optimizer.lr
     tokens_per_step = job["batch"] * seq * accum * world
-    device = engine.rt.device  # the compute device (CUDA under torchrun, else CPU)
+    device = engine.device  # the compute device (CUDA under torchrun, else CPU)
     bar = tqdm(total=steps, initial=min(start, steps), unit="step", dynamic_ncols=True,
                mininterval=0.5, disable=engine.rank != 0, file=sys.stderr)
     try:
@@ -355,7 +343,11 @@ def _save(engine: Any, sampler: datamod.BatchSampler, job: dict[str, Any], step:
           state: dict[str, Any]) -> None:
     client = {"step": step, "sampler": sampler.state_dict(), "seed": state["seed"],
               "model": job["model"], "elapsed_s": state["elapsed"]}
-    engine.save_checkpoint(job["out"] / "checkpoints" / f"step-{step:08d}", client_state=client)
+    path = engine.save_checkpoint(job["out"] / "checkpoints" / f"step-{step:08d}",
+                                  client_state=client)
+    if engine.rank == 0 and models.is_hf_folder(job["model"]):
+        # lets `outcore consolidate` put config.json beside the weights for from_pretrained
+        shutil.copyfile(Path(job["model"]) / "config.json", path / "config.json")
 
 
 def _finish(out: Path, job: dict[str, Any], n_params: int, start: int) -> None:

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from outcore.config import Config
-from outcore.errors import ConfigError
+from outcore.errors import ConfigError, StorageError
 from outcore.gathered import gathered_parameters
 from outcore.group import ParamGroup
 from outcore.hooks import Hooks
@@ -57,7 +57,20 @@ class Engine:
                  param_groups: Iterable[dict] | None = None) -> None:
         self.module = module
         self.cfg = cfg
-        self.rt = self._runtime_for(module, cfg)
+        groups = self._check_param_groups(module, param_groups)
+        self.rt, own_runtime = self._runtime_for(module, cfg)
+        try:
+            self._build(module, cfg, groups)
+        except BaseException as err:
+            # Swap files this engine cannot use any more are deleted now, not at exit: always
+            # when the engine made the runtime, and on storage errors (a full disk) in any case.
+            # A model built under outcore.init keeps its shards after, say, a param-group typo.
+            if own_runtime or isinstance(err, StorageError):
+                self.rt.close()
+            raise
+
+    def _build(self, module: nn.Module, cfg: Config,
+               param_groups: list[tuple[dict, list[nn.Parameter]]] | None) -> None:
         self.params = self._shard_params(module)
         self.groups, module_groups = self._build_groups(module)
         self._cast_buffers(module)
@@ -73,12 +86,14 @@ class Engine:
 
     # -- construction ------------------------------------------------------------------------
     @staticmethod
-    def _runtime_for(module: nn.Module, cfg: Config) -> Runtime:
+    def _runtime_for(module: nn.Module, cfg: Config) -> tuple[Runtime, bool]:
+        """The runtime of the model's shards (made by outcore.init), or a new one; and
+        whether it is new."""
         runtimes = {id(sp.rt): sp.rt for p in module.parameters() if (sp := managed(p))}
         if len(runtimes) > 1:
             raise ConfigError("the model mixes parameters from two outcore.init contexts")
         if not runtimes:
-            return Runtime(cfg)
+            return Runtime(cfg), True
         rt = next(iter(runtimes.values()))
         if rt.cfg.offload != cfg.offload:
             raise ConfigError(
@@ -86,7 +101,7 @@ class Engine:
                 f"{rt.cfg.offload.model_dump()} vs {cfg.offload.model_dump()}; pass the same config"
             )
         rt.reconfigure(cfg)
-        return rt
+        return rt, False
 
     def _shard_params(self, module: nn.Module) -> list[ShardedParam]:
         sps = []
@@ -126,34 +141,41 @@ class Engine:
                     dtype = self.rt.compute_dtype if buf.is_floating_point() else buf.dtype
                     m._buffers[key] = buf.to(device=self.rt.device, dtype=dtype)
 
-    def _optimizer_groups(self, param_groups: Iterable[dict] | None
-                          ) -> list[tuple[dict, list[ShardedParam]]]:
-        base = {k: getattr(self.cfg.optimizer, k) for k in _HP_KEYS}
-        trainable = [sp for sp in self.params if sp.trainable]
+    @staticmethod
+    def _check_param_groups(module: nn.Module, param_groups: Iterable[dict] | None
+                            ) -> list[tuple[dict, list[nn.Parameter]]] | None:
+        """Validate torch-style param groups before anything is sharded (a typo must not
+        leave the model half converted); returns (overrides, parameters) per group."""
         if param_groups is None:
-            return [(dict(base), trainable)]
+            return None
+        names = {id(p): n for n, p in module.named_parameters()}
         out, seen = [], set()
         for i, spec in enumerate(param_groups):
             unknown = set(spec) - {"params", *_HP_KEYS}
             if unknown:
                 raise ConfigError(f"param_groups[{i}]: unknown keys {sorted(unknown)}; "
                                   f"allowed: params, {', '.join(_HP_KEYS)}")
-            sps = []
-            for p in spec.get("params", []):
-                sp = managed(p)
-                if sp is None or sp not in self.params:
+            params = list(spec.get("params", []))
+            for p in params:
+                if id(p) not in names:
                     raise ConfigError(f"param_groups[{i}] holds a tensor that is not a "
                                       "parameter of this model")
-                if id(sp) in seen:
-                    raise ConfigError(f"parameter {sp.name} appears in two param groups")
-                seen.add(id(sp))
-                if sp.trainable:
-                    sps.append(sp)
-            out.append(({**base, **{k: v for k, v in spec.items() if k != "params"}}, sps))
-        missing = [sp.name for sp in trainable if id(sp) not in seen]
+                if id(p) in seen:
+                    raise ConfigError(f"parameter {names[id(p)]} appears in two param groups")
+                seen.add(id(p))
+            out.append(({k: v for k, v in spec.items() if k != "params"}, params))
+        missing = [n for n, p in module.named_parameters() if p.requires_grad and id(p) not in seen]
         if missing:
             raise ConfigError(f"trainable parameters in no param group: {missing[:5]}")
         return out
+
+    def _optimizer_groups(self, groups: list[tuple[dict, list[nn.Parameter]]] | None
+                          ) -> list[tuple[dict, list[ShardedParam]]]:
+        base = {k: getattr(self.cfg.optimizer, k) for k in _HP_KEYS}
+        if groups is None:
+            return [(dict(base), [sp for sp in self.params if sp.trainable])]
+        return [({**base, **over}, [managed(p) for p in params if p.requires_grad])
+                for over, params in groups]
 
     # -- training ----------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

@@ -51,13 +51,16 @@ class init:  # noqa: N801  (a context manager named like the function users call
         self._mode.__enter__()
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, kind: object, err: object, tb: object) -> None:
         try:
-            with self._mode.suspended():
-                self._close_open()
+            if kind is None:
+                with self._mode.suspended():
+                    self._close_open()
         finally:
-            self._mode.__exit__(*exc)
+            self._mode.__exit__(kind, err, tb)
             self._handle.remove()
+            if kind is not None and self.runtime is not None:
+                self.runtime.close()  # the half-built model is gone: so are its swap files
 
     def _on_register(self, module: nn.Module, name: str, param: nn.Parameter | None) -> None:
         if param is None or managed(param) is not None:

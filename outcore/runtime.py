@@ -53,12 +53,14 @@ class Runtime:
     def nvme(self):
         """This rank's swap store, created on first use (only NVMe placements need it)."""
         if self._nvme is None:
+            from outcore.stale import remove_stale_swap
             from outcore.tiers.aio import AioEngine
             from outcore.tiers.buffers import BufferPool
             from outcore.tiers.nvme import NvmeStore
 
             off = self.cfg.offload
             assert off.nvme_path is not None  # guaranteed by Config validation
+            remove_stale_swap(off.nvme_path)
             engine = AioEngine(threads=off.io_threads, block_bytes=off.io_block_bytes)
             buffer_bytes = min(off.io_block_bytes, off.host_buffer_bytes)
             pool = BufferPool(off.host_buffer_bytes, buffer_bytes, pin=self.accel.pin_host_buffers)

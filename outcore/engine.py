@@ -78,7 +78,7 @@ class Engine:
         self.optimizer = ShardedOptimizer(self._optimizer_groups(param_groups), cfg.optimizer,
                                           self.rt)
         self.scaler = LossScaler(cfg.loss_scale, enabled=cfg.dtype == "fp16")
-        self.hooks = Hooks(module, module_groups, self.groups, self.schedule)
+        self.hooks = Hooks(module_groups, self.groups, self.schedule)
         self.micro_steps = 0
         self.global_steps = 0
         self.last_grad_norm: float | None = None

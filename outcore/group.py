@@ -62,7 +62,6 @@ class ParamGroup:
         self._reads: list = []
         self._grads_seen: set[int] = set()
         self.trainable = [sp for sp in params if sp.trainable]
-        self.stats = {"unshards": 0, "reshards": 0}
 
     # -- gather -----------------------------------------------------------------------------
     def unshard(self) -> None:
@@ -101,7 +100,6 @@ class ParamGroup:
             if self._send is not None:
                 self._gather()
         self.state = GroupState.UNSHARDED
-        self.stats["unshards"] += 1
 
     def _gather(self) -> None:
         rt, send = self.rt, self.rt.accel.to_device(self._send)
@@ -113,7 +111,7 @@ class ParamGroup:
         for sp, off in zip(self.params, self.offsets, strict=True):
             flat, s = sp.alloc_full().view(-1), sp.shard_numel
             for r in range(w):
-                n = max(0, min(sp.numel - r * s, s))
+                n = sp.layout.valid_numel_of(r)
                 if n:
                     flat[r * s : r * s + n].copy_(blocks[r, off : off + n])
 
@@ -126,7 +124,6 @@ class ParamGroup:
         for sp in self.params:
             sp.show_placeholder()
         self.state = GroupState.SHARDED
-        self.stats["reshards"] += 1
         self.rt.ledger.add(Tier.DEVICE.value, "unsharded", -self.full_bytes)
 
     def refresh_after_step(self) -> None:
@@ -167,7 +164,7 @@ class ParamGroup:
             flat = sp.param.grad.reshape(-1)
             s = sp.shard_numel
             for r in range(w):
-                n = max(0, min(sp.numel - r * s, s))
+                n = sp.layout.valid_numel_of(r)
                 if n:
                     send[r, off : off + n].copy_(flat[r * s : r * s + n])
             sp.param.grad = None

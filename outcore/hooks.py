@@ -72,7 +72,7 @@ def _tensor_args(args: tuple, kwargs: dict) -> Iterator[object]:
 class Hooks:
     """Installs and owns every hook handle of one engine (``remove()`` takes them all out)."""
 
-    def __init__(self, module: nn.Module, module_groups: dict[nn.Module, list[ParamGroup]],
+    def __init__(self, module_groups: dict[nn.Module, list[ParamGroup]],
                  groups: list[ParamGroup], schedule: Schedule) -> None:
         self.module_groups = module_groups
         self.groups = groups

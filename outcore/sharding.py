@@ -39,7 +39,11 @@ class ShardLayout:
     @property
     def valid_numel(self) -> int:
         """Real (unpadded) elements in this rank's shard; padding is always zero."""
-        return max(0, min(self.numel - self.start, self.shard_numel))
+        return self.valid_numel_of(self.rank)
+
+    def valid_numel_of(self, rank: int) -> int:
+        """Real elements in ``rank``'s shard (the last shards may be part or all padding)."""
+        return max(0, min(self.numel - rank * self.shard_numel, self.shard_numel))
 
     def cut(self, full: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """A new, zero-padded shard tensor holding this rank's slice of ``full``."""

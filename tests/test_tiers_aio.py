@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import gc
 import os
 import threading
 from collections.abc import Iterator
@@ -195,3 +196,17 @@ def test_engine_validates_buffers_and_lifecycle(direct_file: tuple[int, Path]) -
         AioEngine(threads=0)
     with pytest.raises(ValueError):
         AioEngine(block_bytes=1000)
+
+
+def test_a_dropped_source_stays_alive_until_written(direct_file: tuple[int, Path]) -> None:
+    fd, path = direct_file
+    expected = _random_bytes(256 * ALIGN, seed=9)
+    with AioEngine(threads=1, block_bytes=ALIGN) as eng:  # 256 queued blocks
+        future = eng.pwrite(fd, aligned_empty(expected.numel()).copy_(expected), 0, path=path)
+        gc.collect()
+        scribble = [torch.full((expected.numel() + ALIGN,), 0xAB, dtype=torch.uint8)]
+        future.result()
+        del scribble
+        back = aligned_empty(expected.numel())
+        eng.pread(fd, back, 0, path=path).result()
+    assert torch.equal(back, expected)

@@ -64,6 +64,11 @@ def rank_file(rank: int, world: int) -> str:
 
 # -- save ----------------------------------------------------------------------------------------
 def save(engine: Any, path: Path, client_state: dict[str, Any]) -> Path:
+    engine.optimizer.wait()  # updates running during backward must land before we read
+    return _save(engine, path, client_state)
+
+
+def _save(engine: Any, path: Path, client_state: dict[str, Any]) -> Path:
     """Write a complete checkpoint of ``engine`` to ``path`` (a collective; see the notes).
 
     ``path`` must be on a filesystem every rank sees. Rank 0's ``client_state`` is the one
@@ -323,6 +328,11 @@ def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
 
 # -- load ----------------------------------------------------------------------------------------
 def load(engine: Any, path: Path) -> dict[str, Any]:
+    engine.optimizer.wait()  # a background update must not overwrite what we load
+    return _load(engine, path)
+
+
+def _load(engine: Any, path: Path) -> dict[str, Any]:
     """Restore ``engine`` from the checkpoint at ``path``, at any world size; return client_state.
 
     Two phases, each ending in an agreement among ranks: first check the manifest against the

@@ -122,7 +122,8 @@ class Engine:
         module_groups: dict[nn.Module, list[ParamGroup]] = {}
         threshold = self.cfg.zero.persistence_threshold_bytes
         for name, m in module.named_modules():
-            own = [managed(p) for p in m._parameters.values() if p is not None]
+            own = list({id(sp): sp for p in m._parameters.values()
+                        if p is not None and (sp := managed(p))}.values())
             new = [sp for sp in own if sp.group is None]
             if new:
                 groups.append(ParamGroup(len(groups), name or "<root>", new, self.rt, threshold))
@@ -198,6 +199,14 @@ class Engine:
             scaled.backward()
             with self.hooks.mode.suspended():
                 self.hooks.finish_backward()
+        except BaseException:
+            # [Note: a failed boundary backward] Updates already started on the worker are
+            # allowed to finish (they used final gradients) and stay applied; everything else
+            # of this backward is dropped, so a retry of the step sees a consistent engine.
+            self.optimizer.wait()
+            with self.hooks.mode.suspended():
+                self.hooks.abort_backward()
+            raise
         finally:
             self.hooks.in_backward = False
             self.hooks.on_reduced = None
@@ -219,8 +228,8 @@ class Engine:
         self._check_open()
         if not self.is_accumulation_boundary:
             return False
-        self.micro_steps = 0
         self.optimizer.wait()
+        self.micro_steps = 0
         grads = [sp.grad for sp in self.optimizer.params if sp.grad is not None]
         if self.scaler.enabled:
             bad = torch.tensor([0.0 if all(bool(g.isfinite().all()) for g in grads) else 1.0])

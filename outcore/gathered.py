@@ -35,10 +35,10 @@ def gathered_parameters(params: Iterable[nn.Parameter] | nn.Module,
     with torch.no_grad():
         for g in groups:
             g.reshard()
-        for sp in sps:
-            sp.show_full(sp.gather_values().clone())
         ok = False
         try:
+            for sp in sps:
+                sp.show_full(sp.gather_values())
             yield plist
             ok = True
         finally:

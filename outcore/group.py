@@ -116,9 +116,19 @@ class ParamGroup:
                     flat[r * s : r * s + n].copy_(blocks[r, off : off + n])
 
     def reshard(self) -> None:
-        """Free the full tensors' storage; only the shards remain."""
-        if self.state is GroupState.FETCHING:
-            self.wait_unshard()
+        """Free the full tensors' storage; only the shards remain.
+
+        A group still FETCHING (prefetched, never used) is cancelled, not finished: its local
+        reads are waited for and dropped, and no all-gather runs, so releasing an unused
+        prefetch never issues a collective (see schedule.py's note).
+        """
+        if self.state is GroupState.FETCHING and not self.zero_copy:
+            for fut in self._reads:
+                fut.result()
+            self._reads, self._send = [], None
+        elif self.state is GroupState.FETCHING:
+            self.state = GroupState.SHARDED
+            return
         if self.state is GroupState.SHARDED or self.zero_copy:
             return
         for sp in self.params:
@@ -136,6 +146,9 @@ class ParamGroup:
         """Record that ``sp``'s gradient is final for this backward; True when all have arrived."""
         self._grads_seen.add(id(sp))
         return len(self._grads_seen) == len(self.trainable)
+
+    def forget_grads_seen(self) -> None:
+        self._grads_seen.clear()
 
     @property
     def has_pending_grads(self) -> bool:

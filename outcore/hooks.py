@@ -135,7 +135,7 @@ class Hooks:
             return
         g.holds += 1
         self.schedule.need([g], on_demand=True)
-        (self.frames[-1] if self.frames else []).append(g)
+        self.frames[-1].append(g)  # forward_context always pushed one
 
     def _release(self, groups: list[ParamGroup]) -> None:
         for g in groups:
@@ -177,6 +177,16 @@ class Hooks:
     def _reduced(self, g: ParamGroup) -> None:
         if self.on_reduced is not None:
             self.on_reduced(g)
+
+    def abort_backward(self) -> None:
+        """Backward raised: forget its partial reductions so the next one starts clean."""
+        for pending in self.pending:
+            with contextlib.suppress(Exception):
+                pending.finish()
+        self.pending.clear()
+        for g in self.groups:
+            g.forget_grads_seen()
+        self.schedule.end_iteration()
 
     def finish_backward(self) -> None:
         """Reduce what autograd left partial (params without grads), finish every reduction

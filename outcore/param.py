@@ -162,7 +162,7 @@ class ShardedParam:
         """
         if self.grad is None:
             # the first gradient is copied (cast) rather than added to zeros: one pass, not two
-            self.grad = shard_grad.to(torch.float32, copy=True)
+            self.grad = shard_grad.to(self.rt.grad_device, torch.float32, copy=True)
             self.rt.ledger.add(self.rt.grad_tier.value, "grads", self.grad.nbytes)
         else:
             self.grad.add_(shard_grad)

@@ -34,6 +34,7 @@ class Runtime:
         # fp32 gradient shards live beside the optimizer state, but never on disk: they exist
         # only between a backward and its step, and the step reads them right away.
         self.grad_tier = Tier.DEVICE if self.state_tier is Tier.DEVICE else Tier.HOST
+        self.grad_device = self.device if self.grad_tier is Tier.DEVICE else torch.device("cpu")
         self._nvme = None
         self.closed = False
 

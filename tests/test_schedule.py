@@ -185,3 +185,84 @@ def test_optimizer_overlapped_with_backward_gives_identical_results(world: int,
 def test_clipping_turns_the_overlap_off(tmp_path: Path) -> None:
     r = run_world(_overlap, 1, str(tmp_path), True, 1.0)[0]
     assert r["stats"]["updates_during_backward"] == 0 and r["stats"]["updates_at_step"] > 0
+
+
+class _FailOnce(torch.autograd.Function):
+    """Identity whose backward raises the first time: a fault in the middle of backward."""
+
+    armed = True
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> torch.Tensor:
+        if _FailOnce.armed:
+            _FailOnce.armed = False
+            raise RuntimeError("injected backward fault")
+        return g
+
+
+def test_failed_boundary_backward_leaves_a_consistent_engine(tmp_path: Path) -> None:
+    """With updates overlapped, a backward that raises may leave some parameters already
+    updated (their gradients were final): the step is not atomic, as documented. What must
+    hold: nothing half-done survives, the retried step updates every parameter exactly once,
+    and training goes on normally."""
+    cfg = outcore.Config(dtype="fp32", optimizer={"lr": 0.1},
+                         zero={"persistence_threshold_bytes": 0},
+                         offload={"optimizer": "nvme", "nvme_path": str(tmp_path)})
+    torch.manual_seed(0)
+    a, b = nn.Linear(8, 8), nn.Linear(8, 1)
+    engine = outcore.initialize(nn.ModuleList([a, b]), cfg)
+    x = torch.randn(4, 8)
+
+    def loss() -> torch.Tensor:
+        with engine.hooks.forward_context():
+            return b(_FailOnce.apply(a(x))).pow(2).mean()
+
+    def weights() -> list[torch.Tensor]:
+        with engine.gathered_parameters():
+            return [p.data.clone() for p in engine.module.parameters()]
+
+    before = weights()
+    _FailOnce.armed = True
+    with pytest.raises(RuntimeError, match="injected backward fault"):
+        engine.backward(loss())
+    assert not engine.hooks.pending and engine.micro_steps == 0
+    engine.backward(loss())  # the retry
+    assert engine.step()
+    updated = engine.schedule_stats()["updates_during_backward"]
+    assert updated == 4  # a.weight, a.bias, b.weight, b.bias: each exactly once
+    after = weights()
+    assert all(not torch.equal(p, q) for p, q in zip(before, after, strict=True))
+    assert engine.memory_report()["by_kind"].get("host.grads", 0) == 0
+    for _ in range(2):  # and it trains on
+        engine.backward(loss())
+        assert engine.step()
+    engine.close()
+
+
+def _lonely_release(swap: str) -> dict:
+    cfg = outcore.Config(dtype="fp32", comm={"timeout_s": 20},
+                         zero={"persistence_threshold_bytes": 0},
+                         offload={"params": "nvme", "nvme_path": swap})
+    torch.manual_seed(0)
+    engine = outcore.initialize(Path_(), cfg)
+    g = engine.groups[1]
+    if engine.rank == 0:  # a prefetch only this rank issued, then dropped: no collective
+        g.unshard()
+        g.reshard()
+    losses = []
+    for _ in range(2):
+        loss = engine(torch.ones(2, 8), [0, 1])
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    engine.close()
+    return {"state": g.state.value, "losses": losses}
+
+
+def test_releasing_an_unused_prefetch_issues_no_collective(tmp_path: Path) -> None:
+    r0, r1 = run_world(_lonely_release, 2, str(tmp_path))
+    assert r0["losses"] == r1["losses"]

@@ -36,6 +36,7 @@ from outcore.precision import LossScaler
 from outcore.registry import managed, register
 from outcore.runtime import Runtime
 from outcore.schedule import Schedule
+from outcore.storage import Tier
 
 _HP_KEYS = ("lr", "betas", "eps", "weight_decay", "momentum", "nesterov")
 
@@ -73,6 +74,9 @@ class Engine:
                param_groups: list[tuple[dict, list[nn.Parameter]]] | None) -> None:
         self.params = self._shard_params(module)
         self.groups, module_groups = self._build_groups(module)
+        for g in self.groups:
+            if g.zero_copy:  # its shards are the full tensors: show them once, for good
+                g.wait_unshard()
         self._cast_buffers(module)
         self.schedule = Schedule(cfg.zero.prefetch_bytes, self.groups)
         self.optimizer = ShardedOptimizer(self._optimizer_groups(param_groups), cfg.optimizer,
@@ -215,8 +219,11 @@ class Engine:
     @property
     def overlaps_optimizer(self) -> bool:
         """Whether updates start during the boundary backward (see optim.py's note)."""
+        # On a CPU device with optimizer state in memory there is no I/O to hide and no idle
+        # compute unit: the update would only compete with backward for the same cores.
+        hides_something = self.rt.state_tier is Tier.NVME or self.rt.accel.is_cuda
         return (self.cfg.zero.overlap_optimizer and self.cfg.gradient_clipping == 0
-                and not self.scaler.enabled)
+                and not self.scaler.enabled and hides_something)
 
     @property
     def is_accumulation_boundary(self) -> bool:

@@ -108,6 +108,14 @@ class Hooks:
             with self.mode.suspended():
                 self.schedule.end_iteration()
                 self.schedule.begin_iteration()
+        if not self.schedule.movable:
+            # Nothing is ever released (one rank, every shard resident on the device): every
+            # parameter is always present, so the per-op checks would find nothing to fetch.
+            try:
+                yield
+            finally:
+                self._release(self.frames.pop())
+            return
         saved = torch.autograd.graph.saved_tensors_hooks(_pack, self._unpack)
         try:
             with self.mode, saved:

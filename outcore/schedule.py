@@ -51,7 +51,7 @@ class Schedule:
         self.ahead: dict[int, int] = {}  # group index -> full bytes fetched ahead of use
         self.peak_ahead_bytes = 0
         # with nothing ever released (one rank, states resident) there is nothing to prefetch
-        self._movable = any(not g.persistent for g in self.groups)
+        self.movable = any(not g.zero_copy for g in self.groups)
         self._warned_small_budget = False
         self._warned_divergence = False
         self.counts = {"fetches": 0, "on_demand_fetches": 0, "prefetches": 0,
@@ -132,7 +132,7 @@ class Schedule:
                      "(engine.schedule_stats()).", g.name)
 
     def _upcoming(self):
-        if self.trace is None or self.diverged or not self._movable:
+        if self.trace is None or self.diverged or not self.movable:
             return
         seen: set[int] = set()
         for index in self.trace[self.cursor :]:

@@ -19,7 +19,6 @@ outside outcore's forward fails loudly instead of computing with stale numbers. 
 from __future__ import annotations
 
 import weakref
-from enum import Enum
 
 import torch
 from torch import nn
@@ -29,15 +28,6 @@ from outcore.errors import ConfigError
 from outcore.runtime import Runtime
 from outcore.sharding import ShardLayout
 from outcore.storage import Stored, load_now
-
-
-class ParamState(str, Enum):
-    SHARDED = "sharded"
-    UNSHARDED = "unsharded"
-
-
-def _storage_key(t: torch.Tensor) -> int:
-    return t.untyped_storage()._cdata
 
 
 class ShardedParam:
@@ -64,14 +54,13 @@ class ShardedParam:
         self.step = 0
         self.optim: dict[str, Stored] = {}
         self.group = None  # the ParamGroup that gathers this parameter (set by the engine)
-        self.state = ParamState.SHARDED
         self.full = self._new_full(self.dtype)
         self.show_placeholder()
 
     def _new_full(self, dtype: torch.dtype) -> torch.Tensor:
         full = torch.empty(self.shape, dtype=dtype, device=self.rt.device)
         full.untyped_storage().resize_(0)
-        registry.register_storage(_storage_key(full), self)
+        registry.register_storage(registry.storage_key(full), self)
         self._full_shown = False
         return full
 
@@ -104,14 +93,12 @@ class ShardedParam:
         if not self._full_shown:
             self.param.data = self.full
             self._full_shown = True
-        self.state = ParamState.UNSHARDED
         return self.full
 
     def show_full(self, full: torch.Tensor) -> None:
         """Show another tensor as the parameter (a zero-copy shard view, or user-gathered fp32)."""
         self.param.data = full
         self._full_shown = False
-        self.state = ParamState.UNSHARDED
 
     def show_placeholder(self, force: bool = False) -> None:
         """Free the full tensor's storage in place; only the shard remains.
@@ -123,12 +110,11 @@ class ShardedParam:
         if force or not self._full_shown:
             self.param.data = self.full
             self._full_shown = True
-        self.state = ParamState.SHARDED
 
     def adopt_dtype(self, dtype: torch.dtype) -> None:
         """Switch the full tensor to ``dtype`` (the compute dtype, or a ``.to()`` during init)."""
         if dtype != self.full.dtype:
-            registry.forget_storage(_storage_key(self.full))
+            registry.forget_storage(registry.storage_key(self.full))
             self.full = self._new_full(dtype)
         self.dtype = dtype
 

@@ -39,13 +39,18 @@ def register(param: nn.Parameter, sp: ShardedParam) -> None:
 def _forget(key: int) -> None:
     sp = _MANAGED.pop(key, None)
     if sp is not None:
-        forget_storage(sp.full.untyped_storage()._cdata)
+        forget_storage(storage_key(sp.full))
         sp.free_storage()
 
 
 # Storage of each parameter's full tensor -> its ShardedParam, so a view autograd saved for
 # backward (``weight.t()``) can be traced back to the parameter whose group must be fetched.
 _STORAGES: dict[int, ShardedParam] = {}
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """Identity of ``t``'s storage (stable across resize_, shared by every view of it)."""
+    return t.untyped_storage()._cdata
 
 
 def register_storage(key: int, sp: ShardedParam) -> None:
@@ -60,7 +65,7 @@ def owner(t: torch.Tensor) -> ShardedParam | None:
     """The parameter whose full storage ``t`` lives in (``t`` itself or a view), if any."""
     sp = managed(t)
     if sp is None and _STORAGES:
-        sp = _STORAGES.get(t.untyped_storage()._cdata)
+        sp = _STORAGES.get(storage_key(t))
     return sp
 
 

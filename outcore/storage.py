@@ -98,7 +98,7 @@ class Stored:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+        return self.numel * self.dtype.itemsize
 
     def resident(self) -> torch.Tensor | None:
         """The live tensor for memory tiers; ``None`` when the bytes are on disk."""

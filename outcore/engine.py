@@ -219,9 +219,11 @@ class Engine:
     @property
     def overlaps_optimizer(self) -> bool:
         """Whether updates start during the boundary backward (see optim.py's note)."""
-        # On a CPU device with optimizer state in memory there is no I/O to hide and no idle
-        # compute unit: the update would only compete with backward for the same cores.
-        hides_something = self.rt.state_tier is Tier.NVME or self.rt.accel.is_cuda
+        # On a CPU device with every shard in memory there is no I/O to hide and no idle
+        # compute unit: the update would only compete with backward for the same cores. With
+        # parameters on NVMe the update's write of the new training-dtype shard is I/O.
+        hides_something = (Tier.NVME in (self.rt.state_tier, self.rt.param_tier)
+                           or self.rt.accel.is_cuda)
         return (self.cfg.zero.overlap_optimizer and self.cfg.gradient_clipping == 0
                 and not self.scaler.enabled and hides_something)
 
@@ -259,6 +261,7 @@ class Engine:
         self.optimizer.zero_grad()
         for g in self.groups:
             g.refresh_after_step()
+        self.schedule.start_next_iteration()
         self.global_steps += 1
         return True
 

@@ -137,9 +137,17 @@ class ParamGroup:
         self.rt.ledger.add(Tier.DEVICE.value, "unsharded", -self.full_bytes)
 
     def refresh_after_step(self) -> None:
-        """Kept-gathered groups hold stale full tensors once their shards are updated."""
-        if not self.zero_copy and self.state is not GroupState.SHARDED:
+        """Kept-gathered groups hold stale full tensors once their shards are updated.
+
+        A persistent group is needed by every forward, so its reads are issued again at once
+        (local stages only; the all-gather still waits for the module to run).
+        """
+        if self.zero_copy:
+            return
+        if self.state is not GroupState.SHARDED:
             self.reshard()
+        if self.persistent:
+            self.unshard()
 
     # -- gradients ----------------------------------------------------------------------------
     def grad_arrived(self, sp: ShardedParam) -> bool:

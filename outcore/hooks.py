@@ -104,10 +104,13 @@ class Hooks:
     def forward_context(self) -> Iterator[None]:
         """Active around the wrapped module's forward: access mode, saved-tensor hooks, frames."""
         self.frames.append([])
-        if not self.in_backward:  # a recomputation inside backward continues its iteration
+        # a recomputation inside backward continues its iteration; after a step the
+        # schedule already began this one (schedule.py's [Note: prefetch across the step])
+        if not self.in_backward and not self.schedule.started_early:
             with self.mode.suspended():
                 self.schedule.end_iteration()
                 self.schedule.begin_iteration()
+        self.schedule.started_early = False
         if not self.schedule.movable:
             # Nothing is ever released (one rank, every shard resident on the device): every
             # parameter is always present, so the per-op checks would find nothing to fetch.

@@ -3,7 +3,8 @@
 [Note: streamed sub-groups]
 With optimizer state in memory, a shard's master weights and moments are resident tensors
 and the update runs on them in place. With optimizer state on NVMe they are read into host
-memory a sub-group at a time, sized so three sub-groups fit ``offload.host_buffer_bytes``:
+memory a sub-group at a time, sized so three sub-groups fit the optimizer's share of
+``offload.host_buffer_bytes`` (runtime.py's [Note: one host budget, two users]):
 while sub-group k is updated, k+1 is being read and k-1 written back. Both cases run the
 same loop; for memory tiers a "read" is simply handing over the resident tensor.
 
@@ -34,6 +35,7 @@ from outcore.config import OptimizerConfig
 from outcore.param import ShardedParam
 from outcore.runtime import Runtime
 from outcore.storage import Tier
+from outcore.tiers.buffers import aligned_empty
 
 _STATE_KINDS = {"adamw": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",)}
 _ALIGN_ELEMS = 2048  # 8 KiB of fp32, 4 KiB of bf16/fp16
@@ -57,12 +59,31 @@ class _Work:
     master: list[torch.Tensor] = field(default_factory=list)
     states: dict[str, list[torch.Tensor]] = field(default_factory=dict)
     pending: list = field(default_factory=list)
-    keep: list[torch.Tensor] = field(default_factory=list)  # sources of writes in flight
+    slot: _Slot | None = None  # the buffers staged slices live in (None: all resident)
+    places: list[int] = field(default_factory=list)  # each slice's offset in the slot
 
     def wait(self) -> None:
         for f in self.pending:
             f.result()
-        self.pending, self.keep = [], []
+        self.pending = []
+
+
+class _Slot:
+    """Page-aligned host buffers for one sub-group in flight, allocated once and reused.
+
+    [Note: staging without copies]
+    A staged slice is placed at a multiple of ``_ALIGN_ELEMS`` elements in every buffer, so
+    its bytes start on a 4 KiB boundary in memory as they do in the swap file, and O_DIRECT
+    moves them straight between disk and buffer: no bounce through the I/O pool and no fresh
+    allocation (each of which page-faults on first touch, seconds per GiB on a VM). Three
+    slots serve the pipeline: one being read, one being updated, one being written.
+    """
+
+    def __init__(self, elems: int, kinds: tuple[str, ...], cast: torch.dtype | None) -> None:
+        # zero_() touches every page now, not in the first step
+        self.buffers = {k: aligned_empty(elems * 4).zero_().view(torch.float32) for k in kinds}
+        self.cast = (aligned_empty(elems * cast.itemsize).zero_().view(cast)
+                     if cast is not None else None)
 
 
 class ShardedOptimizer:
@@ -96,8 +117,16 @@ class ShardedOptimizer:
                         for k in kinds}
             sp.step = 0
         self.state_kinds = kinds
-        per_elem = 4 * (1 + len(kinds))
-        self._subgroup_bytes = max(rt.cfg.offload.host_buffer_bytes // 3, per_elem)
+        # what a slice stages in host memory per element (see [Note: staging without copies])
+        self._staged_kinds = (("master", *kinds) if rt.state_tier is Tier.NVME else ())
+        staged_cast = rt.param_tier is Tier.NVME and not (
+            rt.compute_dtype == torch.float32 and rt.param_tier == rt.state_tier)
+        self._cast_dtype = rt.compute_dtype if staged_cast else None
+        self._stage_elem_bytes = 4 * len(self._staged_kinds) + (
+            rt.compute_dtype.itemsize if staged_cast else 0)
+        per_slot = rt.staging_bytes // 3 // max(self._stage_elem_bytes, 1)
+        self._subgroup_elems = max(_ALIGN_ELEMS, per_slot // _ALIGN_ELEMS * _ALIGN_ELEMS)
+        self._slot_list: list[_Slot] = []
         self._fused = rt.device.type in ("cpu", "cuda")
         self._worker: ThreadPoolExecutor | None = None
         self._submitted: list[tuple[Future, int]] = []
@@ -125,7 +154,11 @@ class ShardedOptimizer:
             sp.stepped = True
         self.stats["updates_during_backward"] += len(todo)
         if self._worker is None:
-            self._worker = ThreadPoolExecutor(1, thread_name_prefix="outcore-optim")
+            # On CPU, backward already runs torch's intra-op threads on every core; one more
+            # thread for the update competes less than a second team of them would.
+            init = (lambda: torch.set_num_threads(1)) if self.rt.device.type == "cpu" else None
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="outcore-optim",
+                                              initializer=init)
         nbytes = sum(sp.grad.nbytes for sp in todo)
         while self._submitted and (sum(n for _, n in self._submitted) + nbytes
                                    > self.pending_grad_limit):
@@ -177,11 +210,13 @@ class ShardedOptimizer:
     def _run(self, hp: dict, live: list[ShardedParam]) -> None:
         """The streamed pipeline over sub-groups: read k+1, update k, write k-1."""
         chunks = list(self._subgroups(live))
-        ahead = self._load(chunks[0]) if chunks else None
+        slots = self._slots() if len(chunks) > 0 and self._stages else [None, None, None]
+        ahead = self._load(chunks[0], slots[0]) if chunks else None
         behind: _Work | None = None
         for i in range(len(chunks)):
             work = ahead
-            ahead = self._load(chunks[i + 1]) if i + 1 < len(chunks) else None
+            # slot (i + 1) % 3 last served chunk i - 2, whose writes finished last iteration
+            ahead = self._load(chunks[i + 1], slots[(i + 1) % 3]) if i + 1 < len(chunks) else None
             work.wait()
             self._update(work, hp)
             if behind is not None:
@@ -190,13 +225,26 @@ class ShardedOptimizer:
             behind = work
         if behind is not None:
             behind.wait()
+
+    @property
+    def _stages(self) -> bool:
+        """Whether updates stream through host buffers (some state they touch is on NVMe)."""
+        return self._stage_elem_bytes > 0
+
+    def _slots(self) -> list[_Slot]:
+        if not self._slot_list:
+            elems = self._subgroup_elems
+            self._slot_list = [_Slot(elems, self._staged_kinds, self._cast_dtype)
+                               for _ in range(3)]
+            self.rt.ledger.add(Tier.HOST.value, "io_buffers", 3 * elems * self._stage_elem_bytes)
+        return self._slot_list
+
     def _subgroups(self, sps: list[ShardedParam]) -> Iterator[list[_Slice]]:
-        if self.rt.state_tier is not Tier.NVME:
+        if not self._stages:
             if sps:
                 yield [_Slice(sp, 0, sp.shard_numel) for sp in sps]
             return
-        per_elem = 4 * (1 + len(self.state_kinds))
-        limit = max(_ALIGN_ELEMS, self._subgroup_bytes // per_elem // _ALIGN_ELEMS * _ALIGN_ELEMS)
+        limit = self._subgroup_elems
         chunk: list[_Slice] = []
         room = limit
         for sp in sps:
@@ -214,20 +262,26 @@ class ShardedOptimizer:
         if chunk:
             yield chunk
 
-    def _load(self, slices: list[_Slice]) -> _Work:
-        work = _Work(slices, states={k: [] for k in self.state_kinds})
+    def _load(self, slices: list[_Slice], slot: _Slot | None) -> _Work:
+        """Start reading a sub-group; each slice gets an aligned place in ``slot``'s buffers
+        (see [Note: staging without copies]) unless its state is resident."""
+        work = _Work(slices, states={k: [] for k in self.state_kinds}, slot=slot)
+        pos = 0
         for sl in slices:
-            sp = sl.sp
-            for dst, stored in [(work.master, sp.master)] + [
-                (work.states[k], sp.optim[k]) for k in self.state_kinds
+            sp, n = sl.sp, sl.hi - sl.lo
+            for kind, dst, stored in [("master", work.master, sp.master)] + [
+                (k, work.states[k], sp.optim[k]) for k in self.state_kinds
             ]:
                 t = stored.resident()
                 if t is None:
-                    t = torch.empty(sl.hi - sl.lo, dtype=stored.dtype)
+                    assert slot is not None
+                    t = slot.buffers[kind][pos : pos + n]
                     work.pending.append(stored.load_range(sl.lo, t))
                 else:
                     t = sl.of(t)
                 dst.append(t)
+            work.places.append(pos)
+            pos += -(-n // _ALIGN_ELEMS) * _ALIGN_ELEMS
         return work
 
     def _update(self, work: _Work, hp: dict) -> None:
@@ -258,7 +312,13 @@ class ShardedOptimizer:
                 work.pending.append(sp.master.save_range(sl.lo, work.master[i]))
                 for k in self.state_kinds:
                     work.pending.append(sp.optim[k].save_range(sl.lo, work.states[k][i]))
-            if sp.compute is not sp.master:
-                cast = work.master[i].to(sp.compute.dtype)
-                work.keep.append(cast)
+            if sp.compute is sp.master:
+                continue
+            resident = sp.compute.resident()
+            if resident is not None:  # copy_ casts in one pass, no temporary
+                sl.of(resident).copy_(work.master[i])
+            else:
+                pos, n = work.places[i], sl.hi - sl.lo
+                cast = work.slot.cast[pos : pos + n]
+                cast.copy_(work.master[i])
                 work.pending.append(sp.compute.save_range(sl.lo, cast))

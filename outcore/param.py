@@ -49,6 +49,7 @@ class ShardedParam:
         )
         self.compute: Stored | None = None
         self.grad: torch.Tensor | None = None
+        self._grad_buffer: torch.Tensor | None = None  # see [Note: gradient buffers]
         self.has_grad = False  # a gradient arrived since the last step
         self.stepped = False  # the optimizer already updated this parameter in this step
         self.step = 0
@@ -143,26 +144,39 @@ class ShardedParam:
     def add_grad(self, shard_grad: torch.Tensor) -> None:
         """Accumulate one backward's reduced gradient into the fp32 gradient shard.
 
-        The shard is allocated when the first gradient arrives and freed after the optimizer
-        step (``drop_grad``), so gradient memory exists only between backward and step.
+        [Note: gradient buffers]
+        Where the optimizer state is in memory the step needs every gradient shard at once
+        anyway, so the fp32 buffer is allocated by the first backward and kept: later steps
+        overwrite it instead of page-faulting a fresh one in (seconds per GiB on a VM). With
+        the optimizer on NVMe the shard is allocated when the first gradient arrives and freed
+        as soon as the update consumed it (``drop_grad``), which bounds host memory.
         """
         if self.grad is None:
             # the first gradient is copied (cast) rather than added to zeros: one pass, not two
-            self.grad = shard_grad.to(self.rt.grad_device, torch.float32, copy=True)
-            self.rt.ledger.add(self.rt.grad_tier.value, "grads", self.grad.nbytes)
+            if self._grad_buffer is not None:
+                self.grad = self._grad_buffer.copy_(shard_grad)
+            else:
+                self.grad = shard_grad.to(self.rt.grad_device, torch.float32, copy=True)
+                self.rt.ledger.add(self.rt.grad_tier.value, "grads", self.grad.nbytes)
+                if self.rt.keeps_grad_buffers:
+                    self._grad_buffer = self.grad
         else:
             self.grad.add_(shard_grad)
         self.has_grad = True
 
     def drop_grad(self) -> None:
-        if self.grad is not None:
+        if self.grad is not None and self._grad_buffer is None:
             self.rt.ledger.add(self.rt.grad_tier.value, "grads", -self.grad.nbytes)
-            self.grad = None
+        self.grad = None
         self.has_grad = False
         self.stepped = False
 
     def free_storage(self) -> None:
         """Give back every shard's bytes (the parameter is gone)."""
+        self.drop_grad()
+        if self._grad_buffer is not None:
+            self.rt.ledger.add(self.rt.grad_tier.value, "grads", -self._grad_buffer.nbytes)
+            self._grad_buffer = None
         for stored in {id(s): s for s in (self.master, self.compute, *self.optim.values())
                        if s is not None}.values():
             stored.free()

@@ -15,6 +15,7 @@ import torch
 from outcore.accel import Accelerator
 from outcore.comm import Comm
 from outcore.config import Config
+from outcore.host_memory import return_large_frees_to_os
 from outcore.storage import Ledger, MemoryStored, NvmeStored, Stored, Tier
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -35,6 +36,10 @@ class Runtime:
         # only between a backward and its step, and the step reads them right away.
         self.grad_tier = Tier.DEVICE if self.state_tier is Tier.DEVICE else Tier.HOST
         self.grad_device = self.device if self.grad_tier is Tier.DEVICE else torch.device("cpu")
+        if self.state_tier is Tier.NVME:
+            return_large_frees_to_os()  # host_memory.py's [Note: glibc keeps freed shards]
+        # see param.py's [Note: gradient buffers]
+        self.keeps_grad_buffers = self.state_tier is not Tier.NVME
         self._nvme = None
         self.closed = False
 
@@ -63,11 +68,27 @@ class Runtime:
             assert off.nvme_path is not None  # guaranteed by Config validation
             remove_stale_swap(off.nvme_path)
             engine = AioEngine(threads=off.io_threads, block_bytes=off.io_block_bytes)
-            buffer_bytes = min(off.io_block_bytes, off.host_buffer_bytes)
-            pool = BufferPool(off.host_buffer_bytes, buffer_bytes, pin=self.accel.pin_host_buffers)
+            pool_bytes = off.host_buffer_bytes - self.staging_bytes
+            buffer_bytes = min(off.io_block_bytes, pool_bytes)
+            pool = BufferPool(pool_bytes, buffer_bytes, pin=self.accel.pin_host_buffers)
             self._nvme = NvmeStore(off.nvme_path, rank=self.rank, engine=engine, pool=pool)
             self.ledger.add(Tier.HOST.value, "io_buffers", pool.capacity_bytes)
         return self._nvme
+
+    @property
+    def staging_bytes(self) -> int:
+        """The optimizer's share of ``offload.host_buffer_bytes``; the I/O pool gets the rest.
+
+        [Note: one host budget, two users]
+        Two things stage NVMe bytes in host memory: the I/O pool (reads into tensors that are
+        not page-aligned, such as a parameter's full tensor) and the optimizer's sub-group
+        buffers (master weights, moments and the cast training-dtype copy of a slice). Both
+        are allocated once and reused, so every step runs without page faults, and together
+        they never exceed the one budget the user set: the optimizer takes half when it
+        streams anything from NVMe, nothing otherwise.
+        """
+        streams = self.state_tier is Tier.NVME or self.param_tier is Tier.NVME
+        return self.cfg.offload.host_buffer_bytes // 2 // 4096 * 4096 if streams else 0
 
     def store(self, tensor: torch.Tensor, tier: Tier, kind: str) -> Stored:
         """Give ``tensor``'s bytes a home in ``tier`` (memory tiers keep the tensor itself)."""

@@ -52,6 +52,7 @@ class Schedule:
         self.peak_ahead_bytes = 0
         # with nothing ever released (one rank, states resident) there is nothing to prefetch
         self.movable = any(not g.zero_copy for g in self.groups)
+        self.started_early = False  # see [Note: prefetch across the step]
         self._warned_small_budget = False
         self._warned_divergence = False
         self.counts = {"fetches": 0, "on_demand_fetches": 0, "prefetches": 0,
@@ -71,8 +72,26 @@ class Schedule:
         self.cursor = 0
         self.diverged = False
 
+    def start_next_iteration(self) -> None:
+        """The optimizer step is done: begin the next iteration now and start reading the
+        head of its trace, so the next forward finds its first groups on the way.
+
+        [Note: prefetch across the step]
+        A forward begins with the groups the previous step updated last (backward runs in
+        reverse), so it would otherwise start with a queue of on-demand reads. Issuing them
+        when the step ends overlaps them with whatever the user does between step and
+        forward (logging, loading the next batch) and puts the disk to work at once. The
+        reads are local stages only, like any prefetch; if the next forward takes another
+        path, it diverges as usual and the unused reads are cancelled.
+        """
+        self.end_iteration()
+        self.begin_iteration()
+        self._prefetch()
+        self.started_early = True
+
     def end_iteration(self) -> None:
         """Backward is over: drop everything fetched or kept ahead that was not used."""
+        self.started_early = False
         for g in self.groups:
             if g.holds == 0 and not g.persistent and g.state is not GroupState.SHARDED:
                 g.reshard()

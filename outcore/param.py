@@ -90,7 +90,12 @@ class ShardedParam:
         """Give the full tensor its storage back (contents undefined) and show it."""
         storage = self.full.untyped_storage()
         if storage.nbytes() == 0:
-            storage.resize_(self.numel * self.full.element_size())
+            nbytes = self.numel * self.full.element_size()
+            regions = self.rt.full_regions
+            if regions is not None:  # disk reads land here directly (buffers.py's note)
+                regions.fill(storage, nbytes)
+            else:
+                storage.resize_(nbytes)
         if not self._full_shown:
             self.param.data = self.full
             self._full_shown = True
@@ -107,7 +112,11 @@ class ShardedParam:
         ``force`` re-points ``param.data`` even if outcore believes it already does (after
         code outside outcore, such as ``Module._apply``, assigned ``.data``).
         """
-        self.full.untyped_storage().resize_(0)
+        storage = self.full.untyped_storage()
+        if storage.resizable():
+            storage.resize_(0)
+        else:
+            self.rt.full_regions.release(storage)
         if force or not self._full_shown:
             self.param.data = self.full
             self._full_shown = True

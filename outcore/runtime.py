@@ -17,6 +17,7 @@ from outcore.comm import Comm
 from outcore.config import Config
 from outcore.host_memory import return_large_frees_to_os
 from outcore.storage import Ledger, MemoryStored, NvmeStored, Stored, Tier
+from outcore.tiers.buffers import AlignedRegions
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -40,6 +41,7 @@ class Runtime:
             return_large_frees_to_os()  # host_memory.py's [Note: glibc keeps freed shards]
         # see param.py's [Note: gradient buffers]
         self.keeps_grad_buffers = self.state_tier is not Tier.NVME
+        self.full_regions = self._full_regions(cfg)
         self._nvme = None
         self.closed = False
 
@@ -74,6 +76,15 @@ class Runtime:
             self._nvme = NvmeStore(off.nvme_path, rank=self.rank, engine=engine, pool=pool)
             self.ledger.add(Tier.HOST.value, "io_buffers", pool.capacity_bytes)
         return self._nvme
+
+    def _full_regions(self, cfg: Config) -> AlignedRegions | None:
+        """Aligned memory for full tensors where disk reads land in them: one rank, params
+        on NVMe (buffers.py's [Note: aligned memory under a storage ...])."""
+        if not (self.world_size == 1 and self.param_tier is Tier.NVME
+                and self.device.type == "cpu" and AlignedRegions.supported()):
+            return None
+        return AlignedRegions(cfg.zero.prefetch_bytes // 2,
+                              lambda n: self.ledger.add(Tier.HOST.value, "param_cache", n))
 
     @property
     def staging_bytes(self) -> int:

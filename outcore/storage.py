@@ -161,21 +161,6 @@ class MemoryStored(Stored):
         return _Ready()
 
 
-class _Verified:
-    """A read's future that checks the bytes against their recorded digests on ``result()``."""
-
-    def __init__(self, fut: Future, check) -> None:
-        self._fut, self._check = fut, check
-
-    def result(self, timeout: float | None = None) -> object:
-        value = self._fut.result(timeout)
-        self._check()
-        return value
-
-    def done(self) -> bool:
-        return self._fut.done()
-
-
 def digest(t: torch.Tensor) -> int:
     """xxh3-64 of a contiguous CPU tensor's bytes (about 8 GiB/s here, against crc32's 2)."""
     from outcore.tiers.aio import byte_view
@@ -189,8 +174,10 @@ class NvmeStored(Stored):
 
     [Note: every extent read is verified]
     Each save records the xxh3 digest of the bytes it wrote, per element range, and each load
-    checks what came back, so a bit flipped on disk or a torn write surfaces as a
-    ``StorageError`` naming the swap file and offset, never as silently wrong weights. Ranges
+    checks what came back (on the I/O thread that finished the read, so the check overlaps
+    the caller's compute and a failed check is the read's error), so a bit flipped on disk
+    or a torn write surfaces as a ``StorageError`` naming the swap file and offset, never as
+    silently wrong weights. Ranges
     are tracked because the optimizer writes slices: a later load of any range that the saved
     pieces tile exactly is verified piece by piece. Hashing runs at ~8 GiB/s, four times the
     disk's read bandwidth, so it costs about a quarter of the I/O time on one core (measured:
@@ -225,7 +212,15 @@ class NvmeStored(Stored):
 
     def load_range(self, start: int, out: torch.Tensor) -> Future:
         fut = self._store.read(self._sub_extent(start, out.numel()), out)
-        return _Verified(fut, lambda: self._verify(start, out))
+        pieces = self._pieces(start, out.numel())
+        if not pieces:
+            return fut
+
+        def check(ok: bool) -> None:  # on the I/O thread that completed the read
+            if ok:
+                self._verify(start, out, pieces)
+
+        return fut.then(check, out.numel() * self.dtype.itemsize)
 
     def save_range(self, start: int, src: torch.Tensor) -> Future:
         src = src.contiguous()
@@ -235,18 +230,25 @@ class NvmeStored(Stored):
         self._sums[start] = (src.numel(), digest(src))
         return self._store.write(self._sub_extent(start, src.numel()), src)
 
-    def _verify(self, start: int, out: torch.Tensor) -> None:
-        pos, stop = start, start + out.numel()
+    def _pieces(self, start: int, numel: int) -> list[tuple[int, int, int]]:
+        """(start, numel, digest) of the saved pieces tiling ``[start, start + numel)``,
+        taken when the read is issued; empty if they do not tile it (e.g. never written)."""
+        pieces, pos, stop = [], start, start + numel
         while pos < stop:
             n, want = self._sums.get(pos, (0, None))
             if want is None or pos + n > stop:
-                return  # not tiled by saved pieces (e.g. never written): nothing to check
+                return []
+            pieces.append((pos, n, want))
+            pos += n
+        return pieces
+
+    def _verify(self, start: int, out: torch.Tensor, pieces: list[tuple[int, int, int]]) -> None:
+        for pos, n, want in pieces:
             if digest(out[pos - start : pos - start + n]) != want:
                 off = self._sub_extent(pos, n).offset
                 raise StorageError(f"checksum mismatch in {self._store.path} at offset {off} "
                                    f"({n} elements of {self._kind}): the swap file was "
                                    "corrupted or truncated on disk")
-            pos += n
 
     def free(self) -> None:
         if self.extent is not None:

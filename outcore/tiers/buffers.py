@@ -20,10 +20,12 @@ asynchronously. It is the only CUDA-specific thing in the tiers and lives behind
 
 from __future__ import annotations
 
+import mmap
 import threading
 import time
 from types import TracebackType
 
+import numpy as np
 import torch
 
 ALIGN = 4096
@@ -55,6 +57,65 @@ def aligned_empty(nbytes: int, *, alignment: int = ALIGN, pin: bool = False) -> 
     raw = torch.empty(nbytes + alignment, dtype=torch.uint8, pin_memory=pin)
     start = (-raw.data_ptr()) % alignment
     return raw[start : start + nbytes]
+
+
+class AlignedRegions:
+    """Page-aligned memory for parameters' full tensors, recycled by exact size.
+
+    [Note: aligned memory under a storage that views already share]
+    A parameter's full tensor keeps one storage for life and views of it (saved by
+    autograd) must see whatever memory it holds (param.py's [Note: free the storage, keep
+    the tensor]). ``resize_`` refills it from torch's allocator, which aligns to 64 bytes,
+    so O_DIRECT reads into it would bounce through the I/O pool (a copy, and pool buffers
+    the caller must wait for). Here the storage instead takes over page-aligned memory by
+    swapping data pointers, which changes the memory and keeps the storage object.
+
+    Fresh anonymous mappings page-fault on first touch, which costs more than the read
+    itself on a VM, so released memory is kept for the next full tensor of the same size
+    (layers repeat, so sizes do) up to ``cap_bytes``; beyond that it is unmapped at once.
+    """
+
+    def __init__(self, cap_bytes: int, on_cached=None) -> None:
+        self.cap_bytes = cap_bytes
+        self.cached_bytes = 0
+        self._free: dict[int, list[torch.UntypedStorage]] = {}
+        self._lock = threading.Lock()
+        self._on_cached = on_cached  # called with +/- bytes kept for reuse (the ledger)
+
+    @staticmethod
+    def supported() -> bool:
+        """Whether this torch can swap a storage's memory (a private but stable method)."""
+        return hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+
+    def fill(self, storage: torch.UntypedStorage, nbytes: int) -> None:
+        """Give an empty, resizable storage ``nbytes`` of page-aligned memory, in place."""
+        with self._lock:
+            kept = self._free.get(nbytes)
+            donor = kept.pop() if kept else None
+            if donor is not None:
+                self.cached_bytes -= nbytes
+        if donor is None:
+            region = mmap.mmap(-1, nbytes)
+            donor = torch.from_numpy(np.frombuffer(region, dtype=np.uint8)).untyped_storage()
+        elif self._on_cached is not None:
+            self._on_cached(-nbytes)
+        storage._swap_data_ptr_(donor)
+
+    def release(self, storage: torch.UntypedStorage) -> None:
+        """Free a storage's memory in place (to zero bytes), whoever allocated it."""
+        if storage.resizable():
+            storage.resize_(0)
+            return
+        nbytes = storage.nbytes()
+        holder = torch.empty(0, dtype=torch.uint8).untyped_storage()
+        storage._swap_data_ptr_(holder)  # the holder now owns the mapping
+        with self._lock:
+            keep = self.cached_bytes + nbytes <= self.cap_bytes
+            if keep:
+                self._free.setdefault(nbytes, []).append(holder)
+                self.cached_bytes += nbytes
+        if keep and self._on_cached is not None:
+            self._on_cached(nbytes)
 
 
 class PooledBuffer:

@@ -26,7 +26,8 @@ def test_flipped_byte_in_swap_extent_is_a_storage_error(target: str, tmp_path: P
     cfg = outcore.Config(dtype="bf16", optimizer={"lr": 1e-3},
                          offload={"params": "nvme", "optimizer": "nvme",
                                   "nvme_path": str(tmp_path)},
-                         zero={"overlap_optimizer": False})
+                         # no prefetch: the next forward's reads must come after the flip
+                         zero={"overlap_optimizer": False, "prefetch_bytes": 0})
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 4))
     engine = outcore.initialize(model, cfg)

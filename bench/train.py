@@ -18,9 +18,10 @@ Columns: median step time after warm-up, tokens/s, ratio to plain PyTorch, peak 
 read/written per step (outcore's NVMe store counters; /proc/<pid>/io for DeepSpeed), the
 floor ``max(compute, read/read_bw + written/write_bw)`` with the bandwidths from
 ``outcore.probe.measure()`` on the swap folder and compute = the ``none`` row's step time,
-and step time / floor. Then a sweep of tokens per step for ``nvme+opt`` against ``none`` and
-a plot of efficiency against tokens per step, measured and predicted by the paper's formula
-(bench/out/efficiency.png).
+and step time / floor (``--probe-each-row``: the bandwidths measured right after that row, as
+the disk's speed drifts during a run). Then a sweep of tokens per step for ``nvme+opt``
+against ``none`` and a plot of efficiency against tokens per step, measured and predicted by
+the paper's formula (bench/out/efficiency.png).
 
     python bench/train.py --quick                       # tiny model, checks the script works
     python bench/train.py                               # gpt-335m, batch 1 x seq 512, sweep
@@ -357,6 +358,12 @@ def _run_row_once(row: Row, args, nvme_root: Path, logs: Path, quiet: str) -> No
         row.result, row.error = _child(cmd, log, args.row_timeout, env)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+    if row.result and args.probe_each_row and ("nvme" in row.name or row.name == "deepspeed"):
+        # the disk's speed drifts by +-20% over a run here: price each row's bytes at the
+        # rates measured right after it (see the module docstring)
+        pr = row.result["probe"] = probe(args, nvme_root, logs)
+        print(f"  disk after the row: read {pr['disk_read_GBps']:.2f} GB/s, write "
+              f"{pr['disk_write_GBps']:.2f} GB/s", flush=True)
     if row.error:
         print(f"FAILED (log {log})\n{row.error}", flush=True)
     else:
@@ -382,7 +389,9 @@ def probe(args, nvme_root: Path, logs: Path) -> dict:
 # reporting
 # ---------------------------------------------------------------------------------------------
 def io_seconds(r: dict, pr: dict) -> float:
-    """Disk time of one step's bytes at the probe's rates (reads and writes share the disk)."""
+    """Disk time of one step's bytes at the probe's rates (reads and writes share the disk);
+    the row's own probe when ``--probe-each-row`` took one."""
+    pr = r.get("probe", pr)
     rd, wr = _bytes(r)
     return rd / (pr["disk_read_GBps"] * 1e9) + wr / (pr["disk_write_GBps"] * 1e9)
 
@@ -597,6 +606,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-other-cpu", type=float, default=0.2,
                     help="rerun a row if other processes used more of the CPU than this")
     ap.add_argument("--retries", type=int, default=1, help="reruns of a noisy row")
+    ap.add_argument("--probe-each-row", action="store_true",
+                    help="probe the disk again after each row that uses it and use that for "
+                         "the row's floor")
     ap.add_argument("--profile", default="", help="cProfile this row's measured steps")
     ap.add_argument("--quick", action="store_true", help="tiny model, 2 steps, small sweep")
     ap.add_argument("--merge", nargs="+", type=Path, metavar="JSON",

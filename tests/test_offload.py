@@ -126,8 +126,9 @@ def test_missing_nvme_path_is_a_clear_error(tmp_path: Path) -> None:
 @pytest.mark.parametrize("opt", [{"type": "adamw", "lr": 1e-2, "weight_decay": 0.1},
                                  {"type": "sgd", "lr": 0.1, "momentum": 0.9}])
 def test_streamed_optimizer_slices_large_shards_exactly(opt: dict, tmp_path: Path) -> None:
-    """A 64 KiB host budget holds 2048-element sub-groups; 10,000-element shards are cut into
-    slices, and the result is bit-identical to the in-memory optimizer."""
+    """A 64 KiB host budget gives the optimizer its smallest sub-groups (2048 elements);
+    10,000-element shards are cut into slices, and the result is bit-identical to the
+    in-memory optimizer."""
 
     def run(optimizer: str) -> list[float]:
         cfg = outcore.Config.from_dict({

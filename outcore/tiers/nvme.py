@@ -281,6 +281,8 @@ class NvmeStore:
         """Bytes delivered to callers by completed reads."""
         self.bytes_written = 0
         """Bytes taken from callers by completed writes."""
+        self.bytes_staged = 0
+        """Bytes copied through pool buffers because the caller's memory was not aligned."""
 
     @property
     def closed(self) -> bool:
@@ -365,6 +367,8 @@ class NvmeStore:
         """One chunk of ``data`` through a pool buffer, padded to whole pages."""
         buffer = self.pool.acquire()
         length = min(buffer.tensor.numel(), data.numel())
+        with self._lock:
+            self.bytes_staged += length
         padded = round_up(length)
         staging = buffer.tensor[:padded]
         try:

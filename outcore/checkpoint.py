@@ -353,6 +353,11 @@ def _load(engine: Any, path: Path) -> dict[str, Any]:
             old = man["world_size"]
             handles = {r: stack.enter_context(safe_open(folder / rank_file(r, old), "pt"))
                        for r in plan["ranks"]}
+            # no read may be in flight into a shard while it is rewritten (prefetches issued
+            # by the last step, persistent groups' refresh): cancel them all first
+            for g in engine.groups:
+                g.reshard()
+            engine.schedule.end_iteration()
             for sp in engine.params:
                 _load_param(sp, plan["entries"][sp.name], man, handles)
             for name, buf in _buffers(engine.module).items():

@@ -23,6 +23,7 @@ parameters whose ``.grad`` is None.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -63,9 +64,17 @@ class _Work:
     places: list[int] = field(default_factory=list)  # each slice's offset in the slot
 
     def wait(self) -> None:
-        for f in self.pending:
-            f.result()
-        self.pending = []
+        """Wait for every transfer of this sub-group, then raise the first error, if any:
+        its slot is reused next, so nothing may still be reading or writing it."""
+        pending, self.pending = self.pending, []
+        error: BaseException | None = None
+        for f in pending:
+            try:
+                f.result()
+            except BaseException as e:  # noqa: BLE001 - re-raised below, after the rest
+                error = error or e
+        if error is not None:
+            raise error
 
 
 class _Slot:
@@ -210,21 +219,31 @@ class ShardedOptimizer:
     def _run(self, hp: dict, live: list[ShardedParam]) -> None:
         """The streamed pipeline over sub-groups: read k+1, update k, write k-1."""
         chunks = list(self._subgroups(live))
-        slots = self._slots() if len(chunks) > 0 and self._stages else [None, None, None]
-        ahead = self._load(chunks[0], slots[0]) if chunks else None
-        behind: _Work | None = None
-        for i in range(len(chunks)):
-            work = ahead
-            # slot (i + 1) % 3 last served chunk i - 2, whose writes finished last iteration
-            ahead = self._load(chunks[i + 1], slots[(i + 1) % 3]) if i + 1 < len(chunks) else None
-            work.wait()
-            self._update(work, hp)
-            if behind is not None:
-                behind.wait()
-            self._store(work)
-            behind = work
-        if behind is not None:
-            behind.wait()
+        if not chunks:
+            return
+        slots = self._slots() if self._stages else [None, None, None]
+        in_flight: list[_Work] = []
+        try:
+            ahead = self._load(chunks[0], slots[0])
+            in_flight.append(ahead)
+            for i in range(len(chunks)):
+                work = ahead
+                # slot (i + 1) % 3 last served chunk i - 2, whose writes finished last round
+                if i + 1 < len(chunks):
+                    ahead = self._load(chunks[i + 1], slots[(i + 1) % 3])
+                    in_flight.append(ahead)
+                work.wait()
+                self._update(work, hp)
+                if i > 0:
+                    in_flight.pop(0).wait()  # chunk i - 1's writes
+                self._store(work)
+            while in_flight:
+                in_flight.pop(0).wait()
+        finally:
+            # after an error, no read or write may still target a slot the next step reuses
+            for work in in_flight:
+                with contextlib.suppress(BaseException):
+                    work.wait()
 
     @property
     def _stages(self) -> bool:

@@ -92,7 +92,7 @@ class ShardedParam:
         if storage.nbytes() == 0:
             nbytes = self.numel * self.full.element_size()
             regions = self.rt.full_regions
-            if regions is not None:  # disk reads land here directly (buffers.py's note)
+            if regions is not None and nbytes > 0:  # disk reads land here (buffers.py's note)
                 regions.fill(storage, nbytes)
             else:
                 storage.resize_(nbytes)

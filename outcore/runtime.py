@@ -33,8 +33,9 @@ class Runtime:
         self.compute_dtype = _DTYPES[cfg.dtype]
         self.param_tier = Tier.for_placement(cfg.offload.params)
         self.state_tier = Tier.for_placement(cfg.offload.optimizer)
-        # fp32 gradient shards live beside the optimizer state, but never on disk: they exist
-        # only between a backward and its step, and the step reads them right away.
+        # fp32 gradient shards live beside the optimizer state, but never on disk: the step
+        # reads them right after backward (param.py's [Note: gradient buffers] says when
+        # they are kept between steps).
         self.grad_tier = Tier.DEVICE if self.state_tier is Tier.DEVICE else Tier.HOST
         self.grad_device = self.device if self.grad_tier is Tier.DEVICE else torch.device("cpu")
         if self.state_tier is Tier.NVME:
@@ -83,7 +84,8 @@ class Runtime:
         if not (self.world_size == 1 and self.param_tier is Tier.NVME
                 and self.device.type == "cpu" and AlignedRegions.supported()):
             return None
-        return AlignedRegions(cfg.zero.prefetch_bytes // 2,
+        # kept memory is bounded by half the prefetch budget, at least a few layers' worth
+        return AlignedRegions(max(cfg.zero.prefetch_bytes // 2, 32 << 20),
                               lambda n: self.ledger.add(Tier.HOST.value, "param_cache", n))
 
     @property

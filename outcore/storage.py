@@ -225,17 +225,18 @@ class NvmeStored(Stored):
     def save_range(self, start: int, src: torch.Tensor) -> Future:
         src = src.contiguous()
         stop = start + src.numel()
-        for lo in [lo for lo, (n, _) in self._sums.items() if lo < stop and lo + n > start]:
-            del self._sums[lo]
-        self._sums[start] = (src.numel(), digest(src))
+        # one assignment, so a read issued on another thread sees the old map or the new one
+        sums = {lo: v for lo, v in self._sums.items() if not (lo < stop and lo + v[0] > start)}
+        sums[start] = (src.numel(), digest(src))
+        self._sums = sums
         return self._store.write(self._sub_extent(start, src.numel()), src)
 
     def _pieces(self, start: int, numel: int) -> list[tuple[int, int, int]]:
         """(start, numel, digest) of the saved pieces tiling ``[start, start + numel)``,
         taken when the read is issued; empty if they do not tile it (e.g. never written)."""
-        pieces, pos, stop = [], start, start + numel
+        pieces, pos, stop, sums = [], start, start + numel, self._sums
         while pos < stop:
-            n, want = self._sums.get(pos, (0, None))
+            n, want = sums.get(pos, (0, None))
             if want is None or pos + n > stop:
                 return []
             pieces.append((pos, n, want))

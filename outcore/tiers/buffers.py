@@ -81,6 +81,10 @@ class AlignedRegions:
         self._free: dict[int, list[torch.UntypedStorage]] = {}
         self._lock = threading.Lock()
         self._on_cached = on_cached  # called with +/- bytes kept for reuse (the ledger)
+        self.fills = 0
+        """Storages given memory so far."""
+        self.mapped = 0
+        """Of those, how many needed a fresh mapping (the rest reused kept memory)."""
 
     @staticmethod
     def supported() -> bool:
@@ -94,8 +98,11 @@ class AlignedRegions:
             donor = kept.pop() if kept else None
             if donor is not None:
                 self.cached_bytes -= nbytes
+        self.fills += 1
         if donor is None:
-            region = mmap.mmap(-1, nbytes)
+            self.mapped += 1
+            # private: a forked child (a DataLoader worker) must not share it
+            region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)
             donor = torch.from_numpy(np.frombuffer(region, dtype=np.uint8)).untyped_storage()
         elif self._on_cached is not None:
             self._on_cached(-nbytes)

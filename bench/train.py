@@ -358,18 +358,18 @@ def _run_row_once(row: Row, args, nvme_root: Path, logs: Path, quiet: str) -> No
         row.result, row.error = _child(cmd, log, args.row_timeout, env)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-    if row.result and args.probe_each_row and ("nvme" in row.name or row.name == "deepspeed"):
-        # the disk's speed drifts by +-20% over a run here: price each row's bytes at the
-        # rates measured right after it (see the module docstring)
-        pr = row.result["probe"] = probe(args, nvme_root, logs)
-        print(f"  disk after the row: read {pr['disk_read_GBps']:.2f} GB/s, write "
-              f"{pr['disk_write_GBps']:.2f} GB/s", flush=True)
     if row.error:
         print(f"FAILED (log {log})\n{row.error}", flush=True)
     else:
         r = row.result
         print(f"{r['step_s']:.2f} s/step, peak RSS {r['peak_rss'] / 2**30:.2f} GiB, "
               f"other CPU {r['other_cpu']:.2f}", flush=True)
+    if row.result and args.probe_each_row and ("nvme" in row.name or row.name == "deepspeed"):
+        # the disk's speed drifts by +-20% over a run here: price each row's bytes at the
+        # rates measured right after it (see the module docstring)
+        pr = row.result["probe"] = probe(args, nvme_root, logs)
+        print(f"  disk after the row: read {pr['disk_read_GBps']:.2f} GB/s, write "
+              f"{pr['disk_write_GBps']:.2f} GB/s", flush=True)
 
 
 def probe(args, nvme_root: Path, logs: Path) -> dict:

@@ -27,9 +27,9 @@ def _mlp() -> nn.Module:
                          nn.Linear(1024, 512), nn.GELU(), nn.Linear(512, 4))
 
 
-def _train(engine: outcore.Engine, steps: int) -> list[float]:
-    gen = torch.Generator().manual_seed(1)
-    x = torch.randn(16, 512, generator=gen)
+def _train(engine: outcore.Engine, steps: int, x: torch.Tensor | None = None) -> list[float]:
+    if x is None:
+        x = torch.randn(16, 512, generator=torch.Generator().manual_seed(1))
     losses = []
     for _ in range(steps):
         loss = engine(x).float().pow(2).mean()
@@ -174,13 +174,6 @@ def test_slots_rotate_over_many_sub_groups_of_many_slices(opt: dict, tmp_path: P
             if where == "nvme":
                 chunks = list(engine.optimizer._subgroups(list(engine.optimizer.params)))
                 assert len(chunks) >= 3 and max(len(c) for c in chunks) >= 3
-            x = torch.randn(8, 60)
-            losses = []
-            for _ in range(4):
-                loss = engine(x).float().pow(2).mean()
-                engine.backward(loss)
-                engine.step()
-                losses.append(loss.item())
-        return losses
+            return _train(engine, 4, torch.randn(8, 60))
 
     assert run("nvme") == run("none")

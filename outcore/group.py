@@ -29,6 +29,7 @@ import torch
 from outcore.param import ShardedParam
 from outcore.runtime import Runtime
 from outcore.storage import Tier
+from outcore.tiers.buffers import ALIGN, aligned_empty
 
 
 class GroupState(str, Enum):
@@ -43,14 +44,19 @@ class ParamGroup:
     def __init__(self, index: int, name: str, params: list[ShardedParam], rt: Runtime,
                  persistence_threshold_bytes: int) -> None:
         self.index, self.name, self.params, self.rt = index, name, params, rt
+        esize = rt.compute_dtype.itemsize
+        # Shards read from disk into the packed buffer start on page boundaries of it, so
+        # O_DIRECT reads land in place instead of passing through the I/O pool.
+        self._aligned = rt.world_size > 1 and rt.param_tier is Tier.NVME
+        align = ALIGN // esize if self._aligned else 1
         self.offsets: list[int] = []
         total = 0
         for sp in params:
+            total = -(-total // align) * align
             self.offsets.append(total)
             total += sp.shard_numel
             sp.group = self
-        self.shard_numel = total
-        esize = torch.empty((), dtype=rt.compute_dtype).element_size()
+        self.shard_numel = -(-total // align) * align  # padding is never read
         self.full_bytes = sum(sp.numel for sp in params) * esize
         self.zero_copy = rt.world_size == 1 and (
             rt.param_tier is Tier.DEVICE or (rt.param_tier is Tier.HOST and not rt.accel.is_cuda)
@@ -77,7 +83,9 @@ class ParamGroup:
             # A shard is the whole parameter: read it straight into the full tensor.
             self._reads = [sp.compute.load(sp.alloc_full().view(-1)) for sp in self.params]
             return
-        send = torch.empty(self.shard_numel, dtype=self.rt.compute_dtype)
+        dtype = self.rt.compute_dtype
+        send = (aligned_empty(self.shard_numel * dtype.itemsize).view(dtype) if self._aligned
+                else torch.empty(self.shard_numel, dtype=dtype))
         self._reads = [
             sp.compute.load(send[off : off + sp.shard_numel])
             for sp, off in zip(self.params, self.offsets, strict=True)

@@ -19,6 +19,7 @@ from torch import nn
 import outcore
 from outcore.host_memory import return_large_frees_to_os
 from outcore.tiers.buffers import ALIGN, AlignedRegions
+from tests.distributed import run_world
 
 
 def _mlp() -> nn.Module:
@@ -60,6 +61,23 @@ def test_nvme_transfers_need_no_staging_copies(tmp_path: Path) -> None:
         first = engine.groups[0]
         first.wait_unshard()
         assert first.params[0].full.data_ptr() % ALIGN == 0
+
+
+def _staged_share(swap: str) -> float:
+    cfg = outcore.Config(dtype="bf16", offload={"params": "nvme", "optimizer": "nvme",
+                                                "nvme_path": swap})
+    with outcore.initialize(_mlp(), cfg) as engine:
+        store = engine.rt.nvme
+        moved0, staged0 = store.bytes_read + store.bytes_written, store.bytes_staged
+        _train(engine, 2)
+        return (store.bytes_staged - staged0) / (store.bytes_read + store.bytes_written - moved0)
+
+
+def test_two_ranks_read_shards_into_the_packed_buffer_directly(tmp_path: Path) -> None:
+    """At two ranks the shards of a group are packed at page-aligned offsets of an aligned
+    buffer before the all-gather, so their reads need no staging either."""
+    for share in run_world(_staged_share, 2, str(tmp_path)):
+        assert share < 0.005, share  # bias-sized shards (under a page) still pass the pool
 
 
 def test_aligned_regions_recycle_memory_by_size_within_the_cap() -> None:

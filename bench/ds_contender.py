@@ -48,7 +48,11 @@ def main() -> None:
     from deepspeed.accelerator import get_accelerator
 
     sys.path.insert(0, str(REPO / "bench"))
-    from train import _batch, timed_steps  # the same data and timing loop as every other row
+    from train import (  # the same data, step and timing loop as every other row
+        _batch,
+        engine_step,
+        timed_steps,
+    )
 
     models = load_models()
     hp = spec["hp"]
@@ -80,16 +84,7 @@ def main() -> None:
     init_s = time.perf_counter() - t0
     cfg = models.resolve_config(spec["model"])
     x, y = _batch(cfg.vocab, spec["batch"], spec["seq"])
-
-    def step():
-        loss = engine(x, y)
-        t1 = time.perf_counter()
-        engine.backward(loss)
-        t2 = time.perf_counter()
-        engine.step()
-        return float(loss.float()), t1, t2
-
-    res = timed_steps(step, spec["steps"], spec["warmup"])
+    res = timed_steps(engine_step(engine, x, y), spec["steps"], spec["warmup"])
     res.update(init_s=round(init_s, 1), params=models.num_params(cfg),
                deepspeed=deepspeed.__version__, torch=torch.__version__,
                optimizer_class=type(getattr(opt, "optimizer", opt)).__name__,

@@ -152,6 +152,21 @@ def _batch(vocab: int, batch: int, seq: int):
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
+def engine_step(engine, x, y):
+    """One timed training step of an engine with the ``engine(x, y)`` / ``backward`` /
+    ``step`` API (outcore's and DeepSpeed's): returns (loss, end of forward, end of backward)."""
+
+    def step():
+        loss = engine(x, y)
+        t1 = time.perf_counter()
+        engine.backward(loss)
+        t2 = time.perf_counter()
+        engine.step()
+        return float(loss.float()), t1, t2
+
+    return step
+
+
 def run_plain(spec: dict) -> dict:
     import torch
 
@@ -212,14 +227,7 @@ def run_outcore(spec: dict) -> dict:
     engine = outcore.initialize(model, cfg)
     init_s = time.perf_counter() - t0
     x, y = _batch(resolve_config(spec["model"]).vocab, spec["batch"], spec["seq"])
-
-    def step():
-        loss = engine(x, y)
-        t1 = time.perf_counter()
-        engine.backward(loss)
-        t2 = time.perf_counter()
-        engine.step()
-        return float(loss.float()), t1, t2
+    step = engine_step(engine, x, y)
 
     def counters():
         store = engine.rt._nvme  # only NVMe placements create the store

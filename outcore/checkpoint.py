@@ -376,7 +376,6 @@ def _load(engine: Any, path: Path) -> dict[str, Any]:
     engine.optimizer.zero_grad()
     for g in engine.groups:
         g.refresh_after_step()
-    engine.schedule.end_iteration()  # nothing fetched before the load may be used after it
     return man["client_state"]
 
 

@@ -128,8 +128,7 @@ class ShardedOptimizer:
         self.state_kinds = kinds
         # what a slice stages in host memory per element (see [Note: staging without copies])
         self._staged_kinds = (("master", *kinds) if rt.state_tier is Tier.NVME else ())
-        staged_cast = rt.param_tier is Tier.NVME and not (
-            rt.compute_dtype == torch.float32 and rt.param_tier == rt.state_tier)
+        staged_cast = rt.param_tier is Tier.NVME and not rt.compute_is_master
         self._cast_dtype = rt.compute_dtype if staged_cast else None
         self._stage_elem_bytes = 4 * len(self._staged_kinds) + (
             rt.compute_dtype.itemsize if staged_cast else 0)

@@ -138,7 +138,7 @@ class ShardedParam:
         """
         rt = self.rt
         assert self.master is not None
-        if rt.compute_dtype == torch.float32 and rt.param_tier == rt.state_tier:
+        if rt.compute_is_master:
             self.compute = self.master
         else:
             values = load_now(self.master, rt.device).to(rt.compute_dtype)

@@ -78,6 +78,12 @@ class Runtime:
             self.ledger.add(Tier.HOST.value, "io_buffers", pool.capacity_bytes)
         return self._nvme
 
+    @property
+    def compute_is_master(self) -> bool:
+        """Whether a parameter's training-dtype shard *is* its fp32 master shard (param.py's
+        [Note: fp32 shards are shared, not copied])."""
+        return self.compute_dtype == torch.float32 and self.param_tier == self.state_tier
+
     def _full_regions(self, cfg: Config) -> AlignedRegions | None:
         """Aligned memory for full tensors where disk reads land in them: one rank, params
         on NVMe (buffers.py's [Note: aligned memory under a storage ...])."""
@@ -93,12 +99,12 @@ class Runtime:
         """The optimizer's share of ``offload.host_buffer_bytes``; the I/O pool gets the rest.
 
         [Note: one host budget, two users]
-        Two things stage NVMe bytes in host memory: the I/O pool (reads into tensors that are
-        not page-aligned, such as a parameter's full tensor) and the optimizer's sub-group
-        buffers (master weights, moments and the cast training-dtype copy of a slice). Both
-        are allocated once and reused, so every step runs without page faults, and together
-        they never exceed the one budget the user set: the optimizer takes half when it
-        streams anything from NVMe, nothing otherwise.
+        Two things stage NVMe bytes in host memory: the I/O pool (transfers of memory that is
+        not page-aligned: ragged tails, shards built or checkpointed outside the hot path) and
+        the optimizer's sub-group buffers (master weights, moments and the cast
+        training-dtype copy of a slice). Both are allocated once and reused, so every step
+        runs without page faults, and together they never exceed the one budget the user set:
+        the optimizer takes half when it streams anything from NVMe, nothing otherwise.
         """
         streams = self.state_tier is Tier.NVME or self.param_tier is Tier.NVME
         return self.cfg.offload.host_buffer_bytes // 2 // 4096 * 4096 if streams else 0

@@ -125,6 +125,9 @@ class Config(_Section):
     comm: CommConfig = Field(default_factory=CommConfig)
     gradient_accumulation_steps: int = Field(1, ge=1, description="micro-steps per optimizer step")
     gradient_clipping: float = Field(0.0, ge=0, description="max global grad norm; 0 = off")
+    track_grad_norm: bool = Field(
+        False, description="compute the global gradient norm every step (engine.last_grad_norm)"
+        " even without clipping; it reads every gradient once more")
 
     def __init__(self, **data: Any) -> None:
         try:

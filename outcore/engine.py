@@ -249,10 +249,12 @@ class Engine:
                 return False
             for g in grads:
                 g.mul_(1.0 / self.scaler.scale)
-        norm = self._global_norm(grads)
-        self.last_grad_norm = norm
         clip = self.cfg.gradient_clipping
-        if clip > 0:
+        # the norm reads every fp32 gradient once more (0.16 s per step on gpt-335m here), so
+        # only where it is used: clipping, or the user asked to see it
+        norm = self._global_norm(grads) if clip > 0 or self.cfg.track_grad_norm else None
+        self.last_grad_norm = norm
+        if norm is not None and clip > 0:
             coef = clip / (norm + 1e-6)
             if coef < 1.0:
                 for g in grads:

@@ -15,7 +15,7 @@ import torch
 from outcore.accel import Accelerator
 from outcore.comm import Comm
 from outcore.config import Config
-from outcore.host_memory import return_large_frees_to_os
+from outcore.host_memory import keep_freed_memory_for_reuse, return_large_frees_to_os
 from outcore.storage import Ledger, MemoryStored, NvmeStored, Stored, Tier
 from outcore.tiers.buffers import AlignedRegions
 
@@ -38,8 +38,11 @@ class Runtime:
         # they are kept between steps).
         self.grad_tier = Tier.DEVICE if self.state_tier is Tier.DEVICE else Tier.HOST
         self.grad_device = self.device if self.grad_tier is Tier.DEVICE else torch.device("cpu")
+        # host_memory.py: [Note: glibc keeps freed shards], [Note: page faults are the other cost]
         if self.state_tier is Tier.NVME:
-            return_large_frees_to_os()  # host_memory.py's [Note: glibc keeps freed shards]
+            return_large_frees_to_os()
+        else:
+            keep_freed_memory_for_reuse()
         # see param.py's [Note: gradient buffers]
         self.keeps_grad_buffers = self.state_tier is not Tier.NVME
         self.full_regions = self._full_regions(cfg)
@@ -90,9 +93,17 @@ class Runtime:
         if not (self.world_size == 1 and self.param_tier is Tier.NVME
                 and self.device.type == "cpu" and AlignedRegions.supported()):
             return None
-        # kept memory is bounded by half the prefetch budget, at least a few layers' worth
-        return AlignedRegions(max(cfg.zero.prefetch_bytes // 2, 32 << 20),
+        # Kept memory is bounded by the prefetch budget where the optimizer state is in host
+        # memory (the host is sized for 8x the parameters then), by half of it where the state
+        # is on NVMe (a small host); at least a few layers' worth either way. Measured on
+        # gpt-335m with state in memory: half the budget re-mapped 4440 of 5064 full tensors,
+        # the whole budget 262.
+        return AlignedRegions(self._region_cap(cfg),
                               lambda n: self.ledger.add(Tier.HOST.value, "param_cache", n))
+
+    def _region_cap(self, cfg: Config) -> int:
+        share = 1 if self.state_tier is not Tier.NVME else 2
+        return max(cfg.zero.prefetch_bytes // share, 32 << 20)
 
     @property
     def staging_bytes(self) -> int:
@@ -123,6 +134,8 @@ class Runtime:
         """Adopt the engine's config (same placement, possibly another dtype or optimizer)."""
         self.cfg = cfg
         self.compute_dtype = _DTYPES[cfg.dtype]
+        if self.full_regions is not None:
+            self.full_regions.cap_bytes = self._region_cap(cfg)
 
     def close(self) -> None:
         """Release the swap store (its files are deleted); safe to call twice."""

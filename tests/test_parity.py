@@ -94,7 +94,7 @@ def _train(cfg_dict: dict, steps: int, use_groups: bool) -> dict:
                                   weight_decay=o.weight_decay)
     gas = cfg.gradient_accumulation_steps
     gen = torch.Generator().manual_seed(1234)
-    losses, ref_losses = [], []
+    losses, ref_losses, norms = [], [], []
     for step in range(steps):
         use_optional = step % 2 == 0
         for _ in range(gas):
@@ -111,8 +111,10 @@ def _train(cfg_dict: dict, steps: int, use_groups: bool) -> dict:
             (ref_loss / gas).backward()
             ref_losses.append(ref_loss.item())
         engine.step()
-        if cfg.gradient_clipping:
-            torch.nn.utils.clip_grad_norm_(ref.parameters(), cfg.gradient_clipping)
+        # clip_grad_norm_ returns the norm before clipping; an infinite limit clips nothing
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(),
+                                                  cfg.gradient_clipping or math.inf)
+        norms.append((engine.last_grad_norm, float(ref_norm)))
         ref_opt.step()
         ref_opt.zero_grad()
     with engine.gathered_parameters():
@@ -121,7 +123,7 @@ def _train(cfg_dict: dict, steps: int, use_groups: bool) -> dict:
     report = engine.memory_report()
     engine.close()
     return {"losses": losses, "ref_losses": ref_losses, "weights": weights,
-            "ref_weights": ref_weights, "report": report}
+            "ref_weights": ref_weights, "report": report, "norms": norms}
 
 
 def _max_rel(a, b) -> float:
@@ -156,6 +158,8 @@ def test_fp32_parity_with_accumulation_clipping_and_param_groups(world: int) -> 
     results = run_world(_train, world, cfg, 5, True)
     for r in results:
         _check(r, 1e-5)
+        for mine, ref in r["norms"]:
+            assert mine == pytest.approx(ref, rel=1e-5)
     # every rank reports the same losses (they are all-reduced means)
     assert results[0]["losses"] == results[-1]["losses"]
 
@@ -165,6 +169,17 @@ def test_fp32_parity_sgd_momentum_no_clipping() -> None:
                                  "weight_decay": 0.01}}
     for r in run_world(_train, 2, cfg, 5, False):
         _check(r, 1e-5)
+
+
+@pytest.mark.parametrize("track", [False, True])
+def test_grad_norm_is_computed_only_where_asked(track: bool) -> None:
+    """Without clipping the global norm costs a pass over every gradient, so it is computed
+    only with ``track_grad_norm``; then it equals the reference's norm."""
+    cfg = {**BASE, "track_grad_norm": track}
+    for r in run_world(_train, 2, cfg, 3, False):
+        _check(r, 1e-5)
+        for mine, ref in r["norms"]:
+            assert (mine == pytest.approx(ref, rel=1e-5)) if track else mine is None
 
 
 def test_bf16_training_tracks_fp32_reference() -> None:

@@ -144,6 +144,7 @@ def test_budget_smaller_than_a_group_fetches_on_demand_and_warns_once(tmp_path: 
 def _overlap(swap: str, overlap: bool, clip: float) -> dict:
     cfg = outcore.Config.from_dict({
         "dtype": "fp32", "optimizer": {"lr": 1e-2}, "gradient_clipping": clip,
+        "track_grad_norm": True,
         "zero": {"persistence_threshold_bytes": 0, "overlap_optimizer": overlap},
         "offload": {"params": "nvme", "optimizer": "nvme", "nvme_path": swap,
                     "host_buffer_bytes": 1 << 20},

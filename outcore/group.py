@@ -152,10 +152,23 @@ class ParamGroup:
         """
         if self.zero_copy:
             return
+        if self.state is GroupState.UNSHARDED and self.refreshes_in_place:
+            # carried into the next iteration (schedule.py's [Note: carrying the head
+            # across iterations]): the new values come from the masters, not the disk
+            for sp in self.params:
+                if sp.master is not None:
+                    sp.full.view(-1).copy_(sp.master.resident()[: sp.numel])
+            return
         if self.state is not GroupState.SHARDED:
             self.reshard()
         if self.persistent:
             self.unshard()
+
+    @property
+    def refreshes_in_place(self) -> bool:
+        """Whether gathered full tensors can be updated from masters in memory (one rank:
+        a full tensor is the whole shard, and the masters are not on disk)."""
+        return self.rt.world_size == 1 and self.rt.state_tier is not Tier.NVME
 
     # -- gradients ----------------------------------------------------------------------------
     def grad_arrived(self, sp: ShardedParam) -> bool:

@@ -108,7 +108,7 @@ class Hooks:
         # schedule already began this one (schedule.py's [Note: prefetch across the step])
         if not self.in_backward and not self.schedule.started_early:
             with self.mode.suspended():
-                self.schedule.end_iteration()
+                self.schedule.end_iteration(carry=True)
                 self.schedule.begin_iteration()
         self.schedule.started_early = False
         if not self.schedule.movable:
@@ -159,7 +159,11 @@ class Hooks:
         if type(saved) is not _SavedParam:
             return saved
         g = saved.sp.group
-        if g is not None and g.state is not GroupState.UNSHARDED:
+        # a group kept from forward is already there, but its first use in backward still
+        # goes through the schedule: it advances the trace and starts the next prefetches
+        if g is None:
+            return saved.tensor
+        if g.state is not GroupState.UNSHARDED or g.index in self.schedule.ahead:
             with self.mode.suspended():
                 self.schedule.need([g], on_demand=True)
         return saved.tensor
@@ -207,7 +211,7 @@ class Hooks:
                 self._reduce(g)
         while self.pending:
             self._reduced(self.pending.popleft().finish())
-        self.schedule.end_iteration()
+        self.schedule.end_iteration(carry=True)
 
 
 class _SavedParam:

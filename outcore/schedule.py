@@ -11,6 +11,17 @@ instead of train): it is counted, the group is fetched on demand, prefetching st
 rest of the iteration, and the order actually seen becomes the trace for the next one.
 Divergence therefore costs some overlap, never correctness, and is never printed per step.
 
+[Note: carrying the head across iterations]
+Backward ends with the groups the next forward begins with (the embedding, the first
+blocks). With ``carry`` on, the trace is read as a cycle when deciding what to keep: a group
+that the next iteration's head needs within the budget is kept when backward finishes with
+it, and stays gathered through the step instead of being released and read back from disk
+right after. This is only sound where the gathered values can be brought up to date without
+the disk: at one rank, with the fp32 masters in memory, the step refreshes a kept group's
+full tensors from its masters (``ParamGroup.refresh_after_step``). Elsewhere the step
+releases them, as before. Prefetching never reads across the cycle: reads issued before a
+step would fetch values the step is about to change.
+
 [Note: why the all-gather is never prefetched]
 Prefetching issues only the *local* stages of a fetch: reading shards from NVMe into host
 memory (and, on CUDA, copying them to the device). The all-gather runs when the group is
@@ -53,11 +64,12 @@ class Schedule:
         # with nothing ever released (one rank, states resident) there is nothing to prefetch
         self.movable = any(not g.zero_copy for g in self.groups)
         self.started_early = False  # see [Note: prefetch across the step]
+        self.carry = False  # see [Note: carrying the head across iterations]
         self._warned_small_budget = False
         self._warned_divergence = False
         self.counts = {"fetches": 0, "on_demand_fetches": 0, "prefetches": 0,
                        "prefetch_hits": 0, "kept": 0, "releases": 0, "divergences": 0,
-                       "retraces": 0, "iterations": 0}
+                       "retraces": 0, "iterations": 0, "carried": 0}
 
     # -- iteration boundaries ------------------------------------------------------------------
     def begin_iteration(self) -> None:
@@ -84,19 +96,40 @@ class Schedule:
         reads are local stages only, like any prefetch; if the next forward takes another
         path, it diverges as usual and the unused reads are cancelled.
         """
-        self.end_iteration()
+        self.end_iteration(carry=True)
         self.begin_iteration()
         self._prefetch()
         self.started_early = True
 
-    def end_iteration(self) -> None:
-        """Backward is over: drop everything fetched or kept ahead that was not used."""
+    def end_iteration(self, carry: bool = False) -> None:
+        """An iteration is over: drop everything fetched or kept ahead that was not used,
+        except, with ``carry``, what the next iteration's head needs (see the note)."""
         self.started_early = False
+        keep = self._next_head() if carry and self.carry else set()
+        self.ahead.clear()
         for g in self.groups:
             if g.holds == 0 and not g.persistent and g.state is not GroupState.SHARDED:
+                if g.index in keep:
+                    self.ahead[g.index] = g.full_bytes
+                    self.counts["carried"] += 1
+                    continue
                 g.reshard()
                 self.counts["releases"] += 1
-        self.ahead.clear()
+
+    def _next_head(self) -> set[int]:
+        """Indices of the groups that start the next iteration, within the budget."""
+        trace = self.recording if (self.trace is None or self.diverged) else self.trace
+        head: set[int] = set()
+        budget = self.prefetch_bytes
+        for index in trace:
+            g = self.groups[index]
+            if g.persistent or index in head:
+                continue
+            budget -= g.full_bytes
+            if budget < 0:
+                break
+            head.add(index)
+        return head
 
     # -- the three calls the hooks make --------------------------------------------------------
     def need(self, groups: list[ParamGroup], on_demand: bool = False) -> None:
@@ -123,6 +156,7 @@ class Schedule:
             self.peak_ahead_bytes = max(self.peak_ahead_bytes, sum(self.ahead.values()))
             self.counts["kept"] += 1
             return
+        self.ahead.pop(group.index, None)
         group.reshard()
         self.counts["releases"] += 1
 
@@ -150,18 +184,21 @@ class Schedule:
                      "fetching on demand and re-tracing. Later divergences are only counted "
                      "(engine.schedule_stats()).", g.name)
 
-    def _upcoming(self):
+    def _upcoming(self, cycle: bool = False):
+        """Groups in the order the trace will need them; with ``cycle``, followed by the next
+        iteration's (see [Note: carrying the head across iterations])."""
         if self.trace is None or self.diverged or not self.movable:
             return
         seen: set[int] = set()
-        for index in self.trace[self.cursor :]:
+        rest = self.trace[self.cursor :]
+        for index in rest + self.trace if cycle else rest:
             if index not in seen:
                 seen.add(index)
                 yield self.groups[index]
 
     def _needed_soon(self, group: ParamGroup) -> bool:
         budget = self.prefetch_bytes - sum(self.ahead.values())
-        for g in self._upcoming():
+        for g in self._upcoming(cycle=self.carry):
             if g is group:
                 return group.full_bytes <= budget
             if not g.persistent and g.state is GroupState.SHARDED:

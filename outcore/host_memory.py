@@ -24,8 +24,8 @@ blocks for the largest tensors (the logits, over glibc's 32 MiB ceiling for the 
 threshold, are otherwise always mapped fresh). Where the optimizer state is in memory the
 host is sized for the whole model anyway, so outcore makes the reuse deliberate: no
 ``mmap`` for blocks (``M_MMAP_MAX`` 0) and no trimming of the heap's top, so each step's
-tensors reuse the last step's pages. Measured: 47 faults per step, 0.01 s of system time,
-step time equal to plain PyTorch doing the same arithmetic.
+tensors reuse the last step's pages. Measured: 0 to a few hundred faults per step, 0.01 s of
+system time, and the step as fast as plain PyTorch (bench/RESULTS.md, 06:08 UTC).
 
 Both settings are process-wide. A process that asked for the small-host setting once keeps
 it (a later in-memory engine does not undo it). Elsewhere (not glibc) both do nothing.

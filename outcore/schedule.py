@@ -115,6 +115,7 @@ class Schedule:
                     continue
                 g.reshard()
                 self.counts["releases"] += 1
+        self.peak_ahead_bytes = max(self.peak_ahead_bytes, sum(self.ahead.values()))
 
     def _next_head(self) -> set[int]:
         """Indices of the groups that start the next iteration, within the budget."""

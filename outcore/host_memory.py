@@ -19,13 +19,18 @@ page is a page fault that the kernel serves by zeroing the page. Activations and
 gradients are allocated and freed every step, so a process that gives them back pays this
 again each step. Measured on a 335M-parameter GPT with everything in memory (2 cores):
 150k faults and 0.8 s of system time per step, and a step 0.4 s longer than plain PyTorch's.
-Plain PyTorch paid none of that only by accident: its heap happened to hold enough freed
-blocks for the largest tensors (the logits, over glibc's 32 MiB ceiling for the dynamic
-threshold, are otherwise always mapped fresh). Where the optimizer state is in memory the
+Plain PyTorch pays it or not by accident: in some processes its heap happens to hold freed
+blocks big enough for the largest tensors (0 faults in forward and backward), in others not
+(150k per step); the logits, over glibc's 32 MiB ceiling for the dynamic threshold, are
+otherwise always mapped fresh. Where the optimizer state is in memory the
 host is sized for the whole model anyway, so outcore makes the reuse deliberate: no
 ``mmap`` for blocks (``M_MMAP_MAX`` 0) and no trimming of the heap's top, so each step's
-tensors reuse the last step's pages. Measured: 0 to a few hundred faults per step, 0.01 s of
-system time, and the step as fast as plain PyTorch (bench/RESULTS.md, 06:08 UTC).
+tensors reuse the last step's pages. This covers the main heap, where torch's CPU compute
+allocates (forward and CPU backward run on the calling thread); glibc still maps blocks over
+64 MiB fresh for other threads' heaps. With the state in GPU memory the host is not sized for
+the model, so the setting is only applied where the state lives in host memory. Measured:
+0 to a few hundred faults per step, 0.01 s of system time, and the step as fast as plain
+PyTorch (bench/RESULTS.md, 06:08 UTC).
 
 Both settings are process-wide. A process that asked for the small-host setting once keeps
 it (a later in-memory engine does not undo it). Elsewhere (not glibc) both do nothing.
@@ -45,7 +50,7 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_MMAP_MAX = -1, -3, -4
 _DEFAULT_MMAP_MAX = 65536
 _DEFAULT_TRIM_THRESHOLD = 128 * 1024
 MMAP_THRESHOLD_BYTES = 1 << 20
-_KEEP_TRIM_THRESHOLD = (1 << 31) - 1  # mallopt takes an int: "never trim" in practice
+_NEVER_TRIM = -1  # mallopt(M_TRIM_THRESHOLD, -1) turns trimming off (glibc: SIZE_MAX)
 
 _policy: str | None = None  # "return" or "keep", once applied
 
@@ -86,7 +91,7 @@ def keep_freed_memory_for_reuse() -> bool:
     mallopt = _mallopt()
     if mallopt is None:
         return False
-    ok = bool(mallopt(_M_TRIM_THRESHOLD, _KEEP_TRIM_THRESHOLD) and mallopt(_M_MMAP_MAX, 0))
+    ok = bool(mallopt(_M_TRIM_THRESHOLD, _NEVER_TRIM) and mallopt(_M_MMAP_MAX, 0))
     if ok:
         _policy = "keep"
         log.debug("outcore: glibc keeps freed blocks for reuse")

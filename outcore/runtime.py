@@ -41,8 +41,8 @@ class Runtime:
         # host_memory.py: [Note: glibc keeps freed shards], [Note: page faults are the other cost]
         if self.state_tier is Tier.NVME:
             return_large_frees_to_os()
-        else:
-            keep_freed_memory_for_reuse()
+        elif self.state_tier is Tier.HOST or self.device.type == "cpu":
+            keep_freed_memory_for_reuse()  # the state is in host memory
         # see param.py's [Note: gradient buffers]
         self.keeps_grad_buffers = self.state_tier is not Tier.NVME
         self.full_regions = self._full_regions(cfg)

@@ -65,6 +65,7 @@ class Schedule:
         self.movable = any(not g.zero_copy for g in self.groups)
         self.started_early = False  # see [Note: prefetch across the step]
         self.carry = False  # see [Note: carrying the head across iterations]
+        self._carried: set[int] = set()  # carried groups not yet used by this iteration
         self._warned_small_budget = False
         self._warned_divergence = False
         self.counts = {"fetches": 0, "on_demand_fetches": 0, "prefetches": 0,
@@ -107,11 +108,12 @@ class Schedule:
         self.started_early = False
         keep = self._next_head() if carry and self.carry else set()
         self.ahead.clear()
+        self._carried.clear()
         for g in self.groups:
             if g.holds == 0 and not g.persistent and g.state is not GroupState.SHARDED:
                 if g.index in keep:
                     self.ahead[g.index] = g.full_bytes
-                    self.counts["carried"] += 1
+                    self._carried.add(g.index)
                     continue
                 g.reshard()
                 self.counts["releases"] += 1
@@ -137,6 +139,9 @@ class Schedule:
         """Make ``groups`` unsharded before returning, then prefetch along the trace."""
         for g in groups:
             self._follow(g)
+            if g.index in self._carried:  # used by the iteration it was carried into
+                self._carried.discard(g.index)
+                self.counts["carried"] += 1
             if g.state is GroupState.FETCHING and g.index in self.ahead:
                 self.counts["prefetch_hits"] += 1
             elif g.state is not GroupState.UNSHARDED:

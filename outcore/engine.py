@@ -79,7 +79,7 @@ class Engine:
                 g.wait_unshard()
         self._cast_buffers(module)
         self.schedule = Schedule(cfg.zero.prefetch_bytes, self.groups)
-        self.schedule.carry = all(g.refreshes_in_place for g in self.groups)
+        self.schedule.carry = self.rt.refreshes_full_in_place
         self.optimizer = ShardedOptimizer(self._optimizer_groups(param_groups), cfg.optimizer,
                                           self.rt)
         self.scaler = LossScaler(cfg.loss_scale, enabled=cfg.dtype == "fp16")

@@ -29,7 +29,7 @@ import torch
 from outcore.param import ShardedParam
 from outcore.runtime import Runtime
 from outcore.storage import Tier
-from outcore.tiers.buffers import ALIGN, aligned_empty
+from outcore.tiers.buffers import ALIGN, aligned_empty, round_up
 
 
 class GroupState(str, Enum):
@@ -52,11 +52,11 @@ class ParamGroup:
         self.offsets: list[int] = []
         total = 0
         for sp in params:
-            total = -(-total // align) * align
+            total = round_up(total, align)
             self.offsets.append(total)
             total += sp.shard_numel
             sp.group = self
-        self.shard_numel = -(-total // align) * align  # padding is never read
+        self.shard_numel = round_up(total, align)  # padding is never read
         self.full_bytes = sum(sp.numel for sp in params) * esize
         self.zero_copy = rt.world_size == 1 and (
             rt.param_tier is Tier.DEVICE or (rt.param_tier is Tier.HOST and not rt.accel.is_cuda)
@@ -152,7 +152,7 @@ class ParamGroup:
         """
         if self.zero_copy:
             return
-        if self.state is GroupState.UNSHARDED and self.refreshes_in_place:
+        if self.state is GroupState.UNSHARDED and self.rt.refreshes_full_in_place:
             # carried into the next iteration (schedule.py's [Note: carrying the head
             # across iterations]): the new values come from the masters, not the disk
             for sp in self.params:
@@ -163,12 +163,6 @@ class ParamGroup:
             self.reshard()
         if self.persistent:
             self.unshard()
-
-    @property
-    def refreshes_in_place(self) -> bool:
-        """Whether gathered full tensors can be updated from masters in memory (one rank:
-        a full tensor is the whole shard, and the masters are not on disk)."""
-        return self.rt.world_size == 1 and self.rt.state_tier is not Tier.NVME
 
     # -- gradients ----------------------------------------------------------------------------
     def grad_arrived(self, sp: ShardedParam) -> bool:

@@ -41,7 +41,6 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
-from collections.abc import Callable
 
 log = logging.getLogger("outcore")
 
@@ -55,44 +54,35 @@ _NEVER_TRIM = -1  # mallopt(M_TRIM_THRESHOLD, -1) turns trimming off (glibc: SIZ
 _policy: str | None = None  # "return" or "keep", once applied
 
 
-def _mallopt() -> Callable[[int, int], int] | None:
+def _apply(policy: str, options: list[tuple[int, int]]) -> bool:
+    """Set ``options`` (mallopt parameter, value) and remember ``policy``; False if not glibc
+    or glibc refused one of them."""
+    global _policy
     name = ctypes.util.find_library("c")
     try:
-        fn = ctypes.CDLL(name).mallopt
+        mallopt = ctypes.CDLL(name).mallopt
     except (OSError, AttributeError, TypeError):
-        return None
-    fn.argtypes, fn.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return fn
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    if not all(mallopt(param, value) for param, value in options):
+        return False
+    _policy = policy
+    log.debug("outcore: glibc malloc policy %r: %s", policy, options)
+    return True
 
 
 def return_large_frees_to_os() -> bool:
     """Give large freed blocks back at once (the first note); True if it is in effect."""
-    global _policy
     if _policy == "return":
         return True
-    mallopt = _mallopt()
-    if mallopt is None:
-        return False
-    ok = bool(mallopt(_M_MMAP_MAX, _DEFAULT_MMAP_MAX)
-              and mallopt(_M_TRIM_THRESHOLD, _DEFAULT_TRIM_THRESHOLD)
-              and mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
-    if ok:
-        _policy = "return"
-        log.debug("outcore: glibc mmap threshold fixed at %d bytes", MMAP_THRESHOLD_BYTES)
-    return ok
+    return _apply("return", [(_M_MMAP_MAX, _DEFAULT_MMAP_MAX),
+                             (_M_TRIM_THRESHOLD, _DEFAULT_TRIM_THRESHOLD),
+                             (_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)])
 
 
 def keep_freed_memory_for_reuse() -> bool:
     """Serve every block from the heap and never trim it (the second note); True if in
     effect. Does nothing once :func:`return_large_frees_to_os` was applied."""
-    global _policy
     if _policy is not None:
         return _policy == "keep"
-    mallopt = _mallopt()
-    if mallopt is None:
-        return False
-    ok = bool(mallopt(_M_TRIM_THRESHOLD, _NEVER_TRIM) and mallopt(_M_MMAP_MAX, 0))
-    if ok:
-        _policy = "keep"
-        log.debug("outcore: glibc keeps freed blocks for reuse")
-    return ok
+    return _apply("keep", [(_M_TRIM_THRESHOLD, _NEVER_TRIM), (_M_MMAP_MAX, 0)])

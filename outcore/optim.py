@@ -142,7 +142,6 @@ class ShardedOptimizer:
         # backward that submits more waits for the oldest update (see the note above)
         self.pending_grad_limit = 2 * rt.cfg.offload.host_buffer_bytes
         self._dropped_sq = 0.0  # squared norm of gradients already consumed and freed
-        self.tracks_norm = rt.cfg.track_grad_norm  # whether that sum is needed at all
         self.stats = {"updates_during_backward": 0, "updates_at_step": 0}
 
     @property
@@ -196,7 +195,7 @@ class ShardedOptimizer:
     def _update_and_free(self, sps: list[ShardedParam]) -> None:
         """Background update; the gradients are freed as soon as they are applied."""
         self._update_all(sps)
-        if self.tracks_norm:
+        if self.rt.cfg.track_grad_norm:  # the sum is only read by Engine._global_norm
             norms = torch._foreach_norm([sp.grad for sp in sps])
             self._dropped_sq += float(torch.stack(norms).double().pow(2).sum())
         for sp in sps:

@@ -112,11 +112,11 @@ class ShardedParam:
         ``force`` re-points ``param.data`` even if outcore believes it already does (after
         code outside outcore, such as ``Module._apply``, assigned ``.data``).
         """
-        storage = self.full.untyped_storage()
-        if storage.resizable():
-            storage.resize_(0)
+        storage, regions = self.full.untyped_storage(), self.rt.full_regions
+        if regions is not None:
+            regions.release(storage)  # whoever allocated it
         else:
-            self.rt.full_regions.release(storage)
+            storage.resize_(0)
         if force or not self._full_shown:
             self.param.data = self.full
             self._full_shown = True

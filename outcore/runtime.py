@@ -87,6 +87,13 @@ class Runtime:
         [Note: fp32 shards are shared, not copied])."""
         return self.compute_dtype == torch.float32 and self.param_tier == self.state_tier
 
+    @property
+    def refreshes_full_in_place(self) -> bool:
+        """Whether a gathered full tensor can be updated from the masters in memory (one
+        rank: a full tensor is the whole shard, and the masters are not on disk); see
+        schedule.py's [Note: carrying the head across iterations]."""
+        return self.world_size == 1 and self.state_tier is not Tier.NVME
+
     def _full_regions(self, cfg: Config) -> AlignedRegions | None:
         """Aligned memory for full tensors where disk reads land in them: one rank, params
         on NVMe (buffers.py's [Note: aligned memory under a storage ...])."""

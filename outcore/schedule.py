@@ -39,6 +39,7 @@ says so once). So the memory the schedule adds is at most the budget, whatever t
 
 from __future__ import annotations
 
+import itertools
 import logging
 import warnings
 
@@ -196,8 +197,8 @@ class Schedule:
         if self.trace is None or self.diverged or not self.movable:
             return
         seen: set[int] = set()
-        rest = self.trace[self.cursor :]
-        for index in rest + self.trace if cycle else rest:
+        rest = itertools.islice(self.trace, self.cursor, None)  # no copy: called per release
+        for index in itertools.chain(rest, self.trace) if cycle else rest:
             if index not in seen:
                 seen.add(index)
                 yield self.groups[index]

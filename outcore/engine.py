@@ -274,7 +274,8 @@ class Engine:
         freed = self.optimizer.take_freed_norm_sq()  # gradients already applied and freed
         local = torch.tensor([freed], dtype=torch.float64)
         if grads:
-            local += torch.stack(torch._foreach_norm(grads)).double().pow(2).sum()
+            norms = torch._foreach_norm(grads, 2, dtype=torch.float32)  # some may be bf16
+            local += torch.stack(norms).double().pow(2).sum()
         return float(self.rt.comm.all_reduce_sum(local)) ** 0.5
 
     # -- modes and inspection ----------------------------------------------------------------

@@ -192,8 +192,8 @@ class ParamGroup:
         w, rt = self.rt.world_size, self.rt
         if w == 1:
             for sp, _ in live:
-                sp.add_grad(sp.param.grad.reshape(-1))
-                sp.param.grad = None
+                grad, sp.param.grad = sp.param.grad, None
+                sp.add_grad(grad.reshape(-1), owned=True)
             return None
         send = torch.zeros(w, self.shard_numel, dtype=torch.float32, device=rt.device)
         for sp, off in live:
@@ -221,5 +221,5 @@ class PendingReduce:
         self._send = None
         self._out.div_(self.group.rt.world_size)
         for sp, off in self._live:
-            sp.add_grad(self._out[off : off + sp.shard_numel])
+            sp.add_grad(self._out[off : off + sp.shard_numel], owned=True)
         return self.group

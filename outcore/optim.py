@@ -89,7 +89,9 @@ class _Slot:
     """
 
     def __init__(self, elems: int, kinds: tuple[str, ...], cast: torch.dtype | None) -> None:
-        # zero_() touches every page now, not in the first step
+        # zero_() touches every page now, not in the first step; "grad" is where a gradient
+        # held in the training dtype is cast for the update (param.py's [Note: gradients are
+        # held, not copied]), not read from disk
         self.buffers = {k: aligned_empty(elems * 4).zero_().view(torch.float32) for k in kinds}
         self.cast = (aligned_empty(elems * cast.itemsize).zero_().view(cast)
                      if cast is not None else None)
@@ -130,7 +132,9 @@ class ShardedOptimizer:
         self._staged_kinds = (("master", *kinds) if rt.state_tier is Tier.NVME else ())
         staged_cast = rt.param_tier is Tier.NVME and not rt.compute_is_master
         self._cast_dtype = rt.compute_dtype if staged_cast else None
-        self._stage_elem_bytes = 4 * len(self._staged_kinds) + (
+        self._grad_slot = bool(self._staged_kinds) and rt.holds_raw_grads and (
+            rt.compute_dtype != torch.float32)
+        self._stage_elem_bytes = 4 * (len(self._staged_kinds) + self._grad_slot) + (
             rt.compute_dtype.itemsize if staged_cast else 0)
         per_slot = rt.staging_bytes // 3 // max(self._stage_elem_bytes, 1)
         self._subgroup_elems = max(_ALIGN_ELEMS, per_slot // _ALIGN_ELEMS * _ALIGN_ELEMS)
@@ -196,7 +200,7 @@ class ShardedOptimizer:
         """Background update; the gradients are freed as soon as they are applied."""
         self._update_all(sps)
         if self.rt.cfg.track_grad_norm:  # the sum is only read by Engine._global_norm
-            norms = torch._foreach_norm([sp.grad for sp in sps])
+            norms = torch._foreach_norm([sp.grad for sp in sps], 2, dtype=torch.float32)
             self._dropped_sq += float(torch.stack(norms).double().pow(2).sum())
         for sp in sps:
             sp.drop_grad()
@@ -253,7 +257,8 @@ class ShardedOptimizer:
     def _slots(self) -> list[_Slot]:
         if not self._slot_list:
             elems = self._subgroup_elems
-            self._slot_list = [_Slot(elems, self._staged_kinds, self._cast_dtype)
+            kinds = (*self._staged_kinds, "grad") if self._grad_slot else self._staged_kinds
+            self._slot_list = [_Slot(elems, kinds, self._cast_dtype)
                                for _ in range(3)]
             self.rt.ledger.add(Tier.HOST.value, "io_buffers", 3 * elems * self._stage_elem_bytes)
         return self._slot_list
@@ -304,7 +309,7 @@ class ShardedOptimizer:
         return work
 
     def _update(self, work: _Work, hp: dict) -> None:
-        grads = [sl.of(sl.sp.grad) for sl in work.params]
+        grads = [self._fp32_grad(work, i, sl) for i, sl in enumerate(work.params)]
         if self.kind == "adamw":
             # each slice gets its own copy of the parameter's step count: the kernel
             # increments it, and a parameter cut in several slices must advance only once
@@ -322,6 +327,18 @@ class ShardedOptimizer:
                 momentum=hp["momentum"], lr=hp["lr"], dampening=0.0, nesterov=hp["nesterov"],
                 maximize=False,
             )
+
+    @staticmethod
+    def _fp32_grad(work: _Work, i: int, sl: _Slice) -> torch.Tensor:
+        """Slice ``i``'s gradient in fp32: the shard itself, or its cast into the slot's
+        reused buffer when it is held in the training dtype."""
+        grad = sl.of(sl.sp.grad)
+        if grad.dtype == torch.float32:
+            return grad
+        if work.slot is None or "grad" not in work.slot.buffers:
+            return grad.float()
+        pos = work.places[i]
+        return work.slot.buffers["grad"][pos : pos + grad.numel()].copy_(grad)
 
     def _store(self, work: _Work) -> None:
         """Write back what lives on disk and refresh each compute shard from its master."""

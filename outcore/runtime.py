@@ -94,6 +94,14 @@ class Runtime:
         schedule.py's [Note: carrying the head across iterations]."""
         return self.world_size == 1 and self.state_tier is not Tier.NVME
 
+    @property
+    def holds_raw_grads(self) -> bool:
+        """Whether a gradient shard may stay in the dtype backward produced it in until the
+        update reads it (param.py's [Note: gradients are held, not copied]): only where no
+        kept fp32 buffer exists and nothing scales gradients in place (clipping, fp16)."""
+        return (not self.keeps_grad_buffers and self.cfg.gradient_clipping == 0
+                and self.cfg.dtype != "fp16")
+
     def _full_regions(self, cfg: Config) -> AlignedRegions | None:
         """Aligned memory for full tensors where disk reads land in them: one rank, params
         on NVMe (buffers.py's [Note: aligned memory under a storage ...])."""

@@ -134,6 +134,43 @@ def test_gradient_buffers_reused_in_memory_freed_after_nvme_updates(optimizer: s
         assert 0 < by_kind["peak.host.grads"] <= max(2 << 20, first) + second < trainable
 
 
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_nvme_optimizer_holds_bf16_gradients_without_copying(accumulate: int,
+                                                              tmp_path: Path) -> None:
+    """param.py's [Note: gradients are held, not copied]: with the optimizer on NVMe a bf16
+    gradient waits for its update as backward made it (half the bytes of an fp32 copy),
+    accumulation turns it into fp32 first, and losses and gradient norms equal the optimizer
+    in memory, which keeps fp32 gradient buffers."""
+    x = torch.randn(16, 512, generator=torch.Generator().manual_seed(1))
+
+    def run(optimizer: str, overlap: bool) -> tuple[list[float], list[float], list[int]]:
+        cfg = outcore.Config(dtype="bf16", gradient_accumulation_steps=accumulate,
+                             track_grad_norm=True, zero={"overlap_optimizer": overlap},
+                             offload={"optimizer": optimizer, "nvme_path": str(tmp_path)})
+        losses, norms, held = [], [], []
+        with outcore.initialize(_mlp(), cfg) as engine:
+            for _ in range(3):
+                for micro in range(accumulate):
+                    loss = engine(x * (1 + micro)).float().pow(2).mean()
+                    engine.backward(loss)
+                    losses.append(loss.item())
+                held.append(engine.memory_report()["by_kind"].get("host.grads", 0))
+                engine.step()
+                norms.append(engine.last_grad_norm)
+            trainable = sum(sp.numel for sp in engine.params)
+        return losses, norms, [h // trainable for h in held]
+
+    ref_losses, ref_norms, _ = run("cpu", False)
+    losses, norms, bytes_per_elem = run("nvme", False)
+    assert losses == ref_losses
+    assert norms == pytest.approx(ref_norms, rel=1e-6)
+    # what waits for the step: bf16 as backward made it, or fp32 once accumulated
+    assert bytes_per_elem == [2 if accumulate == 1 else 4] * 3
+    overlapped_losses, overlapped_norms, _ = run("nvme", True)  # updates during backward
+    assert overlapped_losses == ref_losses
+    assert overlapped_norms == pytest.approx(ref_norms, rel=1e-6)
+
+
 def test_next_forward_head_is_read_during_the_step(tmp_path: Path) -> None:
     """Masters on NVMe: the head cannot be carried over the step, so it is read during it."""
     cfg = outcore.Config(dtype="fp32", offload={"params": "nvme", "optimizer": "nvme",
@@ -175,10 +212,13 @@ def test_head_groups_carried_over_the_step_are_not_read_again(dtype: str,
         c = cfg if prefetch else cfg.with_overrides({"zero": {"prefetch_bytes": 0}})
         with outcore.initialize(_mlp(), c) as engine:
             engine.schedule.carry = carry
+            store = engine.rt.nvme
             _train(engine, 2)
-            read0 = engine.rt.nvme.bytes_read
+            store.wait_idle()  # the next forward's prefetches are in flight after a step
+            read0 = store.bytes_read
             losses = _train(engine, 4)
-            return losses, (engine.rt.nvme.bytes_read - read0) // 4, engine.schedule_stats()
+            store.wait_idle()
+            return losses, (store.bytes_read - read0) // 4, engine.schedule_stats()
 
     carried, read_carried, stats = run(True)
     plain, read_plain, plain_stats = run(False)
@@ -262,7 +302,8 @@ def test_slots_rotate_over_many_sub_groups_of_many_slices(opt: dict, tmp_path: P
     """A budget for 8192-element sub-groups: each holds slices of several parameters at
     padded, non-zero offsets, and the three slots rotate over many sub-groups; the result
     is bit-identical to the optimizer in memory."""
-    per_elem = 4 * (3 if opt["type"] == "adamw" else 2) + 2  # fp32 master + states, bf16 copy
+    # fp32 master + states + the held bf16 gradient's fp32 cast, bf16 copy
+    per_elem = 4 * (3 if opt["type"] == "adamw" else 2) + 4 + 2
     host = 2 * 3 * 8192 * per_elem
 
     def run(where: str) -> list[float]:

@@ -153,11 +153,14 @@ class _SwapFile:
             self._inflight -= 1
             self._idle.notify_all()
 
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        with self._idle:
+            return self._idle.wait_for(lambda: self._inflight == 0, timeout=timeout)
+
     def delete(self) -> None:
         if os.getpid() != self.pid:
             return  # a forked child must not delete its parent's swap
-        with self._idle:
-            self._idle.wait_for(lambda: self._inflight == 0, timeout=60.0)
+        self.wait_idle(timeout=60.0)
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
@@ -284,6 +287,11 @@ class NvmeStore:
         self.bytes_staged = 0
         """Bytes copied through pool buffers because the caller's memory was not aligned."""
 
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Wait until no read or write is in flight (prefetches included), so the byte
+        counters are settled; False if ``timeout`` seconds passed first."""
+        return self._swap.wait_idle(timeout)
+
     @property
     def closed(self) -> bool:
         """Whether the swap file was deleted (``close()``, collection or exit)."""
@@ -353,13 +361,13 @@ class NvmeStore:
             raise
 
         def finish(ok: bool) -> None:  # runs before the caller's result() returns
-            self._swap.end()
-            if ok:
+            if ok:  # counted before the transfer stops being in flight (``wait_idle``)
                 with self._lock:
                     if op == "read":
                         self.bytes_read += total
                     else:
                         self.bytes_written += total
+            self._swap.end()
 
         return IOFuture.gather(parts).then(finish, total)
 

@@ -13,11 +13,24 @@
   and needs no per-module backward hook; the schedule only makes it faster.
 After backward, a per-parameter post-accumulate-grad hook reduces a group's gradients as soon
 as all of them are final, and the group is released.
+
+[Note: frozen groups in backward]
+A group with no trainable parameter gets no gradient hook, yet backward may fetch it (a
+frozen layer between the loss and a trainable one: its weight is needed for the input's
+gradient). Such a group is released once backward has moved on: when a *later* autograd
+node unpacks a saved parameter on the same thread. Nodes on one thread run one after
+another, and a node unpacks everything it saved before it computes, so by then no node is
+still reading the group; if a later node needs it again, the unpack fetches it again (the
+schedule keeps it instead when its trace says so). Without this, fine-tuning a mostly frozen
+model would hold every frozen layer gathered until backward ends. A group a recomputation
+(activation checkpointing) fetched during backward is left alone: checkpoint keeps raw views
+of its weights, which no unpack of ours would bring back.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections import deque
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
@@ -83,6 +96,9 @@ class Hooks:
         # called with each group whose gradients for this backward are reduced (or None)
         self.on_reduced: Callable[[ParamGroup], None] | None = None
         self.mode = ParamAccessMode(self._on_access)
+        # see [Note: frozen groups in backward]: (group, node that last unpacked it, thread)
+        self._frozen_held: list[tuple[ParamGroup, object, int]] = []
+        self._pinned: set[int] = set()  # groups a recomputation fetched in this backward
         self._handles: list = []
         for m, gs in module_groups.items():
             if gs:
@@ -129,6 +145,8 @@ class Hooks:
     def _pre_forward(self, module: nn.Module, args: tuple) -> None:
         with self.mode.suspended():
             groups = self.module_groups[module]
+            if self.in_backward:  # a recomputation: see [Note: frozen groups in backward]
+                self._pinned.update(g.index for g in groups)
             # push the frame before fetching: if the fetch raises, the post-forward hook (which
             # always runs) must pop this frame, not its parent's
             self.frames.append(list(groups))
@@ -159,14 +177,32 @@ class Hooks:
         if type(saved) is not _SavedParam:
             return saved
         g = saved.sp.group
-        # a group kept from forward is already there, but its first use in backward still
-        # goes through the schedule: it advances the trace and starts the next prefetches
         if g is None:
             return saved.tensor
-        if g.state is not GroupState.UNSHARDED or g.index in self.schedule.ahead:
-            with self.mode.suspended():
+        node, thread = torch._C._current_autograd_node(), threading.get_ident()
+        with self.mode.suspended():
+            if self._frozen_held:
+                self._release_frozen(node, thread)
+            # a group kept from forward is already there, but its first use in backward
+            # still goes through the schedule: it advances the trace and starts prefetches
+            if g.state is not GroupState.UNSHARDED or g.index in self.schedule.ahead:
                 self.schedule.need([g], on_demand=True)
+        if not g.trainable and not g.persistent and g.index not in self._pinned:
+            held = [h for h in self._frozen_held if h[0] is not g]
+            self._frozen_held = [*held, (g, node, thread)]
         return saved.tensor
+
+    def _release_frozen(self, node: object, thread: int) -> None:
+        """Release frozen groups that earlier nodes of this thread unpacked (see the note)."""
+        still = []
+        for g, used_by, on in self._frozen_held:
+            if g.index in self._pinned:
+                continue  # a recomputation's: stays until backward ends
+            if used_by is node or on != thread or g.holds > 0:
+                still.append((g, used_by, on))
+            else:
+                self.schedule.done(g)
+        self._frozen_held = still
 
     def _make_grad_hook(self, sp: ShardedParam) -> Callable[[torch.Tensor], None]:
         def hook(_: torch.Tensor) -> None:
@@ -201,6 +237,7 @@ class Hooks:
         self.pending.clear()
         for g in self.groups:
             g.forget_grads_seen()
+        self._frozen_held, self._pinned = [], set()
         self.schedule.end_iteration()
 
     def finish_backward(self) -> None:
@@ -211,6 +248,7 @@ class Hooks:
                 self._reduce(g)
         while self.pending:
             self._reduced(self.pending.popleft().finish())
+        self._frozen_held, self._pinned = [], set()
         self.schedule.end_iteration(carry=True)
 
 

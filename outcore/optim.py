@@ -210,6 +210,10 @@ class ShardedOptimizer:
         if self._worker is not None:
             self._worker.shutdown(wait=True)
             self._worker = None
+        if self._slot_list:  # no update runs any more: give the staging buffers back
+            self._slot_list = []
+            self.rt.ledger.add(Tier.HOST.value, "io_buffers",
+                               -3 * self._subgroup_elems * self._stage_elem_bytes)
 
     def _update_all(self, sps: list[ShardedParam]) -> None:
         by_group: dict[int, list[ShardedParam]] = {}

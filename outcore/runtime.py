@@ -157,5 +157,6 @@ class Runtime:
         """Release the swap store (its files are deleted); safe to call twice."""
         if self._nvme is not None:
             self._nvme.close()
+            self.ledger.add(Tier.HOST.value, "io_buffers", -self._nvme.pool.capacity_bytes)
             self._nvme = None
         self.closed = True

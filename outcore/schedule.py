@@ -118,7 +118,7 @@ class Schedule:
                     continue
                 g.reshard()
                 self.counts["releases"] += 1
-        self.peak_ahead_bytes = max(self.peak_ahead_bytes, sum(self.ahead.values()))
+        self.peak_ahead_bytes = max(self.peak_ahead_bytes, self._ahead_bytes())
 
     def _next_head(self) -> set[int]:
         """Indices of the groups that start the next iteration, within the budget."""
@@ -160,7 +160,7 @@ class Schedule:
             return
         if self._needed_soon(group):
             self.ahead[group.index] = group.full_bytes
-            self.peak_ahead_bytes = max(self.peak_ahead_bytes, sum(self.ahead.values()))
+            self.peak_ahead_bytes = max(self.peak_ahead_bytes, self._ahead_bytes())
             self.counts["kept"] += 1
             return
         self.ahead.pop(group.index, None)
@@ -170,6 +170,7 @@ class Schedule:
     def stats(self) -> dict[str, int]:
         out = dict(self.counts)
         out["peak_ahead_bytes"] = self.peak_ahead_bytes
+        out["ahead_bytes"] = self._ahead_bytes()  # now: fetched or kept ahead, in memory
         out["prefetch_bytes"] = self.prefetch_bytes
         out["trace_length"] = len(self.trace or [])
         return out
@@ -203,8 +204,14 @@ class Schedule:
                 seen.add(index)
                 yield self.groups[index]
 
+    def _ahead_bytes(self) -> int:
+        """Bytes fetched or kept ahead that are still in memory: a group released behind the
+        schedule's back (``gathered_parameters``, a weight load) no longer counts."""
+        return sum(nbytes for index, nbytes in self.ahead.items()
+                   if self.groups[index].state is not GroupState.SHARDED)
+
     def _needed_soon(self, group: ParamGroup) -> bool:
-        budget = self.prefetch_bytes - sum(self.ahead.values())
+        budget = self.prefetch_bytes - self._ahead_bytes()
         for g in self._upcoming(cycle=self.carry):
             if g is group:
                 return group.full_bytes <= budget
@@ -217,7 +224,7 @@ class Schedule:
     def _prefetch(self) -> None:
         if self.prefetch_bytes <= 0:
             return
-        used = sum(self.ahead.values())
+        used = self._ahead_bytes()
         for g in self._upcoming():
             if g.persistent or g.state is not GroupState.SHARDED:
                 continue

@@ -41,6 +41,8 @@ def _losses(params: str, optimizer: str, swap: str, dtype: str, steps: int) -> d
     store = engine.rt._nvme
     swap_files = sorted(str(p) for p in Path(store.folder).iterdir()) if store else []
     engine.close()
+    # the I/O pool and the optimizer's staging buffers are given back, and the ledger says so
+    assert engine.rt.ledger.snapshot().get("host.io_buffers", 0) == 0
     # each rank owns one run folder; after close nothing of this rank's remains
     left = sorted(str(p) for p in Path(store.folder).rglob("*")) if store else []
     if store is not None and Path(store.folder).exists():

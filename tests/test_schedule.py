@@ -350,3 +350,37 @@ def _train_steps(engine: outcore.Engine, x: torch.Tensor, steps: int) -> list[fl
         engine.step()
         losses.append(loss.item())
     return losses
+
+
+def test_groups_released_outside_the_schedule_stop_counting_against_its_budget(
+        tmp_path: Path) -> None:
+    """``gathered_parameters`` releases groups the schedule had kept or carried over the
+    step; their bytes stop counting against the budget at once, and the next step reads
+    them again ahead of use."""
+    cfg = outcore.Config.from_dict({
+        "dtype": "fp32", "zero": {"persistence_threshold_bytes": 0,
+                                  "prefetch_bytes": 2 * 16640},
+        "offload": {"params": "nvme", "nvme_path": str(tmp_path)},
+    })
+    torch.manual_seed(0)
+    x = torch.randn(4, 8)
+
+    def step(engine: outcore.Engine) -> dict:
+        before = engine.schedule_stats()
+        engine.backward(engine(x, [0, 1, 2, 3, 4, 5]))
+        engine.step()
+        return {k: v - before[k] for k, v in engine.schedule_stats().items()}
+
+    with outcore.initialize(Path_(), cfg) as engine:
+        assert engine.schedule.carry
+        for _ in range(3):
+            usual = step(engine)
+        assert usual["carried"] > 0
+        assert engine.schedule_stats()["ahead_bytes"] > 0  # carried, and the head being read
+        with outcore.gathered_parameters(engine.module):
+            pass  # every group released, the carried ones included
+        assert engine.schedule_stats()["ahead_bytes"] == 0
+        after = step(engine)
+        assert after["divergences"] == 0 and after["prefetch_hits"] >= usual["prefetch_hits"]
+        # only the first group, which the step had carried, is read on the spot
+        assert after["fetches"] == usual["fetches"] + 1, (after, usual)

@@ -131,7 +131,9 @@ class Runtime:
         the optimizer's sub-group buffers (master weights, moments and the cast
         training-dtype copy of a slice). Both are allocated once and reused, so every step
         runs without page faults, and together they never exceed the one budget the user set:
-        the optimizer takes half when it streams anything from NVMe, nothing otherwise.
+        the optimizer takes half when it streams anything from NVMe, nothing otherwise. (One
+        exception: the optimizer's three buffers hold at least 2048 elements each, a few
+        hundred KB, so a budget below that is exceeded by the difference.)
         """
         streams = self.state_tier is Tier.NVME or self.param_tier is Tier.NVME
         return self.cfg.offload.host_buffer_bytes // 2 // 4096 * 4096 if streams else 0

@@ -11,8 +11,9 @@ test can ask ``group.state``.
 The shards of a group's parameters are packed into one buffer and all-gathered in one
 collective; each rank's block of the result is then cut back into the parameters' full
 tensors (a host copy, far cheaper than a collective's latency per parameter). Gradients go
-the other way: packed rank-major, reduce-scattered once in fp32, and added to each
-parameter's fp32 gradient shard.
+the other way: packed rank-major, reduce-scattered once in fp32, and each parameter's slice
+of the result becomes (or is added to) its gradient shard (param.py's [Note: gradients are
+held, not copied]).
 
 [Note: zero-copy at world size one]
 With one rank and parameters resident on the compute device, a shard *is* the full tensor,
@@ -178,7 +179,7 @@ class ParamGroup:
         return any(sp.param.grad is not None for sp in self.trainable)
 
     def reduce_grads(self) -> PendingReduce | None:
-        """Start reducing this backward's gradients into the fp32 gradient shards.
+        """Start reducing this backward's gradients into the gradient shards.
 
         At world size one the gradients are added at once and None is returned; otherwise the
         reduce-scatter runs in the background and the returned handle's ``finish()`` adds its
@@ -192,8 +193,10 @@ class ParamGroup:
         w, rt = self.rt.world_size, self.rt
         if w == 1:
             for sp, _ in live:
-                grad, sp.param.grad = sp.param.grad, None
-                sp.add_grad(grad.reshape(-1), owned=True)
+                flat, sp.param.grad = sp.param.grad.reshape(-1), None
+                # autograd may hand over a view into a larger buffer: only a tensor that is
+                # its whole storage is held, so holding it pins nothing else
+                sp.add_grad(flat, owned=flat.untyped_storage().nbytes() == flat.nbytes)
             return None
         send = torch.zeros(w, self.shard_numel, dtype=torch.float32, device=rt.device)
         for sp, off in live:

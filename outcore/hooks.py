@@ -160,6 +160,8 @@ class Hooks:
 
     def _on_access(self, sp: ShardedParam, func: object) -> None:
         g = sp.group
+        if g is not None and self.in_backward:  # a recomputation reads it: see the note
+            self._pinned.add(g.index)
         if g is None or g.state is GroupState.UNSHARDED:
             return
         g.holds += 1
@@ -182,7 +184,7 @@ class Hooks:
         node, thread = torch._C._current_autograd_node(), threading.get_ident()
         with self.mode.suspended():
             if self._frozen_held:
-                self._release_frozen(node, thread)
+                self._release_frozen(node, thread, g)
             # a group kept from forward is already there, but its first use in backward
             # still goes through the schedule: it advances the trace and starts prefetches
             if g.state is not GroupState.UNSHARDED or g.index in self.schedule.ahead:
@@ -192,13 +194,14 @@ class Hooks:
             self._frozen_held = [*held, (g, node, thread)]
         return saved.tensor
 
-    def _release_frozen(self, node: object, thread: int) -> None:
-        """Release frozen groups that earlier nodes of this thread unpacked (see the note)."""
+    def _release_frozen(self, node: object, thread: int, unpacking: ParamGroup) -> None:
+        """Release frozen groups that earlier nodes of this thread unpacked (see the note),
+        except ``unpacking``, which the current node is about to use again."""
         still = []
         for g, used_by, on in self._frozen_held:
             if g.index in self._pinned:
                 continue  # a recomputation's: stays until backward ends
-            if used_by is node or on != thread or g.holds > 0:
+            if g is unpacking or used_by is node or on != thread or g.holds > 0:
                 still.append((g, used_by, on))
             else:
                 self.schedule.done(g)

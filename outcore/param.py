@@ -165,13 +165,16 @@ class ShardedParam:
 
         [Note: gradients are held, not copied]
         With the optimizer on NVMe an owned gradient is not copied at all: the shard *is*
-        that tensor, in backward's dtype, until the update casts it slice by slice into a
-        reused staging buffer (optim.py). Copying it into a fresh fp32 tensor instead costs
+        that tensor until the update reads it. At one rank on the host that is autograd's
+        own gradient, in backward's dtype, which the update casts slice by slice into a
+        reused staging buffer (optim.py); copying it into a fresh fp32 tensor instead costs
         twice its bytes in new memory each step, every page of it a page fault (1.3 GB and
         330k faults per step on a 335M-parameter model). The values the update sees are the
-        same (a bf16 to fp32 cast is exact). A second gradient (accumulation) first turns the
-        shard into fp32, and where clipping or fp16 unscaling will scale gradients in place,
-        a 16-bit gradient is cast on arrival as before.
+        same (a bf16 to fp32 cast is exact). At more ranks it is the parameter's slice of
+        the reduce-scatter's fp32 output (where the state is in memory, that slice becomes
+        the kept buffer of the note above). A second gradient (accumulation) first turns
+        the shard into fp32, and where clipping or fp16 unscaling will scale gradients in
+        place, a 16-bit gradient is cast on arrival as before.
         """
         if self.grad is None:
             # the first gradient is taken or copied (cast) rather than added to zeros

@@ -33,7 +33,7 @@ class Runtime:
         self.compute_dtype = _DTYPES[cfg.dtype]
         self.param_tier = Tier.for_placement(cfg.offload.params)
         self.state_tier = Tier.for_placement(cfg.offload.optimizer)
-        # fp32 gradient shards live beside the optimizer state, but never on disk: the step
+        # gradient shards live beside the optimizer state, but never on disk: the step
         # reads them right after backward (param.py's [Note: gradient buffers] says when
         # they are kept between steps).
         self.grad_tier = Tier.DEVICE if self.state_tier is Tier.DEVICE else Tier.HOST

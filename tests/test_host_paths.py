@@ -147,7 +147,7 @@ def test_nvme_optimizer_holds_bf16_gradients_without_copying(accumulate: int,
         cfg = outcore.Config(dtype="bf16", gradient_accumulation_steps=accumulate,
                              track_grad_norm=True, zero={"overlap_optimizer": overlap},
                              offload={"optimizer": optimizer, "nvme_path": str(tmp_path)})
-        losses, norms, held = [], [], []
+        losses, norms, held, dtypes = [], [], [], set()
         with outcore.initialize(_mlp(), cfg) as engine:
             for _ in range(3):
                 for micro in range(accumulate):
@@ -155,18 +155,21 @@ def test_nvme_optimizer_holds_bf16_gradients_without_copying(accumulate: int,
                     engine.backward(loss)
                     losses.append(loss.item())
                 held.append(engine.memory_report()["by_kind"].get("host.grads", 0))
+                dtypes.update(sp.grad.dtype for sp in engine.params if sp.grad is not None)
                 engine.step()
                 norms.append(engine.last_grad_norm)
             trainable = sum(sp.numel for sp in engine.params)
-        return losses, norms, [h // trainable for h in held]
+        return losses, norms, [h // trainable for h in held], dtypes
 
-    ref_losses, ref_norms, _ = run("cpu", False)
-    losses, norms, bytes_per_elem = run("nvme", False)
+    ref_losses, ref_norms, _, ref_dtypes = run("cpu", False)
+    losses, norms, bytes_per_elem, dtypes = run("nvme", False)
     assert losses == ref_losses
     assert norms == pytest.approx(ref_norms, rel=1e-6)
     # what waits for the step: bf16 as backward made it, or fp32 once accumulated
     assert bytes_per_elem == [2 if accumulate == 1 else 4] * 3
-    overlapped_losses, overlapped_norms, _ = run("nvme", True)  # updates during backward
+    assert dtypes == {torch.bfloat16 if accumulate == 1 else torch.float32}
+    assert ref_dtypes == {torch.float32}  # kept fp32 buffers where the state is in memory
+    overlapped_losses, overlapped_norms, _, _ = run("nvme", True)  # updates during backward
     assert overlapped_losses == ref_losses
     assert overlapped_norms == pytest.approx(ref_norms, rel=1e-6)
 

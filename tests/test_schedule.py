@@ -384,3 +384,38 @@ def test_groups_released_outside_the_schedule_stop_counting_against_its_budget(
         assert after["divergences"] == 0 and after["prefetch_hits"] >= usual["prefetch_hits"]
         # only the first group, which the step had carried, is read on the spot
         assert after["fetches"] == usual["fetches"] + 1, (after, usual)
+
+
+class _FusedFrozen(nn.Module):
+    """A frozen fused projection whose one weight three consecutive backward nodes read
+    (a QKV projection's shape)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(64, 96)
+        self.qkv = nn.Linear(96, 3 * 96)
+        self.qkv.requires_grad_(False)
+        self.head = nn.Linear(96, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        q, k, v = self.qkv.weight.chunk(3)
+        h = torch.tanh(F.linear(h, q)) + torch.tanh(F.linear(h, k)) * torch.tanh(F.linear(h, v))
+        return self.head(h).pow(2).mean()
+
+
+def test_frozen_group_used_by_consecutive_nodes_is_fetched_once_per_backward(
+        tmp_path: Path) -> None:
+    cfg = outcore.Config(dtype="fp32", optimizer={"lr": 1e-2},
+                         offload={"params": "nvme", "nvme_path": str(tmp_path)},
+                         zero={"persistence_threshold_bytes": 0, "prefetch_bytes": 0})
+    x = torch.randn(16, 64, generator=torch.Generator().manual_seed(3))
+    with outcore.initialize(_FusedFrozen(), cfg) as engine:
+        for _ in range(3):
+            loss = engine(x)
+            before = engine.schedule_stats()["on_demand_fetches"]
+            engine.backward(loss)
+            # the head's weight (for the input's gradient) and the frozen projection, once
+            assert engine.schedule_stats()["on_demand_fetches"] - before == 2
+            engine.step()

@@ -75,6 +75,9 @@ class OffloadConfig(_Section):
         8 * _MiB, ge=4096, description="size of one read/write request to the disk"
     )
     io_threads: int = Field(4, ge=1, le=64, description="I/O threads per rank")
+    verify_swap: bool = Field(
+        True, description="check every swap read against the xxh3 digest of what was written"
+        " (about one core-second per 8 GB moved; storage.py)")
 
     @model_validator(mode="after")
     def _check_nvme(self) -> OffloadConfig:

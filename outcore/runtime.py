@@ -141,7 +141,8 @@ class Runtime:
     def store(self, tensor: torch.Tensor, tier: Tier, kind: str) -> Stored:
         """Give ``tensor``'s bytes a home in ``tier`` (memory tiers keep the tensor itself)."""
         if tier is Tier.NVME:
-            stored = NvmeStored(self.nvme, tensor.numel(), tensor.dtype, kind, self.ledger)
+            stored = NvmeStored(self.nvme, tensor.numel(), tensor.dtype, kind, self.ledger,
+                                verify=self.cfg.offload.verify_swap)
             stored.save(tensor).result()
             return stored
         if tier is Tier.DEVICE and tensor.device != self.device:

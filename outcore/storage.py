@@ -181,12 +181,15 @@ class NvmeStored(Stored):
     are tracked because the optimizer writes slices: a later load of any range that the saved
     pieces tile exactly is verified piece by piece. Hashing runs at ~8 GiB/s, four times the
     disk's read bandwidth, so it costs about a quarter of the I/O time on one core (measured:
-    bench/RESULTS.md).
+    bench/RESULTS.md). On a host with few cores and a trusted disk that core may be worth
+    more than the check: ``offload.verify_swap: false`` neither hashes nor verifies.
     """
 
-    def __init__(self, store, numel: int, dtype: torch.dtype, kind: str, ledger: Ledger) -> None:
+    def __init__(self, store, numel: int, dtype: torch.dtype, kind: str, ledger: Ledger,
+                 verify: bool = True) -> None:
         self.tier, self.numel, self.dtype = Tier.NVME, numel, dtype
         self._store, self._kind, self._ledger = store, kind, ledger
+        self.verify = verify
         self.extent = store.allocate(max(self.nbytes, 1))
         self._sums: dict[int, tuple[int, int]] = {}  # start -> (numel, digest)
         ledger.add(Tier.NVME.value, kind, self.nbytes)
@@ -224,6 +227,8 @@ class NvmeStored(Stored):
 
     def save_range(self, start: int, src: torch.Tensor) -> Future:
         src = src.contiguous()
+        if not self.verify:  # nothing recorded, so no load finds pieces to check
+            return self._store.write(self._sub_extent(start, src.numel()), src)
         stop = start + src.numel()
         # one assignment, so a read issued on another thread sees the old map or the new one
         sums = {lo: v for lo, v in self._sums.items() if not (lo < stop and lo + v[0] > start)}

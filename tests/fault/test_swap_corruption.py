@@ -45,6 +45,37 @@ def test_flipped_byte_in_swap_extent_is_a_storage_error(target: str, tmp_path: P
     assert not list(tmp_path.iterdir())  # cleaned up after the error too
 
 
+def test_verify_swap_off_neither_hashes_nor_checks(tmp_path: Path, monkeypatch) -> None:
+    """``offload.verify_swap: false`` trades the check for a core: no digest is computed,
+    and the same flipped byte that is an error by default goes unnoticed."""
+    import outcore.storage as storage
+
+    hashed = []
+    real = storage.digest
+    monkeypatch.setattr(storage, "digest", lambda t: hashed.append(t.nbytes) or real(t))
+
+    def run(verify: bool) -> None:
+        cfg = outcore.Config(dtype="bf16", optimizer={"lr": 1e-3},
+                             offload={"params": "nvme", "optimizer": "nvme",
+                                      "nvme_path": str(tmp_path), "verify_swap": verify},
+                             zero={"overlap_optimizer": False, "prefetch_bytes": 0})
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 4))
+        x = torch.randn(8, 256)
+        with outcore.initialize(model, cfg) as engine:
+            engine.backward(engine(x).float().pow(2).mean())
+            engine.step()
+            _flip(Path(engine.rt.nvme.path), engine.params[0].compute.extent.offset + 1000)
+            engine.backward(engine(x).float().pow(2).mean())
+            engine.step()
+
+    run(False)
+    assert hashed == []
+    with pytest.raises(outcore.StorageError, match="checksum mismatch"):
+        run(True)
+    assert hashed
+
+
 def test_untouched_swap_file_verifies_every_step(tmp_path: Path) -> None:
     cfg = outcore.Config(dtype="bf16", offload={"params": "nvme", "optimizer": "nvme",
                                                 "nvme_path": str(tmp_path),

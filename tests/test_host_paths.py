@@ -143,7 +143,7 @@ def test_nvme_optimizer_holds_bf16_gradients_without_copying(accumulate: int,
     in memory, which keeps fp32 gradient buffers."""
     x = torch.randn(16, 512, generator=torch.Generator().manual_seed(1))
 
-    def run(optimizer: str, overlap: bool) -> tuple[list[float], list[float], list[int]]:
+    def run(optimizer: str, overlap: bool) -> tuple[list[float], list[float], list[int], set]:
         cfg = outcore.Config(dtype="bf16", gradient_accumulation_steps=accumulate,
                              track_grad_norm=True, zero={"overlap_optimizer": overlap},
                              offload={"optimizer": optimizer, "nvme_path": str(tmp_path)})

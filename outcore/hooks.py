@@ -97,7 +97,7 @@ class Hooks:
         self.on_reduced: Callable[[ParamGroup], None] | None = None
         self.mode = ParamAccessMode(self._on_access)
         # see [Note: frozen groups in backward]: (group, node that last unpacked it, thread)
-        self._frozen_held: list[tuple[ParamGroup, object, int]] = []
+        self._frozen_held: list[tuple[ParamGroup, object, int | None]] = []
         self._pinned: set[int] = set()  # groups a recomputation fetched in this backward
         self._handles: list = []
         for m, gs in module_groups.items():
@@ -181,7 +181,12 @@ class Hooks:
         g = saved.sp.group
         if g is None:
             return saved.tensor
-        node, thread = torch._C._current_autograd_node(), threading.get_ident()
+        frozen = not g.trainable and not g.persistent and g.index not in self._pinned
+        # which node and thread unpack only matters while frozen groups are involved; the
+        # common case (every group trainable) skips both calls
+        node = thread = None
+        if frozen or self._frozen_held:
+            node, thread = torch._C._current_autograd_node(), threading.get_ident()
         with self.mode.suspended():
             if self._frozen_held:
                 self._release_frozen(node, thread, g)
@@ -189,12 +194,12 @@ class Hooks:
             # still goes through the schedule: it advances the trace and starts prefetches
             if g.state is not GroupState.UNSHARDED or g.index in self.schedule.ahead:
                 self.schedule.need([g], on_demand=True)
-        if not g.trainable and not g.persistent and g.index not in self._pinned:
+        if frozen:
             held = [h for h in self._frozen_held if h[0] is not g]
             self._frozen_held = [*held, (g, node, thread)]
         return saved.tensor
 
-    def _release_frozen(self, node: object, thread: int, unpacking: ParamGroup) -> None:
+    def _release_frozen(self, node: object, thread: int | None, unpacking: ParamGroup) -> None:
         """Release frozen groups that earlier nodes of this thread unpacked (see the note),
         except ``unpacking``, which the current node is about to use again."""
         still = []

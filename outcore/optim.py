@@ -132,11 +132,9 @@ class ShardedOptimizer:
         self._staged_kinds = (("master", *kinds) if rt.state_tier is Tier.NVME else ())
         staged_cast = rt.param_tier is Tier.NVME and not rt.compute_is_master
         self._cast_dtype = rt.compute_dtype if staged_cast else None
-        # only a gradient held as backward made it (one rank, on the host already) needs a
-        # cast; a reduce-scatter's output or a copy from the device is fp32 already
+        # only a gradient held in a 16-bit training dtype needs a cast for the update
         self._grad_slot = (bool(self._staged_kinds) and rt.holds_raw_grads
-                           and rt.compute_dtype != torch.float32 and rt.world_size == 1
-                           and rt.grad_device == rt.device)
+                           and rt.compute_dtype != torch.float32)
         self._stage_elem_bytes = 4 * (len(self._staged_kinds) + self._grad_slot) + (
             rt.compute_dtype.itemsize if staged_cast else 0)
         per_slot = rt.staging_bytes // 3 // max(self._stage_elem_bytes, 1)

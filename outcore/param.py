@@ -176,12 +176,10 @@ class ShardedParam:
         the shard into fp32, and where clipping or fp16 unscaling will scale gradients in
         place, a 16-bit gradient is cast on arrival as before.
         """
-        if self.grad is None:
-            # the first gradient is taken or copied (cast) rather than added to zeros
-            if self._grad_buffer is not None:
-                self.grad = self._grad_buffer.copy_(shard_grad)
-                self.has_grad = True
-                return
+        # the first gradient is taken or copied (cast) rather than added to zeros
+        if self.grad is None and self._grad_buffer is not None:
+            self.grad = self._grad_buffer.copy_(shard_grad)
+        elif self.grad is None:
             if owned and shard_grad.device == self.rt.grad_device and (
                     shard_grad.dtype == torch.float32 or self.rt.holds_raw_grads):
                 self.grad = shard_grad

@@ -97,9 +97,11 @@ class Runtime:
     @property
     def holds_raw_grads(self) -> bool:
         """Whether a gradient shard may stay in the dtype backward produced it in until the
-        update reads it (param.py's [Note: gradients are held, not copied]): only where no
-        kept fp32 buffer exists and nothing scales gradients in place (clipping, fp16)."""
-        return (not self.keeps_grad_buffers and self.cfg.gradient_clipping == 0
+        update reads it (param.py's [Note: gradients are held, not copied]): at one rank
+        with the gradients already where they are kept (the host), where no kept fp32 buffer
+        exists and nothing scales gradients in place (clipping, fp16)."""
+        return (self.world_size == 1 and self.grad_device == self.device
+                and not self.keeps_grad_buffers and self.cfg.gradient_clipping == 0
                 and self.cfg.dtype != "fp16")
 
     def _full_regions(self, cfg: Config) -> AlignedRegions | None:

@@ -46,13 +46,15 @@ REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "bench" / "out"
 DS_VENV = Path(os.environ.get("DS_VENV", "~/.cache/outcore-peers/ds-venv")).expanduser()
 ROWS = ["plain", "plain-master", "none", "cpu-p0", "cpu", "nvme-p0", "nvme", "nvme+opt-p0",
-        "nvme+opt", "deepspeed"]
+        "nvme+opt", "nvme+opt-reuse", "deepspeed"]
 PLACEMENT = {  # row -> (offload.params, offload.optimizer, prefetch on)
     "none": ("none", "none", True),
     "cpu-p0": ("cpu", "none", False), "cpu": ("cpu", "none", True),
     "nvme-p0": ("nvme", "none", False), "nvme": ("nvme", "none", True),
     "nvme+opt-p0": ("nvme", "nvme", False), "nvme+opt": ("nvme", "nvme", True),
+    "nvme+opt-reuse": ("nvme", "nvme", True),
 }
+ROW_SET = {"nvme+opt-reuse": {"offload": {"reuse_freed_memory": True}}}  # row's own overrides
 LABEL = {
     "plain": "plain PyTorch, in memory (bf16 params, fused AdamW)",
     "plain-master": "plain PyTorch, bf16 params + fp32 master copy (outcore's arithmetic)",
@@ -61,6 +63,7 @@ LABEL = {
     "nvme-p0": "outcore, params on NVMe, prefetch off", "nvme": "outcore, params on NVMe",
     "nvme+opt-p0": "outcore, params+optimizer on NVMe, prefetch off",
     "nvme+opt": "outcore, params+optimizer on NVMe",
+    "nvme+opt-reuse": "outcore, params+optimizer on NVMe, reuse_freed_memory",
     "deepspeed": "DeepSpeed ZeRO-3, params+optimizer on NVMe",
 }
 HP = {"lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.0}
@@ -219,7 +222,7 @@ def run_outcore(spec: dict) -> dict:
         "dtype": "bf16", "seed": 0, "optimizer": {"type": "adamw", **HP},
         "offload": {"params": params, "optimizer": optim, "nvme_path": spec["nvme_path"]},
         "zero": zero, "gradient_clipping": spec["clip"],
-    }).with_overrides(spec.get("outcore_set", {}))
+    }).with_overrides(_merge(ROW_SET.get(spec["row"], {}), spec.get("outcore_set", {})))
     t0 = time.perf_counter()
     torch.manual_seed(0)
     with outcore.init(cfg):
@@ -448,7 +451,7 @@ def table(rows: list[Row], pr: dict) -> str:
 def sweep_table(pairs: list[tuple[Row, Row]], pr: dict, n_params: int) -> tuple[str, list[dict]]:
     from outcore.estimate import predict_efficiency
 
-    out = ["| tokens/step (batch×seq) | no offload s/step | params+opt on NVMe s/step | "
+    out = ["| tokens/step (batch×seq) | no offload s/step | offload s/step | "
            "read / written GB per step | floor s | step ÷ floor | efficiency measured | "
            "predicted (probe peak) | predicted (achieved peak) |", "|---" * 9 + "|"]
     points = []
@@ -464,7 +467,8 @@ def sweep_table(pairs: list[tuple[Row, Row]], pr: dict, n_params: int) -> tuple[
                                      write_GBps=pr["disk_write_GBps"]).combined
         p_ach = predict_efficiency(off.tokens, pr["disk_read_GBps"], achieved,
                                    write_GBps=pr["disk_write_GBps"]).combined
-        pt = {"tokens": off.tokens, "batch": off.batch, "seq": off.seq, "t_ref": t_ref,
+        pt = {"row": off.name, "tokens": off.tokens, "batch": off.batch, "seq": off.seq,
+              "t_ref": t_ref,
               "t_off": t_off, "floor": floor, "measured": t_ref / t_off,
               "bound": t_ref / floor, "pred_probe": p_probe, "pred_achieved": p_ach,
               "achieved_TFLOPs": achieved}
@@ -495,8 +499,11 @@ def plot(points: list[dict], pr: dict, path: Path, title: str) -> None:
         ax.plot(dense, ys, style, label=f"paper's formula, {name}")
     ax.plot(xs, [p["bound"] for p in points], "s", mfc="none", color="gray",
             label="full-overlap bound: compute / floor")
-    ax.plot(xs, [p["measured"] for p in points], "o-", color="black", lw=2,
-            label="measured: no-offload step / offload step")
+    names = list(dict.fromkeys(p.get("row", "nvme+opt") for p in points))
+    for name, style in zip(names, ("o-", "^--", "v:"), strict=False):
+        mine = [p for p in points if p.get("row", "nvme+opt") == name]
+        ax.plot([p["tokens"] for p in mine], [p["measured"] for p in mine], style, lw=2,
+                color="black", label=f"measured {name}: no-offload step / offload step")
     ax.set_xscale("log", base=2)
     ax.set_ylim(0, 1.1)
     ax.set_xlabel("tokens per step (batch × seq), one rank")
@@ -522,9 +529,10 @@ def report(main_rows: list[Row], pairs: list[tuple[Row, Row]], pr: dict, model: 
             f"{first.tokens} tokens/step, median of steps {warmup}...{steps - 1}", "",
             table(main_rows, pr)]
     points: list[dict] = []
-    if pairs:
-        st, points = sweep_table(pairs, pr, n_params)
-        text += ["", "Sweep, params+optimizer on NVMe (prefetch on) against no offload:", "", st]
+    for name in dict.fromkeys(off.name for _, off in pairs):
+        st, mine = sweep_table([(a, b) for a, b in pairs if b.name == name], pr, n_params)
+        text += ["", f"Sweep, {LABEL[name]} (prefetch on) against no offload:", "", st]
+        points += mine
     print("\n" + "\n".join(text))
     if len(points) >= 2:
         title = (f"outcore, {model}, params+optimizer on NVMe; disk "
@@ -601,6 +609,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sweep-points", type=parse_sweep,
                     default=parse_sweep("1x128,1x256,1x512,2x512,4x512"),
                     help="batch x seq points of the sweep (params+optimizer on NVMe)")
+    ap.add_argument("--sweep-rows", default="nvme+opt",
+                    help="offload rows swept against no offload (comma-separated)")
     ap.add_argument("--clip", type=float, default=0.0, help="gradient clipping, every row")
     ap.add_argument("--prefetch-bytes", type=int, default=None,
                     help="budget of the prefetch-on rows (default: outcore's default)")
@@ -637,7 +647,8 @@ def main(argv: list[str] | None = None) -> int:
         args.sweep_points = [(1, 64), (2, 64)]
         args.wait_quiet, args.retries = 0, 0
     rows = [r for r in args.rows.split(",") if r]
-    unknown = set(rows) - set(ROWS)
+    sweep_rows = [r for r in args.sweep_rows.split(",") if r]
+    unknown = set(rows + sweep_rows) - set(ROWS)
     if unknown:
         ap.error(f"unknown rows {sorted(unknown)}; choose from {','.join(ROWS)}")
     if "deepspeed" in rows and not (DS_VENV / "bin" / "python").exists():
@@ -675,11 +686,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.sweep:
         done = {(r.name, r.batch, r.seq): r for r in main_rows}
         for b, s in args.sweep_points:
-            pair = []
-            for name in ("none", "nvme+opt"):
-                r = done.get((name, b, s)) or run_row(Row(name, b, s), args, nvme_root, logs)
-                pair.append(r)
-            pairs.append(tuple(pair))
+            ref = done.get(("none", b, s)) or run_row(Row("none", b, s), args, nvme_root, logs)
+            done[("none", b, s)] = ref
+            for name in sweep_rows:
+                off = done.get((name, b, s)) or run_row(Row(name, b, s), args, nvme_root, logs)
+                pairs.append((ref, off))
     if not any(nvme_root.iterdir()):
         nvme_root.rmdir()  # every row's private folder is already gone
 

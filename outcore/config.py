@@ -78,6 +78,10 @@ class OffloadConfig(_Section):
     verify_swap: bool = Field(
         True, description="check every swap read against the xxh3 digest of what was written"
         " (about one core-second per 8 GB moved; storage.py)")
+    reuse_freed_memory: bool | None = Field(
+        None, description="keep host memory freed by one step for the next (fewer page "
+        "faults, higher RSS); default: only where the optimizer state is in host memory "
+        "(host_memory.py)")
 
     @model_validator(mode="after")
     def _check_nvme(self) -> OffloadConfig:

@@ -15,7 +15,7 @@ import torch
 from outcore.accel import Accelerator
 from outcore.comm import Comm
 from outcore.config import Config
-from outcore.host_memory import keep_freed_memory_for_reuse, return_large_frees_to_os
+from outcore.host_memory import apply_policy
 from outcore.storage import Ledger, MemoryStored, NvmeStored, Stored, Tier
 from outcore.tiers.buffers import AlignedRegions
 
@@ -39,10 +39,9 @@ class Runtime:
         self.grad_tier = Tier.DEVICE if self.state_tier is Tier.DEVICE else Tier.HOST
         self.grad_device = self.device if self.grad_tier is Tier.DEVICE else torch.device("cpu")
         # host_memory.py: [Note: glibc keeps freed shards], [Note: page faults are the other cost]
-        if self.state_tier is Tier.NVME:
-            return_large_frees_to_os()
-        elif self.state_tier is Tier.HOST or self.device.type == "cpu":
-            keep_freed_memory_for_reuse()  # the state is in host memory
+        in_host = self.state_tier is Tier.HOST or self.device.type == "cpu"
+        apply_policy(cfg.offload.reuse_freed_memory, "nvme" if self.state_tier is Tier.NVME
+                     else "host" if in_host else "device")
         # see param.py's [Note: gradient buffers]
         self.keeps_grad_buffers = self.state_tier is not Tier.NVME
         self.full_regions = self._full_regions(cfg)

@@ -258,12 +258,11 @@ import torch
 from torch import nn
 import outcore
 from outcore import host_memory
-if sys.argv[1] == "return" and not host_memory.return_large_frees_to_os():
-    sys.exit(3)
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 256))
 engine = outcore.initialize(model, outcore.Config.from_dict(
-    {"dtype": "bf16", "optimizer": {"type": "adamw", "lr": 1e-3}}))
+    {"dtype": "bf16", "optimizer": {"type": "adamw", "lr": 1e-3},
+     "offload": json.loads(sys.argv[1])}))
 x = torch.randn(40000, 256)  # 20 MB activations in bf16, 40 MB in fp32
 faults = []
 for _ in range(6):
@@ -271,32 +270,51 @@ for _ in range(6):
     engine.backward(engine(x).float().pow(2).mean())
     engine.step()
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+engine.close()
 print(json.dumps({"faults": faults, "policy": host_memory._policy}))
 """
 
 
-def _step_faults(policy: str) -> dict:
-    proc = subprocess.run([sys.executable, "-c", _STEP_FAULTS, policy], capture_output=True,
-                          text=True, timeout=300)
-    if proc.returncode == 3:
-        pytest.skip("not glibc")
+def _step_faults(offload: dict) -> dict:
+    """Page faults of each of six steps in a fresh process with this ``offload`` config."""
+    proc = subprocess.run([sys.executable, "-c", _STEP_FAULTS, json.dumps(offload)],
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    if out["policy"] is None:
+        pytest.skip("not glibc")
+    return out
+
+
+def _settled(faults: list[int]) -> int:
+    # 40 MB of activations per step is ~10k pages; the heap still settles now and then (one
+    # step of a few may grow it), so compare the last three steps together
+    return sum(faults[3:])
 
 
 def test_in_memory_steps_reuse_pages_instead_of_faulting_them_in() -> None:
     """With the optimizer state in memory, a step's activations and gradients reuse the last
-    step's pages (host_memory.py's [Note: page faults are the other cost]); a process that
-    gives large frees back instead faults them in again every step."""
-    keep = _step_faults("keep")
-    if keep["policy"] is None:
-        pytest.skip("not glibc")
-    given_back = _step_faults("return")
+    step's pages (host_memory.py's [Note: page faults are the other cost]); a config that
+    asks for large frees to be given back (``offload.reuse_freed_memory: false``) faults
+    them in again every step."""
+    keep = _step_faults({})
+    given_back = _step_faults({"reuse_freed_memory": False})
     assert keep["policy"] == "keep" and given_back["policy"] == "return"
-    # 40 MB of activations per step is ~10k pages; the heap still settles now and then (one
-    # step of a few may grow it), so compare the last three steps together
-    assert sum(given_back["faults"][3:]) > 3 * 20_000, given_back
-    assert sum(keep["faults"][3:]) * 5 < sum(given_back["faults"][3:]), (keep, given_back)
+    assert _settled(given_back["faults"]) > 3 * 20_000, given_back
+    assert _settled(keep["faults"]) * 5 < _settled(given_back["faults"]), (keep, given_back)
+
+
+def test_small_host_reuses_pages_only_when_asked(tmp_path: Path) -> None:
+    """With the optimizer state on NVMe large frees go back to the system by default, and
+    ``offload.reuse_freed_memory: true`` reuses them instead (host_memory.py's [Note: reuse
+    on a small host, when asked])."""
+    nvme = {"optimizer": "nvme", "nvme_path": str(tmp_path)}
+    default = _step_faults(nvme)
+    reuse = _step_faults({**nvme, "reuse_freed_memory": True})
+    assert default["policy"] == "return" and reuse["policy"] == "reuse"
+    assert _settled(default["faults"]) > 3 * 20_000, default
+    assert _settled(reuse["faults"]) * 5 < _settled(default["faults"]), (reuse, default)
+    assert not any(tmp_path.iterdir())  # each run's swap files are gone
 
 
 @pytest.mark.parametrize("opt", [{"type": "adamw", "lr": 1e-2, "weight_decay": 0.1},

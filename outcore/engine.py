@@ -88,6 +88,7 @@ class Engine:
         self.global_steps = 0
         self.last_grad_norm: float | None = None
         self._closed = False
+        self.rt.begin_training()
 
     # -- construction ------------------------------------------------------------------------
     @staticmethod

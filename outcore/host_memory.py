@@ -42,7 +42,10 @@ reused, and the heap does not keep the whole peak for good. Measured (bench/RESU
 2048-token step about a quarter faster for about 0.6 GiB more peak RSS, and at 512 tokens,
 where the disk bounds the step, 0.4 GiB more RSS for no gain. The heap's free holes below
 its top are not given back, so the setting bounds the reuse, not the RSS. It is not the
-default because RSS is what a small host is short of.
+default because RSS is what a small host is short of. It starts once the engine is built
+(``Runtime.begin_training``): building the model allocates and frees every full tensor once,
+and a heap serving that would keep holding it (measured: peak RSS 3.1 GiB instead of 1.7 at
+512 tokens).
 
 Every setting is process-wide. A process that asked for the small-host setting once keeps
 it (a later in-memory engine does not undo it), unless a config asks for reuse explicitly:

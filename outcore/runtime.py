@@ -40,8 +40,10 @@ class Runtime:
         self.grad_device = self.device if self.grad_tier is Tier.DEVICE else torch.device("cpu")
         # host_memory.py: [Note: glibc keeps freed shards], [Note: page faults are the other cost]
         in_host = self.state_tier is Tier.HOST or self.device.type == "cpu"
-        apply_policy(cfg.offload.reuse_freed_memory, "nvme" if self.state_tier is Tier.NVME
-                     else "host" if in_host else "device")
+        self._state_place = ("nvme" if self.state_tier is Tier.NVME
+                             else "host" if in_host else "device")
+        small_host = self._state_place == "nvme"  # reuse starts with training, if asked
+        apply_policy(None if small_host else cfg.offload.reuse_freed_memory, self._state_place)
         # see param.py's [Note: gradient buffers]
         self.keeps_grad_buffers = self.state_tier is not Tier.NVME
         self.full_regions = self._full_regions(cfg)
@@ -149,6 +151,13 @@ class Runtime:
         if tier is Tier.DEVICE and tensor.device != self.device:
             tensor = tensor.to(self.device)
         return MemoryStored(tensor, tier, kind, self.ledger)
+
+    def begin_training(self) -> None:
+        """Apply ``offload.reuse_freed_memory: true`` with the state on NVMe, once the model
+        is built: building it under that policy would leave the heap holding what the build
+        allocated and freed (host_memory.py's [Note: reuse on a small host, when asked])."""
+        if self._state_place == "nvme" and self.cfg.offload.reuse_freed_memory:
+            apply_policy(True, "nvme")
 
     def reconfigure(self, cfg: Config) -> None:
         """Adopt the engine's config (same placement, possibly another dtype or optimizer)."""

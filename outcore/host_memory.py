@@ -35,17 +35,17 @@ PyTorch (bench/RESULTS.md, 06:08 UTC).
 [Note: reuse on a small host, when asked]
 With the optimizer state on NVMe the first setting costs time in proportion to the
 activations: at 2048 tokens per step on the same GPT (params and optimizer on NVMe), 1.8M
-faults and ~6 s of system time per 14 s step, on 2 cores where that time is taken from
+faults and 5 s of system time per 13 s step, on 2 cores where that time is taken from
 compute. ``offload.reuse_freed_memory: true`` serves every block from the heap there too, but
 gives back what the heap's top holds beyond ``REUSE_TRIM_BYTES``: most of a step's pages are
-reused, and the heap does not keep the whole peak for good. Measured (bench/RESULTS.md): the
-2048-token step about a quarter faster for about 0.6 GiB more peak RSS, and at 512 tokens,
-where the disk bounds the step, 0.4 GiB more RSS for no gain. The heap's free holes below
-its top are not given back, so the setting bounds the reuse, not the RSS. It is not the
-default because RSS is what a small host is short of. It starts once the engine is built
-(``Runtime.begin_training``): building the model allocates and frees every full tensor once,
-and a heap serving that would keep holding it (measured: peak RSS 3.1 GiB instead of 1.7 at
-512 tokens).
+reused, and the heap does not keep the whole peak for good. Measured side by side
+(bench/RESULTS.md, 10:30 UTC): steps 9-19% faster at 128 to 2048 tokens (faults per step
+1.79M -> 213k at 2048, 750k -> 90k at 512), peak RSS 0.4 GiB higher at 512 tokens (1.24 ->
+1.67) and 1.05 GiB at 2048. The heap's free holes below its top are not given back, so the
+setting bounds the reuse, not the RSS. It is not the default because RSS is what a small
+host is short of. It starts once the engine is built (``Runtime.begin_training``): building
+the model allocates and frees every full tensor once, and a heap serving that would keep
+holding it (measured: peak RSS 3.13 GiB instead of 1.67 at 512 tokens).
 
 Every setting is process-wide. A process that asked for the small-host setting once keeps
 it (a later in-memory engine does not undo it), unless a config asks for reuse explicitly:
@@ -69,7 +69,7 @@ MMAP_THRESHOLD_BYTES = 1 << 20
 REUSE_TRIM_BYTES = 256 << 20  # see [Note: reuse on a small host, when asked]
 _NEVER_TRIM = -1  # mallopt(M_TRIM_THRESHOLD, -1) turns trimming off (glibc: SIZE_MAX)
 
-_policy: str | None = None  # "return" or "keep", once applied
+_policy: str | None = None  # "return", "keep" or "reuse", once applied
 
 
 def _apply(policy: str, options: list[tuple[int, int]]) -> bool:

@@ -11,6 +11,7 @@ from ``wait4``'s rusage, what ``/usr/bin/time -v`` reports). Rows:
     cpu-p0, cpu                 params on host, prefetch off / on
     nvme-p0, nvme               params on NVMe, prefetch off / on
     nvme+opt-p0, nvme+opt       params and optimizer state on NVMe, prefetch off / on
+    nvme+opt-reuse              nvme+opt with ``offload.reuse_freed_memory: true``
     deepspeed    DeepSpeed ZeRO-3, params and optimizer on NVMe (bench/ds_contender.py, run in
                  DeepSpeed's own venv; skipped if that venv is missing)
 
@@ -20,12 +21,13 @@ floor ``max(compute, read/read_bw + written/write_bw)`` with the bandwidths from
 ``outcore.probe.measure()`` on the swap folder and compute = the ``none`` row's step time,
 and step time / floor (``--probe-each-row``: the bandwidths measured right after that row, as
 the disk's speed drifts during a run). Then a sweep of tokens per step for ``nvme+opt``
-against ``none`` and a plot of efficiency against tokens per step, measured and predicted by
-the paper's formula (bench/out/efficiency.png).
+(or each of ``--sweep-rows``) against ``none`` and a plot of efficiency against tokens per
+step, measured and predicted by the paper's formula (bench/out/efficiency.png).
 
     python bench/train.py --quick                       # tiny model, checks the script works
     python bench/train.py                               # gpt-335m, batch 1 x seq 512, sweep
     python bench/train.py --rows none,nvme+opt --no-sweep --steps 4
+    python bench/train.py --rows none --sweep-rows nvme+opt,nvme+opt-reuse
 """
 
 from __future__ import annotations

@@ -470,8 +470,7 @@ def sweep_table(pairs: list[tuple[Row, Row]], pr: dict, n_params: int) -> tuple[
         p_ach = predict_efficiency(off.tokens, pr["disk_read_GBps"], achieved,
                                    write_GBps=pr["disk_write_GBps"]).combined
         pt = {"row": off.name, "tokens": off.tokens, "batch": off.batch, "seq": off.seq,
-              "t_ref": t_ref,
-              "t_off": t_off, "floor": floor, "measured": t_ref / t_off,
+              "t_ref": t_ref, "t_off": t_off, "floor": floor, "measured": t_ref / t_off,
               "bound": t_ref / floor, "pred_probe": p_probe, "pred_achieved": p_ach,
               "achieved_TFLOPs": achieved}
         points.append(pt)
@@ -653,6 +652,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(rows + sweep_rows) - set(ROWS)
     if unknown:
         ap.error(f"unknown rows {sorted(unknown)}; choose from {','.join(ROWS)}")
+    if "none" in sweep_rows:
+        ap.error("--sweep-rows: 'none' is what each sweep row is compared against")
     if "deepspeed" in rows and not (DS_VENV / "bin" / "python").exists():
         print(f"DeepSpeed venv {DS_VENV} not found: skipping the deepspeed row")
         rows.remove("deepspeed")

@@ -511,7 +511,7 @@ def plot(points: list[dict], pr: dict, path: Path, title: str) -> None:
     ax.set_ylabel("efficiency")
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)

@@ -33,6 +33,7 @@ step, measured and predicted by the paper's formula (bench/out/efficiency.png).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import shutil
@@ -56,7 +57,8 @@ PLACEMENT = {  # row -> (offload.params, offload.optimizer, prefetch on)
     "nvme+opt-p0": ("nvme", "nvme", False), "nvme+opt": ("nvme", "nvme", True),
     "nvme+opt-reuse": ("nvme", "nvme", True),
 }
-ROW_SET = {"nvme+opt-reuse": {"offload": {"reuse_freed_memory": True}}}  # row's own overrides
+# a row's own overrides, applied after --set (so --set cannot turn a row into another)
+ROW_SET = {"nvme+opt-reuse": {"offload": {"reuse_freed_memory": True}}}
 LABEL = {
     "plain": "plain PyTorch, in memory (bf16 params, fused AdamW)",
     "plain-master": "plain PyTorch, bf16 params + fp32 master copy (outcore's arithmetic)",
@@ -224,7 +226,7 @@ def run_outcore(spec: dict) -> dict:
         "dtype": "bf16", "seed": 0, "optimizer": {"type": "adamw", **HP},
         "offload": {"params": params, "optimizer": optim, "nvme_path": spec["nvme_path"]},
         "zero": zero, "gradient_clipping": spec["clip"],
-    }).with_overrides(_merge(ROW_SET.get(spec["row"], {}), spec.get("outcore_set", {})))
+    }).with_overrides(_merge(spec.get("outcore_set", {}), ROW_SET.get(spec["row"], {})))
     t0 = time.perf_counter()
     torch.manual_seed(0)
     with outcore.init(cfg):
@@ -489,7 +491,6 @@ def plot(points: list[dict], pr: dict, path: Path, title: str) -> None:
     from outcore.estimate import predict_efficiency
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    xs = [p["tokens"] for p in points]
     dense = [int(2 ** (k / 8)) for k in range(8 * 5, 8 * 13 + 1)]  # 32 .. 8192 tokens
     peak = pr["matmul_bf16_TFLOPs"]
     ach = statistics.median(p["achieved_TFLOPs"] for p in points)
@@ -498,13 +499,14 @@ def plot(points: list[dict], pr: dict, path: Path, title: str) -> None:
         ys = [predict_efficiency(t, pr["disk_read_GBps"], tflops,
                                  write_GBps=pr["disk_write_GBps"]).combined for t in dense]
         ax.plot(dense, ys, style, label=f"paper's formula, {name}")
-    ax.plot(xs, [p["bound"] for p in points], "s", mfc="none", color="gray",
-            label="full-overlap bound: compute / floor")
-    names = list(dict.fromkeys(p.get("row", "nvme+opt") for p in points))
-    for name, style in zip(names, ("o-", "^--", "v:"), strict=False):
+    names = list(dict.fromkeys(p.get("row", "nvme+opt") for p in points))  # older JSONs: none
+    for name, (mark, line) in zip(names, itertools.cycle([("o", "-"), ("^", "--"), ("v", ":")])):
         mine = [p for p in points if p.get("row", "nvme+opt") == name]
-        ax.plot([p["tokens"] for p in mine], [p["measured"] for p in mine], style, lw=2,
-                color="black", label=f"measured {name}: no-offload step / offload step")
+        xs = [p["tokens"] for p in mine]
+        ax.plot(xs, [p["bound"] for p in mine], mark, mfc="none", color="gray",
+                label=f"full-overlap bound {name}: compute / floor")
+        ax.plot(xs, [p["measured"] for p in mine], mark + line, lw=2, color="black",
+                label=f"measured {name}: no-offload step / offload step")
     ax.set_xscale("log", base=2)
     ax.set_ylim(0, 1.1)
     ax.set_xlabel("tokens per step (batch × seq), one rank")
@@ -536,7 +538,7 @@ def report(main_rows: list[Row], pairs: list[tuple[Row, Row]], pr: dict, model: 
         points += mine
     print("\n" + "\n".join(text))
     if len(points) >= 2:
-        title = (f"outcore, {model}, params+optimizer on NVMe; disk "
+        title = (f"outcore, {model}, offload against none; disk "
                  f"{pr['disk_read_GBps']:.1f}/{pr['disk_write_GBps']:.1f} GB/s read/write")
         plot(points, pr, OUT / "efficiency.png", title)
         print(f"\nplot: {OUT / 'efficiency.png'}")
@@ -609,7 +611,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sweep", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--sweep-points", type=parse_sweep,
                     default=parse_sweep("1x128,1x256,1x512,2x512,4x512"),
-                    help="batch x seq points of the sweep (params+optimizer on NVMe)")
+                    help="batch x seq points of the sweep (each of --sweep-rows)")
     ap.add_argument("--sweep-rows", default="nvme+opt",
                     help="offload rows swept against no offload (comma-separated)")
     ap.add_argument("--clip", type=float, default=0.0, help="gradient clipping, every row")
@@ -654,9 +656,10 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown rows {sorted(unknown)}; choose from {','.join(ROWS)}")
     if "none" in sweep_rows:
         ap.error("--sweep-rows: 'none' is what each sweep row is compared against")
-    if "deepspeed" in rows and not (DS_VENV / "bin" / "python").exists():
+    if "deepspeed" in rows + sweep_rows and not (DS_VENV / "bin" / "python").exists():
         print(f"DeepSpeed venv {DS_VENV} not found: skipping the deepspeed row")
-        rows.remove("deepspeed")
+        rows = [r for r in rows if r != "deepspeed"]
+        sweep_rows = [r for r in sweep_rows if r != "deepspeed"]
 
     sys.path.insert(0, str(REPO))
     from outcore.models import num_params, resolve_config

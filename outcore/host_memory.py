@@ -36,20 +36,23 @@ PyTorch (bench/RESULTS.md, 06:08 UTC).
 With the optimizer state on NVMe the first setting costs time in proportion to the
 activations: at 2048 tokens per step on the same GPT (params and optimizer on NVMe), 1.8M
 faults and 5 s of system time per 13 s step, on 2 cores where that time is taken from
-compute. ``offload.reuse_freed_memory: true`` serves every block from the heap there too, but
-gives back what the heap's top holds beyond ``REUSE_TRIM_BYTES``: most of a step's pages are
-reused, and the heap does not keep the whole peak for good. Measured side by side
-(bench/RESULTS.md, 10:30 UTC): steps 9-19% faster at 128 to 2048 tokens (faults per step
-1.79M -> 213k at 2048, 750k -> 90k at 512), peak RSS 0.4 GiB higher at 512 tokens (1.24 ->
-1.67) and 1.05 GiB at 2048. The heap's free holes below its top are not given back, so the
-setting bounds the reuse, not the RSS. It is not the default because RSS is what a small
-host is short of. It starts once the engine is built (``Runtime.begin_training``): building
-the model allocates and frees every full tensor once, and a heap serving that would keep
-holding it (measured: peak RSS 3.13 GiB instead of 1.67 at 512 tokens).
+compute. ``offload.reuse_freed_memory: true`` serves every block from the heap there too (and
+where the state is in device memory, for which nothing is set by default), so most of a
+step's pages are reused. Measured side by side (bench/RESULTS.md, 10:30 UTC): steps 9-18%
+shorter at 128 to 2048 tokens (faults per step 1.79M -> 213k at 2048, 750k -> 90k at 512),
+peak RSS 0.4 GiB higher at 512 tokens (1.24 -> 1.67) and 1.05 GiB at 2048. A free heap top
+beyond ``REUSE_TRIM_BYTES`` still goes back to the system, so one huge transient at the top
+(an evaluation batch, say) is not kept for good; but blocks freed below a live one (torch
+allocates small blocks after large ones) stay, so this bounds the top, not the RSS. It is
+not the default because RSS is what a small host is short of. It starts once the engine is
+built (``Runtime.begin_training``): building the model allocates and frees every full tensor
+once, and a heap serving that would keep holding it (measured: peak RSS 3.13 GiB instead of
+1.67 at 512 tokens). ``false`` gives large frees back wherever the state is.
 
-Every setting is process-wide. A process that asked for the small-host setting once keeps
-it (a later in-memory engine does not undo it), unless a config asks for reuse explicitly:
-an explicit ``offload.reuse_freed_memory`` (true or false) always applies. Elsewhere (not
+Every setting is process-wide, and the last engine built decides, with one exception: an
+engine with the key unset and its state in host or device memory does not undo another
+engine's setting (a small host's give-back or reuse stays). An engine with its state on NVMe
+gives large frees back while it is built, whatever an earlier engine chose. Elsewhere (not
 glibc) all of them do nothing.
 """
 
@@ -112,16 +115,3 @@ def reuse_freed_memory_on_small_host() -> bool:
     applies."""
     return _apply("reuse", [(_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, REUSE_TRIM_BYTES)])
 
-
-def apply_policy(reuse: bool | None, state: str) -> bool:
-    """The policy for an engine: ``reuse`` as its config gives it (None: the default), with
-    its optimizer state in ``state`` ("host", "nvme" or "device"); True if one is in effect.
-    By default nothing is set for state in device memory: the host holds little then."""
-    if reuse is None:
-        if state == "device":
-            return False
-        return keep_freed_memory_for_reuse() if state == "host" else return_large_frees_to_os()
-    if not reuse:
-        return return_large_frees_to_os()
-    return (reuse_freed_memory_on_small_host() if state == "nvme"
-            else keep_freed_memory_for_reuse(force=True))

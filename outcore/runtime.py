@@ -15,7 +15,11 @@ import torch
 from outcore.accel import Accelerator
 from outcore.comm import Comm
 from outcore.config import Config
-from outcore.host_memory import apply_policy
+from outcore.host_memory import (
+    keep_freed_memory_for_reuse,
+    return_large_frees_to_os,
+    reuse_freed_memory_on_small_host,
+)
 from outcore.storage import Ledger, MemoryStored, NvmeStored, Stored, Tier
 from outcore.tiers.buffers import AlignedRegions
 
@@ -38,12 +42,16 @@ class Runtime:
         # they are kept between steps).
         self.grad_tier = Tier.DEVICE if self.state_tier is Tier.DEVICE else Tier.HOST
         self.grad_device = self.device if self.grad_tier is Tier.DEVICE else torch.device("cpu")
-        # host_memory.py: [Note: glibc keeps freed shards], [Note: page faults are the other cost]
-        in_host = self.state_tier is Tier.HOST or self.device.type == "cpu"
-        self._state_place = ("nvme" if self.state_tier is Tier.NVME
-                             else "host" if in_host else "device")
-        small_host = self._state_place == "nvme"  # reuse starts with training, if asked
-        apply_policy(None if small_host else cfg.offload.reuse_freed_memory, self._state_place)
+        # host_memory.py's notes. The host is sized for the optimizer state where that state
+        # is in host memory (on a CPU device, device memory is host memory), not otherwise.
+        reuse = cfg.offload.reuse_freed_memory
+        in_host = self.state_tier is not Tier.NVME and (
+            self.state_tier is Tier.HOST or self.device.type == "cpu")
+        self._small_host = not in_host
+        if self.state_tier is Tier.NVME or reuse is False:
+            return_large_frees_to_os()  # reuse, if asked, starts in begin_training
+        elif in_host:
+            keep_freed_memory_for_reuse(force=reuse is True)
         # see param.py's [Note: gradient buffers]
         self.keeps_grad_buffers = self.state_tier is not Tier.NVME
         self.full_regions = self._full_regions(cfg)
@@ -153,11 +161,12 @@ class Runtime:
         return MemoryStored(tensor, tier, kind, self.ledger)
 
     def begin_training(self) -> None:
-        """Apply ``offload.reuse_freed_memory: true`` with the state on NVMe, once the model
-        is built: building it under that policy would leave the heap holding what the build
-        allocated and freed (host_memory.py's [Note: reuse on a small host, when asked])."""
-        if self._state_place == "nvme" and self.cfg.offload.reuse_freed_memory:
-            apply_policy(True, "nvme")
+        """Apply ``offload.reuse_freed_memory: true`` where the host is not sized for the
+        optimizer state (on NVMe or in device memory), once the model is built: building it
+        under that policy would leave the heap holding what the build allocated and freed
+        (host_memory.py's [Note: reuse on a small host, when asked])."""
+        if self._small_host and self.cfg.offload.reuse_freed_memory:
+            reuse_freed_memory_on_small_host()
 
     def reconfigure(self, cfg: Config) -> None:
         """Adopt the engine's config (same placement, possibly another dtype or optimizer)."""

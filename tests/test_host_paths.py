@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import json
+import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -282,10 +283,11 @@ def _step_faults(offload: dict) -> dict:
     proc = subprocess.run([sys.executable, "-c", _STEP_FAULTS, json.dumps(offload)],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
-    if out["policy"] is None:
-        pytest.skip("not glibc")
-    return out
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+glibc_only = pytest.mark.skipif(platform.libc_ver()[0] != "glibc",
+                                reason="the malloc policies are glibc's")
 
 
 def _settled(faults: list[int]) -> int:
@@ -294,6 +296,7 @@ def _settled(faults: list[int]) -> int:
     return sum(faults[3:])
 
 
+@glibc_only
 def test_in_memory_steps_reuse_pages_instead_of_faulting_them_in() -> None:
     """With the optimizer state in memory, a step's activations and gradients reuse the last
     step's pages (host_memory.py's [Note: page faults are the other cost]); a config that
@@ -306,6 +309,7 @@ def test_in_memory_steps_reuse_pages_instead_of_faulting_them_in() -> None:
     assert _settled(keep["faults"]) * 5 < _settled(given_back["faults"]), (keep, given_back)
 
 
+@glibc_only
 def test_small_host_reuses_pages_only_when_asked(tmp_path: Path) -> None:
     """With the optimizer state on NVMe large frees go back to the system by default, and
     ``offload.reuse_freed_memory: true`` reuses them instead (host_memory.py's [Note: reuse
@@ -318,6 +322,41 @@ def test_small_host_reuses_pages_only_when_asked(tmp_path: Path) -> None:
     assert _settled(default["faults"]) > 3 * 20_000, default
     assert _settled(reuse["faults"]) * 5 < _settled(default["faults"]), (reuse, default)
     assert not any(tmp_path.iterdir())  # each run's swap files are gone
+
+
+_FREED_RSS = """
+import ctypes, json, sys
+import psutil
+from outcore import host_memory
+{"keep": host_memory.keep_freed_memory_for_reuse,
+ "reuse": host_memory.reuse_freed_memory_on_small_host}[sys.argv[1]]()
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
+proc = psutil.Process()
+before = proc.memory_info().rss
+block = libc.malloc(512 << 20)  # at the heap's top: nothing is allocated after it
+ctypes.memset(block, 1, 512 << 20)
+grown = proc.memory_info().rss
+libc.free(block)
+print(json.dumps([before, grown, proc.memory_info().rss]))
+"""
+
+
+@glibc_only
+def test_small_host_reuse_gives_back_what_exceeds_its_bound() -> None:
+    """Under the small-host reuse policy, a free heap top beyond ``REUSE_TRIM_BYTES`` goes
+    back to the system; the in-memory policy keeps it (host_memory.py's notes). The bound
+    is on the heap's top only: a freed block below a live one stays either way."""
+    def rss(policy: str) -> list[int]:
+        proc = subprocess.run([sys.executable, "-c", _FREED_RSS, policy], capture_output=True,
+                              text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    for policy, kept in (("reuse", False), ("keep", True)):
+        before, grown, after = rss(policy)
+        assert grown - before > 500 * 2**20, (policy, before, grown)
+        assert (after - before > 500 * 2**20) is kept, (policy, before, grown, after)
 
 
 @pytest.mark.parametrize("opt", [{"type": "adamw", "lr": 1e-2, "weight_decay": 0.1},
@@ -346,3 +385,35 @@ def test_slots_rotate_over_many_sub_groups_of_many_slices(opt: dict, tmp_path: P
             return _train(engine, 4, torch.randn(8, 60))
 
     assert run("nvme") == run("none")
+
+
+@pytest.mark.parametrize("offload, at_build, at_training", [
+    ({}, ["keep force=False"], []),
+    ({"reuse_freed_memory": True}, ["keep force=True"], []),
+    ({"reuse_freed_memory": False}, ["return"], []),
+    ({"optimizer": "nvme"}, ["return"], []),
+    ({"optimizer": "nvme", "reuse_freed_memory": True}, ["return"], ["reuse"]),
+    ({"optimizer": "nvme", "reuse_freed_memory": False}, ["return"], []),
+])
+def test_which_malloc_policy_each_config_asks_for(offload: dict, at_build: list[str],
+                                                  at_training: list[str], tmp_path: Path,
+                                                  monkeypatch) -> None:
+    """The policy a runtime applies while the model is built and once training begins, for
+    each ``offload.reuse_freed_memory`` with the state in memory or on NVMe (runtime.py)."""
+    from outcore import runtime as rt_mod
+
+    calls: list[str] = []
+    monkeypatch.setattr(rt_mod, "return_large_frees_to_os", lambda: calls.append("return"))
+    monkeypatch.setattr(rt_mod, "keep_freed_memory_for_reuse",
+                        lambda force=False: calls.append(f"keep force={force}"))
+    monkeypatch.setattr(rt_mod, "reuse_freed_memory_on_small_host",
+                        lambda: calls.append("reuse"))
+    if offload.get("optimizer") == "nvme":
+        offload = {**offload, "nvme_path": str(tmp_path)}
+    rt = rt_mod.Runtime(outcore.Config.from_dict({"offload": offload}))
+    try:
+        assert calls == at_build
+        rt.begin_training()
+        assert calls == at_build + at_training
+    finally:
+        rt.close()

@@ -114,4 +114,3 @@ def reuse_freed_memory_on_small_host() -> bool:
     third note); True if in effect. Only an explicit config asks for it, so it always
     applies."""
     return _apply("reuse", [(_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, REUSE_TRIM_BYTES)])
-

@@ -42,15 +42,11 @@ class Runtime:
         # they are kept between steps).
         self.grad_tier = Tier.DEVICE if self.state_tier is Tier.DEVICE else Tier.HOST
         self.grad_device = self.device if self.grad_tier is Tier.DEVICE else torch.device("cpu")
-        # host_memory.py's notes. The host is sized for the optimizer state where that state
-        # is in host memory (on a CPU device, device memory is host memory), not otherwise.
+        # host_memory.py's notes
         reuse = cfg.offload.reuse_freed_memory
-        in_host = self.state_tier is not Tier.NVME and (
-            self.state_tier is Tier.HOST or self.device.type == "cpu")
-        self._small_host = not in_host
         if self.state_tier is Tier.NVME or reuse is False:
             return_large_frees_to_os()  # reuse, if asked, starts in begin_training
-        elif in_host:
+        elif self.state_in_host_memory:
             keep_freed_memory_for_reuse(force=reuse is True)
         # see param.py's [Note: gradient buffers]
         self.keeps_grad_buffers = self.state_tier is not Tier.NVME
@@ -102,6 +98,13 @@ class Runtime:
         rank: a full tensor is the whole shard, and the masters are not on disk); see
         schedule.py's [Note: carrying the head across iterations]."""
         return self.world_size == 1 and self.state_tier is not Tier.NVME
+
+    @property
+    def state_in_host_memory(self) -> bool:
+        """Whether the optimizer state lives in host memory (on a CPU device, device memory
+        is host memory), so the host is sized for it."""
+        return self.state_tier is Tier.HOST or (
+            self.state_tier is Tier.DEVICE and self.device.type == "cpu")
 
     @property
     def holds_raw_grads(self) -> bool:
@@ -165,7 +168,7 @@ class Runtime:
         optimizer state (on NVMe or in device memory), once the model is built: building it
         under that policy would leave the heap holding what the build allocated and freed
         (host_memory.py's [Note: reuse on a small host, when asked])."""
-        if self._small_host and self.cfg.offload.reuse_freed_memory:
+        if not self.state_in_host_memory and self.cfg.offload.reuse_freed_memory:
             reuse_freed_memory_on_small_host()
 
     def reconfigure(self, cfg: Config) -> None:

@@ -278,12 +278,18 @@ print(json.dumps({"faults": faults, "policy": host_memory._policy, "at_build": a
 """
 
 
-def _step_faults(offload: dict) -> dict:
-    """Page faults of each of six steps in a fresh process with this ``offload`` config."""
-    proc = subprocess.run([sys.executable, "-c", _STEP_FAULTS, json.dumps(offload)],
-                          capture_output=True, text=True, timeout=300)
+def _run_fresh(script: str, arg: str) -> object:
+    """The JSON a script prints last, run in a fresh process (malloc policies are
+    process-wide, so each case needs its own)."""
+    proc = subprocess.run([sys.executable, "-c", script, arg], capture_output=True, text=True,
+                          timeout=300)
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _step_faults(offload: dict) -> dict:
+    """Page faults of each of six steps in a fresh process with this ``offload`` config."""
+    return _run_fresh(_STEP_FAULTS, json.dumps(offload))
 
 
 glibc_only = pytest.mark.skipif(platform.libc_ver()[0] != "glibc",
@@ -347,14 +353,8 @@ def test_small_host_reuse_gives_back_what_exceeds_its_bound() -> None:
     """Under the small-host reuse policy, a free heap top beyond ``REUSE_TRIM_BYTES`` goes
     back to the system; the in-memory policy keeps it (host_memory.py's notes). The bound
     is on the heap's top only: a freed block below a live one stays either way."""
-    def rss(policy: str) -> list[int]:
-        proc = subprocess.run([sys.executable, "-c", _FREED_RSS, policy], capture_output=True,
-                              text=True, timeout=120)
-        assert proc.returncode == 0, proc.stderr
-        return json.loads(proc.stdout.strip().splitlines()[-1])
-
     for policy, kept in (("reuse", False), ("keep", True)):
-        before, grown, after = rss(policy)
+        before, grown, after = _run_fresh(_FREED_RSS, policy)
         assert grown - before > 500 * 2**20, (policy, before, grown)
         assert (after - before > 500 * 2**20) is kept, (policy, before, grown, after)
 

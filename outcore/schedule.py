@@ -71,7 +71,7 @@ class Schedule:
         self._warned_divergence = False
         self.counts = {"fetches": 0, "on_demand_fetches": 0, "prefetches": 0,
                        "prefetch_hits": 0, "kept": 0, "releases": 0, "divergences": 0,
-                       "retraces": 0, "iterations": 0, "carried": 0}
+                       "retraces": 0, "iterations": 0, "carried": 0, "displaced": 0}
 
     # -- iteration boundaries ------------------------------------------------------------------
     def begin_iteration(self) -> None:
@@ -158,7 +158,7 @@ class Schedule:
         trace needs it again within the budget."""
         if group.persistent or group.state is GroupState.SHARDED:
             return
-        if self._needed_soon(group):
+        if self._needed_soon(group) or self._make_room(group):
             self.ahead[group.index] = group.full_bytes
             self.peak_ahead_bytes = max(self.peak_ahead_bytes, self._ahead_bytes())
             self.counts["kept"] += 1
@@ -221,12 +221,63 @@ class Schedule:
                 return False
         return False
 
+    def _make_room(self, group: ParamGroup) -> bool:
+        """Keep ``group`` by releasing kept groups the trace needs after it, if that is enough.
+
+        [Note: the budget goes to what is needed first]
+        Keeping is decided when a group is released, and prefetching when a group is needed,
+        so the budget fills in the order groups happen to be released, not in the order they
+        will be needed. A tied embedding shows the cost: at the end of backward the first
+        blocks were already kept for the next forward, so the embedding, which that forward
+        needs first, was released and read back from disk at once, with the forward waiting.
+        Here a group that comes before others in the trace may take their place: kept groups
+        needed later (or not at all) are released, latest first, while the budget, filled
+        in trace order, still has room for ``group``. Only groups whose reads are complete
+        are released this way; cancelling one still being read would wait for the read.
+        Prefetching leaves room the same way (``_prefetch`` counts held groups the trace needs
+        before its candidates), so this is the exception, not the rule.
+        """
+        upcoming = self._upcoming(cycle=self.carry)
+        before: set[int] = set()
+        filled = group.full_bytes  # the budget, filled in trace order up to ``group``
+        for g in upcoming:
+            if g is group:
+                break
+            before.add(g.index)
+            if not g.persistent:
+                filled += g.full_bytes
+                if filled > self.prefetch_bytes:
+                    return False
+        else:
+            return False  # not needed again in the window the schedule can see
+        after = {g.index: n for n, g in enumerate(upcoming)}  # the generator goes on from here
+        later = sorted(
+            (i for i in self.ahead
+             if i not in before and i != group.index
+             and self.groups[i].state is GroupState.UNSHARDED and self.groups[i].holds == 0),
+            key=lambda i: -after.get(i, len(after)))
+        free = self.prefetch_bytes - self._ahead_bytes() - group.full_bytes
+        for index in later:
+            if free >= 0:
+                break
+            free += self.ahead.pop(index)
+            self.groups[index].reshard()
+            self.counts["releases"] += 1
+            self.counts["displaced"] += 1
+        return free >= 0
+
     def _prefetch(self) -> None:
         if self.prefetch_bytes <= 0:
             return
         used = self._ahead_bytes()
         for g in self._upcoming():
-            if g.persistent or g.state is not GroupState.SHARDED:
+            if g.persistent:
+                continue
+            if g.state is not GroupState.SHARDED:
+                if g.holds > 0 and g.index not in self.ahead:
+                    # held now and needed again before what follows: it will be kept when
+                    # released, so leave it its room (see [Note: the budget goes to ...])
+                    used += g.full_bytes
                 continue
             if g.full_bytes > self.prefetch_bytes:
                 self._warn_small_budget(g)

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import outcore
+from outcore.group import GroupState
 from tests.distributed import run_world
 
 DIM = 64  # one Linear(64, 64) group is 64*64*4 + 64*4 = 16640 bytes in fp32
@@ -419,3 +420,65 @@ def test_frozen_group_used_by_consecutive_nodes_is_fetched_once_per_backward(
             # the head's weight (for the input's gradient) and the frozen projection, once
             assert engine.schedule_stats()["on_demand_fetches"] - before == 2
             engine.step()
+
+
+class _TiedLM(nn.Module):
+    """An embedding whose weight is also the output head, larger than a block: the schedule's
+    most expensive group is needed at both ends of forward and of backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(256, DIM)  # 65536 bytes in fp32
+        self.blocks = nn.ModuleList(nn.Linear(DIM, DIM) for _ in range(6))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids)
+        for block in self.blocks:
+            h = h + torch.tanh(block(h))
+        logits = F.linear(h, self.emb.weight)
+        # the embedding's own backward needs only the ids, not its weight
+        return F.cross_entropy(logits.view(-1, 256), ids.roll(1, dims=1).view(-1))
+
+
+def _tied_run(tmp_path: Path, prefetch: int, steps: int = 5) -> tuple[list[float], list[int], dict]:
+    """Losses, reads of the embedding's group per step, and the schedule's stats."""
+    cfg = outcore.Config(dtype="fp32", optimizer={"lr": 1e-2},
+                         offload={"params": "nvme", "nvme_path": str(tmp_path)},
+                         zero={"persistence_threshold_bytes": 0, "prefetch_bytes": prefetch})
+    ids = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(3))
+    torch.manual_seed(0)
+    losses, reads = [], []
+    with outcore.initialize(_TiedLM(), cfg) as engine:
+        emb = next(g for g in engine.groups if g.name == "emb")
+        read = emb.unshard
+        count = [0]
+
+        def counting_unshard() -> None:
+            count[0] += emb.state is GroupState.SHARDED
+            read()
+
+        emb.unshard = counting_unshard
+        for _ in range(steps):
+            count[0] = 0
+            loss = engine(ids)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+            reads.append(count[0])
+        stats = engine.schedule_stats()
+    return losses, reads, stats
+
+
+def test_the_group_needed_first_gets_the_budget(tmp_path: Path) -> None:
+    """See schedule.py's [Note: the budget goes to what is needed first]: with room for the
+    embedding and two blocks, the embedding is kept from the head's forward into its backward
+    and from the end of backward into the next forward, in place of blocks that were kept
+    before it but are needed after it. It is read once per step (for the head), not three
+    times (as before: also at the start of forward and of backward)."""
+    budget = 65536 + 2 * 16640
+    off, _, _ = _tied_run(tmp_path / "off", 0)
+    on, reads, stats = _tied_run(tmp_path / "on", budget)
+    assert on == off
+    assert reads[2:] == [1, 1, 1], reads  # the first steps trace and warm up
+    assert stats["displaced"] > 0 and stats["divergences"] == 0
+    assert stats["peak_ahead_bytes"] <= budget

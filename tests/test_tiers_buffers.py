@@ -2,12 +2,49 @@
 
 from __future__ import annotations
 
+import gc
 import threading
+from pathlib import Path
 
 import pytest
 import torch
 
-from outcore.tiers.buffers import ALIGN, BufferPool, aligned_empty, is_aligned, round_up
+from outcore.tiers.buffers import (
+    ALIGN,
+    HUGE_PAGE,
+    AlignedRegions,
+    BufferPool,
+    aligned_empty,
+    is_aligned,
+    round_up,
+)
+
+_THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def _thp_mode() -> str | None:
+    """The bracketed word of the THP switch ("always", "madvise", "never"), if readable."""
+    try:
+        text = _THP.read_text()
+    except OSError:
+        return None
+    return text[text.index("[") + 1 : text.index("]")]
+
+
+def _mapping_of(address: int) -> dict[str, int] | None:
+    """The kB fields of /proc/self/smaps for the mapping holding ``address`` (None if none)."""
+    fields: dict[str, int] | None = None
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            if fields is not None:
+                return fields
+            fields = {} if lo <= address < hi else None
+        elif fields is not None and line.endswith(" kB"):
+            key, value = line.split(":")
+            fields[key] = int(value.split()[0])
+    return fields
 
 
 @pytest.mark.parametrize("nbytes", [0, 1, 4095, 4096, 12345, 1 << 20])
@@ -32,6 +69,36 @@ def test_aligned_empty_rejects_bad_arguments() -> None:
         aligned_empty(-1)
     with pytest.raises(ValueError):
         aligned_empty(10, alignment=3000)
+
+
+@pytest.mark.skipif(_thp_mode() not in ("always", "madvise"),
+                    reason="transparent huge pages are off or not Linux")
+def test_large_buffers_are_backed_by_huge_pages_and_unmapped_when_dropped() -> None:
+    """See buffers.py's [Note: huge pages under I/O buffers]: what matters is the memory the
+    kernel pins for O_DIRECT, so check the mapping itself, not just the address."""
+    nbytes = 3 * HUGE_PAGE + 12345
+    buf = aligned_empty(nbytes).fill_(1)
+    address = buf.data_ptr()
+    assert address % HUGE_PAGE == 0
+    mapping = _mapping_of(address)
+    # whole huge pages only: the 1 MiB-odd tail stays in small pages
+    assert mapping is not None and mapping["AnonHugePages"] == 3 * HUGE_PAGE // 1024
+    del buf
+    gc.collect()
+    assert _mapping_of(address) is None  # unmapped, not kept behind our back
+
+
+
+@pytest.mark.skipif(not AlignedRegions.supported(), reason="this torch cannot swap storages")
+@pytest.mark.skipif(_thp_mode() not in ("always", "madvise"),
+                    reason="transparent huge pages are off or not Linux")
+def test_full_tensor_regions_are_backed_by_huge_pages() -> None:
+    regions = AlignedRegions(cap_bytes=0)
+    storage = torch.empty(0, dtype=torch.uint8).untyped_storage()
+    regions.fill(storage, 2 * HUGE_PAGE)
+    torch.empty(0, dtype=torch.uint8).set_(storage).fill_(1)
+    mapping = _mapping_of(storage.data_ptr())
+    assert mapping is not None and mapping["AnonHugePages"] == 2 * HUGE_PAGE // 1024
 
 
 def test_round_up() -> None:

@@ -16,10 +16,22 @@ which satisfies every block device and lets the kernel map the pages for DMA dir
 Page-locked ("pinned") memory lets a CUDA copy stream move a buffer to the device
 asynchronously. It is the only CUDA-specific thing in the tiers and lives behind the
 ``pin`` flag of ``aligned_empty``; without CUDA the flag is ignored.
+
+[Note: huge pages under I/O buffers]
+On this project's test machine (a VM with a virtio disk) the same O_DIRECT reads into a
+buffer of 4 KiB pages ran at 0.9 GB/s and cost 0.05 s of kernel time per GB; into a buffer
+backed by transparent huge pages they ran at 1.7 GB/s and cost 0.005 s/GB (writes: 1.2 ->
+2.4 GB/s). The kernel pins and maps a buffer page by page, and physically contiguous 2 MiB
+pages make fewer, larger requests. So every large unpinned buffer that I/O lands in is its
+own anonymous mapping, aligned to 2 MiB and advised ``MADV_HUGEPAGE``: that works whether the
+system's THP mode is ``always`` or ``madvise``, and where THP is off it is plain page-aligned
+memory. Only whole huge pages are advised, so a buffer never pins memory beyond its length.
+Pinned (CUDA) buffers come from torch's pinned allocator instead.
 """
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import threading
 import time
@@ -30,6 +42,9 @@ import torch
 
 ALIGN = 4096
 """Alignment in bytes of buffer addresses, lengths and file offsets (see [Note: alignment])."""
+
+HUGE_PAGE = 2 << 20
+"""Size of a transparent huge page on x86-64 and arm64 with 4 KiB pages."""
 
 
 def round_up(nbytes: int, alignment: int = ALIGN) -> int:
@@ -45,18 +60,39 @@ def is_aligned(tensor: torch.Tensor, alignment: int = ALIGN) -> bool:
 def aligned_empty(nbytes: int, *, alignment: int = ALIGN, pin: bool = False) -> torch.Tensor:
     """A 1-D uint8 CPU tensor of ``nbytes`` whose first byte is ``alignment``-aligned.
 
-    We over-allocate by one alignment unit and slice, because torch's allocator only
-    promises 64-byte alignment; the slice keeps the whole allocation alive. With
-    ``pin=True`` and CUDA available the memory is page-locked (see [Note: the CUDA seam]).
+    Large unpinned buffers are their own huge-page mapping (see [Note: huge pages under I/O
+    buffers]). Otherwise we over-allocate by one alignment unit and slice, because torch's
+    allocator only promises 64-byte alignment; the slice keeps the whole allocation alive.
+    With ``pin=True`` and CUDA available the memory is page-locked (see [Note: the CUDA seam]).
     """
     if nbytes < 0:
         raise ValueError(f"nbytes must be >= 0, got {nbytes}")
     if alignment <= 0 or alignment & (alignment - 1):
         raise ValueError(f"alignment must be a power of two, got {alignment}")
     pin = pin and torch.cuda.is_available()
+    if not pin and nbytes >= HUGE_PAGE and alignment <= HUGE_PAGE:
+        return huge_page_mapping(nbytes)
     raw = torch.empty(nbytes + alignment, dtype=torch.uint8, pin_memory=pin)
     start = (-raw.data_ptr()) % alignment
     return raw[start : start + nbytes]
+
+
+def huge_page_mapping(nbytes: int) -> torch.Tensor:
+    """A 1-D uint8 tensor over a fresh private mapping whose start is 2 MiB-aligned.
+
+    The whole huge pages inside it are advised ``MADV_HUGEPAGE`` (see [Note: huge pages under
+    I/O buffers]). The mapping is unmapped when the last tensor viewing it goes away.
+    Private, so a forked child (a DataLoader worker) never shares it.
+    """
+    region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE)
+    whole = np.frombuffer(region, dtype=np.uint8)
+    start = (-whole.ctypes.data) % HUGE_PAGE
+    whole_pages = nbytes // HUGE_PAGE * HUGE_PAGE
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if whole_pages and advice is not None:
+        with contextlib.suppress(OSError):  # THP compiled out: plain pages, still aligned
+            region.madvise(advice, start, whole_pages)
+    return torch.from_numpy(whole[start : start + nbytes])
 
 
 class AlignedRegions:
@@ -101,9 +137,7 @@ class AlignedRegions:
         self.fills += 1
         if donor is None:
             self.mapped += 1
-            # private: a forked child (a DataLoader worker) must not share it
-            region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)
-            donor = torch.from_numpy(np.frombuffer(region, dtype=np.uint8)).untyped_storage()
+            donor = huge_page_mapping(nbytes).untyped_storage()
         elif self._on_cached is not None:
             self._on_cached(-nbytes)
         storage._swap_data_ptr_(donor)

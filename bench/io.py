@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -76,6 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iodepth", type=int, default=16, help="fio queue depth")
     parser.add_argument("--threads", type=int, default=DEFAULT_THREADS, help="outcore threads")
     parser.add_argument("--block-bytes", type=parse_size, default=DEFAULT_BLOCK_BYTES)
+    parser.add_argument("--small-pages", action="store_true",
+                        help="outcore's buffer from torch's allocator (4 KiB pages), as before "
+                        "buffers.py's [Note: huge pages under I/O buffers]")
     args = parser.parse_args(argv)
     if shutil.which("fio") is None:
         print("fio is not installed; install it with:  apt-get install -y fio", file=sys.stderr)
@@ -88,7 +92,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"outcore: AioEngine(threads={args.threads}, block_bytes={args.block_bytes})")
     print(f"fio: direct=1 ioengine=libaio iodepth={args.iodepth} numjobs=1 bs={args.bs}")
 
-    data = aligned_empty(size)
+    if args.small_pages:
+        raw = torch.empty(size + ALIGN, dtype=torch.uint8)
+        data = raw[(-raw.data_ptr()) % ALIGN :][:size]
+    else:
+        data = aligned_empty(size)
+    print(f"outcore's buffer: {'4 KiB pages' if args.small_pages else 'huge pages (as training)'}")
     data.copy_(torch.randint(0, 256, (1 << 20,), dtype=torch.uint8).repeat(size >> 20 or 1)[:size])
     fio_dir = Path(tempfile.mkdtemp(prefix="outcore-bench-fio-", dir=args.path))
     fio_file = fio_dir / "seq.bin"
@@ -106,8 +115,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"outcore O_DIRECT: {store.direct}")
             moves = {"write": store.write, "read": store.read}
 
+            kernel: dict[str, list[float]] = {"read": [], "write": []}
+
             def ours(rw: str) -> float:
-                return timed_rate(lambda: moves[rw](extent, data).result(), size)
+                # kernel CPU time of the whole process (the I/O threads included) per GB moved
+                before = resource.getrusage(resource.RUSAGE_SELF).ru_stime
+                rate = timed_rate(lambda: moves[rw](extent, data).result(), size)
+                after = resource.getrusage(resource.RUSAGE_SELF).ru_stime
+                kernel[rw].append((after - before) / (size / 1e9))
+                return rate
 
             step = 0
             for r in range(args.rounds):
@@ -142,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
             mark = " (fio's best)" if bs == best_bs else ""
             print(f"| {rw} | {bs}{mark} | {med(f for f, _ in got):.2f} | "
                   f"{med(o for _, o in got):.2f} | {ratio:.2f}x |")  # fmt: skip
+    for rw in ("read", "write"):
+        print(f"outcore {rw}: {med(kernel[rw]):.3f} s of kernel CPU time per GB (median)")
     print(f"\nworst ratio against fio's best block size: {worst:.2f}x (target >= 0.95x); "
           f"load average at end: {os.getloadavg()[0]:.2f}")  # fmt: skip
     return 0

@@ -261,6 +261,7 @@ class Schedule:
             if free >= 0:
                 break
             free += self.ahead.pop(index)
+            self._carried.discard(index)  # read again when used: not carried any more
             self.groups[index].reshard()
             self.counts["releases"] += 1
             self.counts["displaced"] += 1
@@ -274,7 +275,8 @@ class Schedule:
             if g.persistent:
                 continue
             if g.state is not GroupState.SHARDED:
-                if g.holds > 0 and g.index not in self.ahead:
+                if g.holds > 0 and g.index not in self.ahead and (
+                        g.full_bytes <= self.prefetch_bytes):
                     # held now and needed again before what follows: it will be kept when
                     # released, so leave it its room (see [Note: the budget goes to ...])
                     used += g.full_bytes

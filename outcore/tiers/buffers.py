@@ -28,7 +28,9 @@ GB/s. On 2 cores that also compute, the CPU time is what counts. So every large 
 buffer that I/O lands in is its own anonymous mapping, aligned to 2 MiB and advised
 ``MADV_HUGEPAGE``: that works whether the system's THP mode is ``always`` or ``madvise``, and
 where THP is off it is plain page-aligned memory. Only whole huge pages are advised, so a
-buffer never holds memory beyond its length.
+buffer never holds memory beyond its length. The kernel's THP ``defrag`` setting decides
+whether a fault may compact memory to find a huge page (``madvise``, the usual default,
+lets it for advised mappings); without one it falls back to small pages.
 Pinned (CUDA) buffers come from torch's pinned allocator instead.
 """
 
@@ -48,6 +50,8 @@ ALIGN = 4096
 
 HUGE_PAGE = 2 << 20
 """Size of a transparent huge page on x86-64 and arm64 with 4 KiB pages."""
+
+_PRIVATE_MAPPINGS = hasattr(mmap, "MAP_PRIVATE")  # POSIX; elsewhere torch's allocator serves
 
 
 def round_up(nbytes: int, alignment: int = ALIGN) -> int:
@@ -73,7 +77,7 @@ def aligned_empty(nbytes: int, *, alignment: int = ALIGN, pin: bool = False) -> 
     if alignment <= 0 or alignment & (alignment - 1):
         raise ValueError(f"alignment must be a power of two, got {alignment}")
     pin = pin and torch.cuda.is_available()
-    if not pin and nbytes >= HUGE_PAGE and alignment <= HUGE_PAGE:
+    if not pin and nbytes >= HUGE_PAGE and alignment <= HUGE_PAGE and _PRIVATE_MAPPINGS:
         return huge_page_mapping(nbytes)
     raw = torch.empty(nbytes + alignment, dtype=torch.uint8, pin_memory=pin)
     start = (-raw.data_ptr()) % alignment

@@ -27,8 +27,9 @@ halved (0.028 -> 0.011-0.018 s read); one thread reading 64 MiB at a time went 0
 GB/s. On 2 cores that also compute, the CPU time is what counts. So every large unpinned
 buffer that I/O lands in is its own anonymous mapping, aligned to 2 MiB and advised
 ``MADV_HUGEPAGE``: that works whether the system's THP mode is ``always`` or ``madvise``, and
-where THP is off it is plain page-aligned memory. Only whole huge pages are advised, so a
-buffer never holds memory beyond its length. The kernel's THP ``defrag`` setting decides
+where THP is off it is plain page-aligned memory. Only the whole huge pages inside the
+buffer are advised for them and the rest of the mapping against them, so a buffer never
+holds memory beyond its length, whatever the mode. The kernel's THP ``defrag`` setting decides
 whether a fault may compact memory to find a huge page (``madvise``, the usual default,
 lets it for advised mappings); without one it falls back to small pages.
 Pinned (CUDA) buffers come from torch's pinned allocator instead.
@@ -87,18 +88,21 @@ def aligned_empty(nbytes: int, *, alignment: int = ALIGN, pin: bool = False) -> 
 def huge_page_mapping(nbytes: int) -> torch.Tensor:
     """A 1-D uint8 tensor over a fresh private mapping whose start is 2 MiB-aligned.
 
-    The whole huge pages inside it are advised ``MADV_HUGEPAGE`` (see [Note: huge pages under
-    I/O buffers]). The mapping is unmapped when the last tensor viewing it goes away.
-    Private, so a forked child (a DataLoader worker) never shares it.
+    The whole huge pages inside it are advised ``MADV_HUGEPAGE``, the rest ``MADV_NOHUGEPAGE``
+    (see [Note: huge pages under I/O buffers]). The mapping is unmapped when the last tensor
+    viewing it goes away. Private, so a forked child (a DataLoader worker) never shares it.
     """
     region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE)
     whole = np.frombuffer(region, dtype=np.uint8)
     start = (-whole.ctypes.data) % HUGE_PAGE
     whole_pages = nbytes // HUGE_PAGE * HUGE_PAGE
-    advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    if whole_pages and advice is not None:
-        with contextlib.suppress(OSError):  # THP compiled out: plain pages, still aligned
-            region.madvise(advice, start, whole_pages)
+    huge, small = getattr(mmap, "MADV_HUGEPAGE", None), getattr(mmap, "MADV_NOHUGEPAGE", None)
+    with contextlib.suppress(OSError):  # THP compiled out: plain pages, still aligned
+        if whole_pages and huge is not None:
+            region.madvise(huge, start, whole_pages)
+        # past the whole pages, a huge page would reach beyond the buffer (THP "always")
+        if small is not None:
+            region.madvise(small, start + whole_pages, len(region) - start - whole_pages)
     return torch.from_numpy(whole[start : start + nbytes])
 
 

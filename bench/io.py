@@ -92,11 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"outcore: AioEngine(threads={args.threads}, block_bytes={args.block_bytes})")
     print(f"fio: direct=1 ioengine=libaio iodepth={args.iodepth} numjobs=1 bs={args.bs}")
 
-    if args.small_pages:
-        raw = torch.empty(size + ALIGN, dtype=torch.uint8)
-        data = raw[(-raw.data_ptr()) % ALIGN :][:size]
-    else:
-        data = aligned_empty(size)
+    data = aligned_empty(size, huge_pages=not args.small_pages)
     print(f"outcore's buffer: {'4 KiB pages' if args.small_pages else 'huge pages (as training)'}")
     data.copy_(torch.randint(0, 256, (1 << 20,), dtype=torch.uint8).repeat(size >> 20 or 1)[:size])
     fio_dir = Path(tempfile.mkdtemp(prefix="outcore-bench-fio-", dir=args.path))

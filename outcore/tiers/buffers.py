@@ -65,20 +65,23 @@ def is_aligned(tensor: torch.Tensor, alignment: int = ALIGN) -> bool:
     return tensor.data_ptr() % alignment == 0
 
 
-def aligned_empty(nbytes: int, *, alignment: int = ALIGN, pin: bool = False) -> torch.Tensor:
+def aligned_empty(nbytes: int, *, alignment: int = ALIGN, pin: bool = False,
+                  huge_pages: bool = True) -> torch.Tensor:
     """A 1-D uint8 CPU tensor of ``nbytes`` whose first byte is ``alignment``-aligned.
 
     Large unpinned buffers are their own huge-page mapping (see [Note: huge pages under I/O
-    buffers]). Otherwise we over-allocate by one alignment unit and slice, because torch's
-    allocator only promises 64-byte alignment; the slice keeps the whole allocation alive.
-    With ``pin=True`` and CUDA available the memory is page-locked (see [Note: the CUDA seam]).
+    buffers]; ``huge_pages=False`` opts out, for comparison). Otherwise we over-allocate by
+    one alignment unit and slice, because torch's allocator only promises 64-byte alignment;
+    the slice keeps the whole allocation alive. With ``pin=True`` and CUDA available the
+    memory is page-locked (see [Note: the CUDA seam]).
     """
     if nbytes < 0:
         raise ValueError(f"nbytes must be >= 0, got {nbytes}")
     if alignment <= 0 or alignment & (alignment - 1):
         raise ValueError(f"alignment must be a power of two, got {alignment}")
     pin = pin and torch.cuda.is_available()
-    if not pin and nbytes >= HUGE_PAGE and alignment <= HUGE_PAGE and _PRIVATE_MAPPINGS:
+    if (huge_pages and not pin and nbytes >= HUGE_PAGE and alignment <= HUGE_PAGE
+            and _PRIVATE_MAPPINGS):
         return huge_page_mapping(nbytes)
     raw = torch.empty(nbytes + alignment, dtype=torch.uint8, pin_memory=pin)
     start = (-raw.data_ptr()) % alignment

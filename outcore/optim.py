@@ -10,7 +10,7 @@ same loop; for memory tiers a "read" is simply handing over the resident tensor.
 
 A sub-group is a list of *slices* of parameter shards, not of whole parameters: the update
 is elementwise, so a 100M-element embedding shard is streamed in budget-sized pieces like
-any other. Slices are cut at multiples of ``_ALIGN_ELEMS`` elements so every piece starts on
+any other. Slices are cut at multiples of ``ALIGN_ELEMS`` elements so every piece starts on
 a 4 KiB boundary of its extent in both the fp32 and the 16-bit files (O_DIRECT needs that).
 
 [Note: torch's own kernels]
@@ -23,78 +23,20 @@ parameters whose ``.grad`` is None.
 
 from __future__ import annotations
 
-import contextlib
+import threading
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 import torch
 from torch.optim.adamw import adamw
 from torch.optim.sgd import sgd
 
 from outcore.config import OptimizerConfig
+from outcore.optim_work import ALIGN_ELEMS, Feed, Job, Slice, Slot, Work, first_error, settle
 from outcore.param import ShardedParam
 from outcore.runtime import Runtime
 from outcore.storage import Tier
-from outcore.tiers.buffers import aligned_empty
 
 _STATE_KINDS = {"adamw": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",)}
-_ALIGN_ELEMS = 2048  # 8 KiB of fp32, 4 KiB of bf16/fp16
-
-
-@dataclass
-class _Slice:
-    sp: ShardedParam
-    lo: int
-    hi: int
-
-    def of(self, t: torch.Tensor) -> torch.Tensor:
-        return t[self.lo : self.hi]
-
-
-@dataclass
-class _Work:
-    """One sub-group in flight: its slices and their master/state tensors in memory."""
-
-    params: list[_Slice]
-    master: list[torch.Tensor] = field(default_factory=list)
-    states: dict[str, list[torch.Tensor]] = field(default_factory=dict)
-    pending: list = field(default_factory=list)
-    slot: _Slot | None = None  # the buffers staged slices live in (None: all resident)
-    places: list[int] = field(default_factory=list)  # each slice's offset in the slot
-
-    def wait(self) -> None:
-        """Wait for every transfer of this sub-group, then raise the first error, if any:
-        its slot is reused next, so nothing may still be reading or writing it."""
-        pending, self.pending = self.pending, []
-        error: BaseException | None = None
-        for f in pending:
-            try:
-                f.result()
-            except BaseException as e:  # noqa: BLE001 - re-raised below, after the rest
-                error = error or e
-        if error is not None:
-            raise error
-
-
-class _Slot:
-    """Page-aligned host buffers for one sub-group in flight, allocated once and reused.
-
-    [Note: staging without copies]
-    A staged slice is placed at a multiple of ``_ALIGN_ELEMS`` elements in every buffer, so
-    its bytes start on a 4 KiB boundary in memory as they do in the swap file, and O_DIRECT
-    moves them straight between disk and buffer: no bounce through the I/O pool and no fresh
-    allocation (each of which page-faults on first touch, seconds per GiB on a VM). Three
-    slots serve the pipeline: one being read, one being updated, one being written.
-    """
-
-    def __init__(self, elems: int, kinds: tuple[str, ...], cast: torch.dtype | None) -> None:
-        # zero_() touches every page now, not in the first step; "grad" is where a gradient
-        # held in the training dtype is cast for the update (param.py's [Note: gradients are
-        # held, not copied]), not read from disk
-        self.buffers = {k: aligned_empty(elems * 4).zero_().view(torch.float32) for k in kinds}
-        self.cast = (aligned_empty(elems * cast.itemsize).zero_().view(cast)
-                     if cast is not None else None)
 
 
 class ShardedOptimizer:
@@ -128,7 +70,8 @@ class ShardedOptimizer:
                         for k in kinds}
             sp.step = 0
         self.state_kinds = kinds
-        # what a slice stages in host memory per element (see [Note: staging without copies])
+        # what a slice stages in host memory per element (optim_work.py's [Note: staging
+        # without copies])
         self._staged_kinds = (("master", *kinds) if rt.state_tier is Tier.NVME else ())
         staged_cast = rt.param_tier is Tier.NVME and not rt.compute_is_master
         self._cast_dtype = rt.compute_dtype if staged_cast else None
@@ -138,11 +81,13 @@ class ShardedOptimizer:
         self._stage_elem_bytes = 4 * (len(self._staged_kinds) + self._grad_slot) + (
             rt.compute_dtype.itemsize if staged_cast else 0)
         per_slot = rt.staging_bytes // 3 // max(self._stage_elem_bytes, 1)
-        self._subgroup_elems = max(_ALIGN_ELEMS, per_slot // _ALIGN_ELEMS * _ALIGN_ELEMS)
-        self._slot_list: list[_Slot] = []
+        self._subgroup_elems = max(ALIGN_ELEMS, per_slot // ALIGN_ELEMS * ALIGN_ELEMS)
+        self._slot_list: list[Slot] = []
         self._fused = rt.device.type in ("cpu", "cuda")
-        self._worker: ThreadPoolExecutor | None = None
-        self._submitted: list[tuple[Future, int]] = []
+        self._worker: threading.Thread | None = None
+        self._feed: Feed | None = None  # what the worker updates, in order
+        self._broken: BaseException | None = None  # the worker died of this (a bug)
+        self._submitted: list[tuple[Job, int]] = []  # with the gradient bytes each holds
         # gradients waiting for a background update may hold at most this many bytes; the
         # backward that submits more waits for the oldest update (see the note above)
         self.pending_grad_limit = 2 * rt.cfg.offload.host_buffer_bytes
@@ -163,20 +108,24 @@ class ShardedOptimizer:
         todo = [sp for sp in sps if sp.has_grad and not sp.stepped and id(sp) in self._hp_index]
         if not todo:
             return
+        if self._broken is not None:
+            raise RuntimeError("the optimizer's update thread failed") from self._broken
         for sp in todo:
             sp.stepped = True
         self.stats["updates_during_backward"] += len(todo)
         if self._worker is None:
-            # On CPU, backward already runs torch's intra-op threads on every core; one more
-            # thread for the update competes less than a second team of them would.
-            init = (lambda: torch.set_num_threads(1)) if self.rt.device.type == "cpu" else None
-            self._worker = ThreadPoolExecutor(1, thread_name_prefix="outcore-optim",
-                                              initializer=init)
-        nbytes = sum(sp.grad.nbytes for sp in todo)
-        while self._submitted and (sum(n for _, n in self._submitted) + nbytes
-                                   > self.pending_grad_limit):
-            self._submitted.pop(0)[0].result()
-        self._submitted.append((self._worker.submit(self._update_and_free, todo), nbytes))
+            self._feed = Feed(self._subgroups)
+            self._worker = threading.Thread(target=self._serve, args=(self._feed,),
+                                            name="outcore-optim", daemon=True)
+            self._worker.start()
+        for i, members in sorted(self._by_group(todo).items()):
+            nbytes = sum(sp.grad.nbytes for sp in members)
+            while self._submitted and (sum(n for _, n in self._submitted) + nbytes
+                                       > self.pending_grad_limit):
+                self._submitted.pop(0)[0].done.result()
+            job = Job(i, members, background=True)
+            self._submitted.append((job, nbytes))
+            self._feed.jobs.put(job)
 
     def step(self) -> None:
         """Finish submitted updates, then update every other parameter that got a gradient."""
@@ -185,118 +134,177 @@ class ShardedOptimizer:
         for sp in rest:
             sp.stepped = True
         self.stats["updates_at_step"] += len(rest)
-        self._update_all(rest)
+        if not rest:
+            return
+        # on this thread, with all of torch's threads: nothing else runs now
+        feed = Feed(self._subgroups)
+        jobs = [Job(i, members, background=False)
+                for i, members in sorted(self._by_group(rest).items())]
+        for job in [*jobs, None]:
+            feed.jobs.put(job)
+        self._pump(feed)
+        first_error(job.done for job in jobs)
 
     def wait(self) -> None:
+        """Wait for every submitted update; then raise the first error, if any."""
         submitted, self._submitted = self._submitted, []
-        for fut, _ in submitted:
-            fut.result()
+        first_error(job.done for job, _ in submitted)
 
     def take_freed_norm_sq(self) -> float:
         """Squared L2 norm of the gradients that background updates consumed and freed."""
         sq, self._dropped_sq = self._dropped_sq, 0.0
         return sq
 
-    def _update_and_free(self, sps: list[ShardedParam]) -> None:
-        """Background update; the gradients are freed as soon as they are applied."""
-        self._update_all(sps)
-        if self.rt.cfg.track_grad_norm:  # the sum is only read by Engine._global_norm
-            norms = torch._foreach_norm([sp.grad for sp in sps], 2, dtype=torch.float32)
-            self._dropped_sq += float(torch.stack(norms).double().pow(2).sum())
-        for sp in sps:
-            sp.drop_grad()
-            sp.stepped = True
-
     def close(self) -> None:
         if self._worker is not None:
-            self._worker.shutdown(wait=True)
-            self._worker = None
+            self._feed.jobs.put(None)
+            self._worker.join()
+            self._worker = self._feed = None
         if self._slot_list:  # no update runs any more: give the staging buffers back
             self._slot_list = []
             self.rt.ledger.add(Tier.HOST.value, "io_buffers",
                                -3 * self._subgroup_elems * self._stage_elem_bytes)
 
-    def _update_all(self, sps: list[ShardedParam]) -> None:
+    def _by_group(self, sps: list[ShardedParam]) -> dict[int, list[ShardedParam]]:
         by_group: dict[int, list[ShardedParam]] = {}
         for sp in sps:
             by_group.setdefault(self._hp_index[id(sp)], []).append(sp)
-        for i, members in sorted(by_group.items()):
-            self._run(self.param_groups[i], members)
-            for sp in members:
-                sp.step += 1
+        return by_group
 
-    def _run(self, hp: dict, live: list[ShardedParam]) -> None:
-        """The streamed pipeline over sub-groups: read k+1, update k, write k-1."""
-        chunks = list(self._subgroups(live))
-        if not chunks:
-            return
-        slots = self._slots() if self._stages else [None, None, None]
-        in_flight: list[_Work] = []
+    def _serve(self, feed: Feed) -> None:
+        """The worker thread: updates submitted jobs until ``close()``."""
+        if self.rt.device.type == "cpu":
+            # backward already runs torch's intra-op threads on every core; one more thread
+            # for the update competes less than a second team of them would
+            torch.set_num_threads(1)
         try:
-            ahead = self._load(chunks[0], slots[0])
-            in_flight.append(ahead)
-            for i in range(len(chunks)):
-                work = ahead
-                # slot (i + 1) % 3 last served chunk i - 2, whose writes finished last round
-                if i + 1 < len(chunks):
-                    ahead = self._load(chunks[i + 1], slots[(i + 1) % 3])
-                    in_flight.append(ahead)
-                work.wait()
-                self._update(work, hp)
-                if i > 0:
-                    in_flight.pop(0).wait()  # chunk i - 1's writes
-                self._store(work)
-            while in_flight:
-                in_flight.pop(0).wait()
+            self._pump(feed)
+        except BaseException as e:  # a bug, not an I/O error (those fail their own job)
+            self._broken = e
+            for job, _ in list(self._submitted):
+                job.fail(e)
+            raise
+
+    def _pump(self, feed: Feed) -> None:
+        """Update every sub-group ``feed`` yields, read ahead and written behind.
+
+        [Note: one pipeline across submissions]
+        Sub-group k + 1 is read while k is updated and k - 1 written, and the pipeline does not
+        drain between jobs: the worker's jobs are single modules, a sub-group or two each, and
+        draining after each left the disk idle through every update and every digest of the
+        writes (measured: the optimizer's tail after backward spent 1.1 s of 3.4 s so on
+        gpt-335m with its state on NVMe). Only when no job is queued does it wait for all of
+        its writes, so a job is done, and ``wait()`` returns, once its bytes are on disk.
+        A failed sub-group fails its job; the pipeline goes on with the others.
+        """
+        slots: list[Slot | None] = self._slots() if self._stages else [None, None, None]
+        owners: list[Work | None] = [None, None, None]  # whose writes may still use a slot
+        turn = 0
+        ahead: Work | None = None
+
+        def start(item: tuple[Job, list[Slice], bool]) -> Work | None:
+            nonlocal turn
+            job, chunk, last = item
+            work = Work(chunk, job=job, last=last, turn=turn)
+            slot = turn % 3
+            turn += 1
+            settle(owners[slot])
+            owners[slot] = None
+            try:
+                self._load(work, slots[slot])
+            except BaseException as e:  # noqa: BLE001 - fails the job, after its reads end
+                settle(work, e)
+                return None
+            return work
+
+        try:
+            while True:
+                if ahead is None:
+                    item = feed.next(block=False)
+                    if item is None:  # idle: let every write land so waiters see their jobs done
+                        for slot in range(3):
+                            settle(owners[slot])
+                            owners[slot] = None
+                        item = feed.next(block=True)
+                        if item is None:
+                            return
+                    ahead = start(item)
+                    continue
+                work, ahead = ahead, None
+                item = feed.next(block=False)
+                if item is not None:
+                    ahead = start(item)
+                try:
+                    work.wait()  # its reads
+                    if work.job.error is None:
+                        self._update(work, self.param_groups[work.job.group])
+                        if work.last:
+                            self._updated(work.job)
+                        self._store(work)
+                except BaseException as e:  # noqa: BLE001 - fails the job, after its writes end
+                    settle(work, e)
+                    continue
+                owners[work.turn % 3] = work
         finally:
-            # after an error, no read or write may still target a slot the next step reuses
-            for work in in_flight:
-                with contextlib.suppress(BaseException):
-                    work.wait()
+            for work in (ahead, *owners):
+                settle(work)
+
+    def _updated(self, job: Job) -> None:
+        """Every sub-group of ``job`` was updated: count its step, free background gradients."""
+        for sp in job.sps:
+            sp.step += 1
+        if not job.background:
+            return
+        if self.rt.cfg.track_grad_norm:  # the sum is only read by Engine._global_norm
+            norms = torch._foreach_norm([sp.grad for sp in job.sps], 2, dtype=torch.float32)
+            self._dropped_sq += float(torch.stack(norms).double().pow(2).sum())
+        for sp in job.sps:
+            sp.drop_grad()
+            sp.stepped = True
 
     @property
     def _stages(self) -> bool:
         """Whether updates stream through host buffers (some state they touch is on NVMe)."""
         return self._stage_elem_bytes > 0
 
-    def _slots(self) -> list[_Slot]:
+    def _slots(self) -> list[Slot]:
         if not self._slot_list:
             elems = self._subgroup_elems
             kinds = (*self._staged_kinds, "grad") if self._grad_slot else self._staged_kinds
-            self._slot_list = [_Slot(elems, kinds, self._cast_dtype)
+            self._slot_list = [Slot(elems, kinds, self._cast_dtype)
                                for _ in range(3)]
             self.rt.ledger.add(Tier.HOST.value, "io_buffers", 3 * elems * self._stage_elem_bytes)
         return self._slot_list
 
-    def _subgroups(self, sps: list[ShardedParam]) -> Iterator[list[_Slice]]:
+    def _subgroups(self, sps: list[ShardedParam]) -> Iterator[list[Slice]]:
         if not self._stages:
             if sps:
-                yield [_Slice(sp, 0, sp.shard_numel) for sp in sps]
+                yield [Slice(sp, 0, sp.shard_numel) for sp in sps]
             return
         limit = self._subgroup_elems
-        chunk: list[_Slice] = []
+        chunk: list[Slice] = []
         room = limit
         for sp in sps:
             lo = 0
             while lo < sp.shard_numel:
                 hi = min(sp.shard_numel, lo + room)
-                chunk.append(_Slice(sp, lo, hi))
+                chunk.append(Slice(sp, lo, hi))
                 room -= hi - lo
                 lo = hi
-                if room < _ALIGN_ELEMS:
+                if room < ALIGN_ELEMS:
                     yield chunk
                     chunk, room = [], limit
                 else:  # keep the next slice of any parameter aligned
-                    room -= room % _ALIGN_ELEMS
+                    room -= room % ALIGN_ELEMS
         if chunk:
             yield chunk
 
-    def _load(self, slices: list[_Slice], slot: _Slot | None) -> _Work:
+    def _load(self, work: Work, slot: Slot | None) -> None:
         """Start reading a sub-group; each slice gets an aligned place in ``slot``'s buffers
-        (see [Note: staging without copies]) unless its state is resident."""
-        work = _Work(slices, states={k: [] for k in self.state_kinds}, slot=slot)
+        (see optim_work.py's [Note: staging without copies]) unless its state is resident."""
+        work.states, work.slot = {k: [] for k in self.state_kinds}, slot
         pos = 0
-        for sl in slices:
+        for sl in work.params:
             sp, n = sl.sp, sl.hi - sl.lo
             for kind, dst, stored in [("master", work.master, sp.master)] + [
                 (k, work.states[k], sp.optim[k]) for k in self.state_kinds
@@ -310,10 +318,11 @@ class ShardedOptimizer:
                     t = sl.of(t)
                 dst.append(t)
             work.places.append(pos)
-            pos += -(-n // _ALIGN_ELEMS) * _ALIGN_ELEMS
-        return work
+            pos += -(-n // ALIGN_ELEMS) * ALIGN_ELEMS
 
-    def _update(self, work: _Work, hp: dict) -> None:
+    def _update(self, work: Work, hp: dict) -> None:
+        if not work.params:
+            return
         grads = [self._fp32_grad(work, i, sl) for i, sl in enumerate(work.params)]
         if self.kind == "adamw":
             # each slice gets its own copy of the parameter's step count: the kernel
@@ -334,7 +343,7 @@ class ShardedOptimizer:
             )
 
     @staticmethod
-    def _fp32_grad(work: _Work, i: int, sl: _Slice) -> torch.Tensor:
+    def _fp32_grad(work: Work, i: int, sl: Slice) -> torch.Tensor:
         """Slice ``i``'s gradient in fp32: the shard itself, or its cast into the slot's
         reused buffer when it is held in the training dtype."""
         grad = sl.of(sl.sp.grad)
@@ -345,7 +354,7 @@ class ShardedOptimizer:
         pos = work.places[i]
         return work.slot.buffers["grad"][pos : pos + grad.numel()].copy_(grad)
 
-    def _store(self, work: _Work) -> None:
+    def _store(self, work: Work) -> None:
         """Write back what lives on disk and refresh each compute shard from its master."""
         for i, sl in enumerate(work.params):
             sp = sl.sp

@@ -1,0 +1,98 @@
+"""The optimizer's update pipeline with its state on NVMe: order of transfers, and results.
+
+The pipeline reads a sub-group while the one before is updated and written, across jobs too
+(optim.py's [Note: one pipeline across submissions]); these tests pin that order down from the
+transfers actually issued, and check that the updates are still exactly torch's.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import outcore
+from outcore.storage import NvmeStored
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(),
+                         nn.Linear(64, 1))
+
+
+def _record(monkeypatch: pytest.MonkeyPatch, events: list[tuple[str, int]]) -> None:
+    """Log each master-weight read and write as it is issued, by the stored's identity."""
+    load, save = NvmeStored.load_range, NvmeStored.save_range
+
+    def logged_load(self: NvmeStored, start: int, out: torch.Tensor):
+        if self._kind == "master":
+            events.append(("read", id(self)))
+        return load(self, start, out)
+
+    def logged_save(self: NvmeStored, start: int, src: torch.Tensor):
+        if self._kind == "master":
+            events.append(("write", id(self)))
+        return save(self, start, src)
+
+    monkeypatch.setattr(NvmeStored, "load_range", logged_load)
+    monkeypatch.setattr(NvmeStored, "save_range", logged_save)
+
+
+def test_the_next_job_is_read_before_the_last_one_is_written(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three param groups make three jobs, all queued at the step (no overlap with backward,
+    so the order is fixed): the second job's read is issued before the first job's write, so
+    the disk does not wait for an update (it did when each job drained before the next)."""
+    model = _model()
+    layers = [model[0], model[2], model[4]]
+    cfg = outcore.Config(dtype="fp32", optimizer={"lr": 0.1}, zero={"overlap_optimizer": False},
+                         offload={"optimizer": "nvme", "nvme_path": str(tmp_path)})
+    engine = outcore.initialize(model, cfg,
+                                param_groups=[{"params": list(m.parameters())} for m in layers])
+    masters = {id(outcore.registry.managed(m.weight).master): i for i, m in enumerate(layers)}
+    events: list[tuple[str, int]] = []
+    _record(monkeypatch, events)
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(1))
+    engine.backward(engine(x).pow(2).mean())
+    assert engine.step()
+    order = [(op, masters[key]) for op, key in events if key in masters]
+    assert order.index(("read", 1)) < order.index(("write", 0))
+    assert order.index(("read", 2)) < order.index(("write", 1))
+    assert sorted(order) == sorted([(op, i) for i in range(3) for op in ("read", "write")])
+    engine.close()
+
+
+def _losses(swap: str, steps: int, **zero: object) -> list[float]:
+    cfg = outcore.Config(dtype="fp32", optimizer={"lr": 1e-2}, zero=zero,
+                         offload={"params": "nvme", "optimizer": "nvme", "nvme_path": swap,
+                                  "host_buffer_bytes": 1 << 20})
+    engine = outcore.initialize(_model(), cfg)
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(1))
+    losses = []
+    for _ in range(steps):
+        loss = engine(x).pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    engine.close()
+    return losses
+
+
+def test_updates_equal_torch_adamw(tmp_path: Path) -> None:
+    """Whatever the order of transfers, each step is torch's AdamW on fp32 weights."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0, fused=True)
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(1))
+    want = []
+    for _ in range(4):
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        want.append(loss.item())
+    for overlap in (True, False):
+        got = _losses(str(tmp_path), 4, overlap_optimizer=overlap)
+        assert got == pytest.approx(want, rel=1e-5, abs=1e-7), overlap

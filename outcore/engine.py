@@ -231,6 +231,30 @@ class Engine:
                 and not self.scaler.enabled and hides_something)
 
     @property
+    def defers_updates(self) -> bool:
+        """Whether ``step()`` may return before the last updates finish.
+
+        [Note: the step's tail runs into the next forward]
+        Backward finishes with the first layers, so their updates (with the optimizer state
+        on NVMe: seconds of reads and writes) are what the step would still wait for, and
+        they are what the next forward needs first. Instead, the step re-orders the updates
+        not yet started so the first layers come first, and returns. Each group's next fetch
+        waits for the updates of its shards (``ParamGroup.await_update``); a prefetch passes a
+        group still being updated; ``gathered_parameters``, checkpoints and the next step
+        wait as well. So the next forward runs layer by layer behind the updates instead of
+        after all of them, and nothing ever reads a shard mid-update. Hyper-parameters are
+        taken when an update is submitted, so a learning-rate change after ``step()`` applies
+        to the next step, as with torch. An update that fails raises from the fetch (or the
+        wait) that needed it.
+        Not done where the step must see every update first: with the gradient norm tracked
+        (it sums gradients the updates free), and with shards that are the full tensors at
+        one rank (the forward would read them while they are written in place).
+        """
+        return (self.overlaps_optimizer and self.cfg.zero.overlap_step_with_forward
+                and self.rt.state_tier is Tier.NVME and not self.cfg.track_grad_norm
+                and not any(g.zero_copy for g in self.groups))
+
+    @property
     def is_accumulation_boundary(self) -> bool:
         return self.micro_steps > 0 and self.micro_steps % self.cfg.gradient_accumulation_steps == 0
 
@@ -240,7 +264,9 @@ class Engine:
         self._check_open()
         if not self.is_accumulation_boundary:
             return False
-        self.optimizer.wait()
+        defer = self.defers_updates
+        if not defer:  # loss scaling and the norm below look at every gradient
+            self.optimizer.wait()
         self.micro_steps = 0
         grads = [sp.grad for sp in self.optimizer.params if sp.grad is not None]
         if self.scaler.enabled:
@@ -261,14 +287,27 @@ class Engine:
             if coef < 1.0:
                 for g in grads:
                     g.mul_(coef)
-        self.optimizer.step()
+        pending = self.optimizer.step(defer=defer)
         self.scaler.update(overflow=False)
-        self.optimizer.zero_grad()
+        self.optimizer.zero_grad(keep=pending)
+        updates: dict[int, list] = {}
+        for job in pending:
+            for sp in job.sps:
+                futures = updates.setdefault(sp.group.index, [])
+                if job.done not in futures:
+                    futures.append(job.done)
         for g in self.groups:
-            g.refresh_after_step()
+            g.refresh_after_step(updates.get(g.index))
         self.schedule.start_next_iteration()
         self.global_steps += 1
         return True
+
+    def synchronize(self) -> None:
+        """Wait for every update the last ``step()`` left running (see [Note: the step's tail
+        runs into the next forward]); the engine's own readers never need this, but a timer
+        or a memory measurement around ``step()`` alone does."""
+        self._check_open()
+        self.optimizer.wait()
 
     def _global_norm(self, grads: list[torch.Tensor]) -> float:
         """L2 norm over every rank's gradient shards (padding is zero, so it adds nothing)."""

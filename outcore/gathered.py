@@ -34,6 +34,7 @@ def gathered_parameters(params: Iterable[nn.Parameter] | nn.Module,
             groups.append(sp.group)
     with torch.no_grad():
         for g in groups:
+            g.await_update()  # the step may have returned with updates still running
             g.reshard()
         ok = False
         try:

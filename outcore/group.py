@@ -23,6 +23,7 @@ the Python call, which is how outcore without offload keeps pace with plain PyTo
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from enum import Enum
 
 import torch
@@ -69,10 +70,26 @@ class ParamGroup:
         self._reads: list = []
         self._grads_seen: set[int] = set()
         self.trainable = [sp for sp in params if sp.trainable]
+        self._updates: list[Future] = []  # optimizer updates of its shards still running
+
+    # -- updates finishing after the step ----------------------------------------------------
+    @property
+    def updating(self) -> bool:
+        """Whether an optimizer update of its shards may still be running (engine.py's
+        [Note: the step's tail runs into the next forward]); a prefetch passes it by."""
+        return any(not fut.done() for fut in self._updates)
+
+    def await_update(self) -> None:
+        """Wait until the optimizer has finished with its shards; raise the update's error."""
+        updates, self._updates = self._updates, []
+        for fut in updates:
+            fut.result()
 
     # -- gather -----------------------------------------------------------------------------
     def unshard(self) -> None:
         """Start bringing the shards to the device (reads from the home tier)."""
+        if self._updates:
+            self.await_update()
         if self.state is not GroupState.SHARDED:
             return
         self.state = GroupState.FETCHING
@@ -145,13 +162,19 @@ class ParamGroup:
         self.state = GroupState.SHARDED
         self.rt.ledger.add(Tier.DEVICE.value, "unsharded", -self.full_bytes)
 
-    def refresh_after_step(self) -> None:
+    def refresh_after_step(self, updates: list[Future] | None = None) -> None:
         """Kept-gathered groups hold stale full tensors once their shards are updated.
 
         A persistent group is needed by every forward, so its reads are issued again at once
-        (local stages only; the all-gather still waits for the module to run).
+        (local stages only; the all-gather still waits for the module to run). With
+        ``updates`` still running on its shards, the group is only released: its next fetch
+        waits for them first.
         """
         if self.zero_copy:
+            return
+        if updates:
+            self._updates = list(updates)
+            self.reshard()
             return
         if self.state is GroupState.UNSHARDED and self.rt.refreshes_full_in_place:
             # carried into the next iteration (schedule.py's [Note: carrying the head

@@ -92,26 +92,31 @@ class ShardedOptimizer:
         # backward that submits more waits for the oldest update (see the note above)
         self.pending_grad_limit = 2 * rt.cfg.offload.host_buffer_bytes
         self._dropped_sq = 0.0  # squared norm of gradients already consumed and freed
-        self.stats = {"updates_during_backward": 0, "updates_at_step": 0}
+        self._round = 0  # optimizer steps taken; see ShardedParam.updated_round
+        self.stats = {"updates_during_backward": 0, "updates_at_step": 0, "updates_after_step": 0}
 
     @property
     def params(self) -> Iterator[ShardedParam]:
         for sps in self._members:
             yield from sps
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, keep: list[Job] = ()) -> None:
+        """Drop every gradient except those ``keep``'s updates still read (they free them)."""
+        kept = {id(sp) for job in keep for sp in job.sps}
         for sp in self.params:
-            sp.drop_grad()
+            if id(sp) not in kept:
+                sp.drop_grad()
 
     def submit(self, sps: list[ShardedParam]) -> None:
         """Update ``sps`` (gradients final) in the background; see the note above."""
-        todo = [sp for sp in sps if sp.has_grad and not sp.stepped and id(sp) in self._hp_index]
+        todo = [sp for sp in sps if sp.has_grad and sp.updated_round != self._round
+                and id(sp) in self._hp_index]
         if not todo:
             return
         if self._broken is not None:
             raise RuntimeError("the optimizer's update thread failed") from self._broken
         for sp in todo:
-            sp.stepped = True
+            sp.updated_round = self._round
         self.stats["updates_during_backward"] += len(todo)
         if self._worker is None:
             self._feed = Feed(self._subgroups)
@@ -123,27 +128,39 @@ class ShardedOptimizer:
             while self._submitted and (sum(n for _, n in self._submitted) + nbytes
                                        > self.pending_grad_limit):
                 self._submitted.pop(0)[0].done.result()
-            job = Job(i, members, background=True)
+            job = Job(i, dict(self.param_groups[i]), members, background=True)
             self._submitted.append((job, nbytes))
             self._feed.jobs.put(job)
 
-    def step(self) -> None:
-        """Finish submitted updates, then update every other parameter that got a gradient."""
-        self.wait()
-        rest = [sp for sp in self.params if sp.has_grad and not sp.stepped]
+    def step(self, defer: bool = False) -> list[Job]:
+        """Update every parameter that got a gradient and was not submitted, then end the
+        round. Submitted updates are waited for, unless ``defer``: then the unfinished ones
+        are returned, re-ordered for the next forward (see [Note: the step's tail runs into
+        the next forward])."""
+        rest = [sp for sp in self.params if sp.has_grad and sp.updated_round != self._round]
+        if rest or not defer:
+            self.wait()
         for sp in rest:
-            sp.stepped = True
+            sp.updated_round = self._round
         self.stats["updates_at_step"] += len(rest)
-        if not rest:
-            return
-        # on this thread, with all of torch's threads: nothing else runs now
-        feed = Feed(self._subgroups)
-        jobs = [Job(i, members, background=False)
-                for i, members in sorted(self._by_group(rest).items())]
-        for job in [*jobs, None]:
-            feed.jobs.put(job)
-        self._pump(feed)
-        first_error(job.done for job in jobs)
+        self._round += 1
+        if rest:
+            # on this thread, with all of torch's threads: nothing else runs now
+            feed = Feed(self._subgroups)
+            jobs = [Job(i, self.param_groups[i], members, background=False)
+                    for i, members in sorted(self._by_group(rest).items())]
+            for job in [*jobs, None]:
+                feed.jobs.put(job)
+            self._pump(feed)
+            first_error(job.done for job in jobs)
+        if not self._submitted:
+            return []
+        first_error(job.done for job, _ in self._submitted if job.done.done())
+        self._submitted = [(job, n) for job, n in self._submitted if not job.done.done()]
+        self._feed.reverse_queued()
+        pending = [job for job, _ in self._submitted]
+        self.stats["updates_after_step"] += sum(len(job.sps) for job in pending)
+        return pending
 
     def wait(self) -> None:
         """Wait for every submitted update; then raise the first error, if any."""
@@ -237,7 +254,7 @@ class ShardedOptimizer:
                 try:
                     work.wait()  # its reads
                     if work.job.error is None:
-                        self._update(work, self.param_groups[work.job.group])
+                        self._update(work, work.job.hp)
                         if work.last:
                             self._updated(work.job)
                         self._store(work)
@@ -260,7 +277,6 @@ class ShardedOptimizer:
             self._dropped_sq += float(torch.stack(norms).double().pow(2).sum())
         for sp in job.sps:
             sp.drop_grad()
-            sp.stepped = True
 
     @property
     def _stages(self) -> bool:

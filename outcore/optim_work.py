@@ -6,6 +6,7 @@ holds only their book-keeping, so each piece can be read on its own.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
@@ -37,6 +38,7 @@ class Job:
     """Parameters of one param group to update: one submission, or the rest at ``step()``."""
 
     group: int  # index into ``param_groups``
+    hp: dict  # its hyper-parameters as they were when the job was made
     sps: list[ShardedParam]
     background: bool  # its gradients are freed once applied (optim.py's [Note: updating during
     # backward])
@@ -113,6 +115,19 @@ class Feed:
             else:
                 self._current = self._expand(job)
         return None
+
+    def reverse_queued(self) -> None:
+        """Reverse the order of the jobs not yet started (the worker may take one meanwhile:
+        it then simply comes first)."""
+        jobs: list[Job | None] = []
+        with contextlib.suppress(queue.Empty):
+            while True:
+                jobs.append(self.jobs.get_nowait())
+        ended = None in jobs
+        for job in reversed([j for j in jobs if j is not None]):
+            self.jobs.put(job)
+        if ended:
+            self.jobs.put(None)
 
     def _expand(self, job: Job) -> Iterator[tuple[Job, list[Slice], bool]]:
         chunks = list(self._subgroups(job.sps)) or [[]]  # one, even if empty: it ends the job

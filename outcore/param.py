@@ -51,7 +51,7 @@ class ShardedParam:
         self.grad: torch.Tensor | None = None
         self._grad_buffer: torch.Tensor | None = None  # see [Note: gradient buffers]
         self.has_grad = False  # a gradient arrived since the last step
-        self.stepped = False  # the optimizer already updated this parameter in this step
+        self.updated_round = -1  # the optimizer round (one per step) that last updated it
         self.step = 0
         self.optim: dict[str, Stored] = {}
         self.group = None  # the ParamGroup that gathers this parameter (set by the engine)
@@ -202,7 +202,6 @@ class ShardedParam:
             self.rt.ledger.add(self.rt.grad_tier.value, "grads", -self.grad.nbytes)
         self.grad = None
         self.has_grad = False
-        self.stepped = False
 
     def free_storage(self) -> None:
         """Give back every shard's bytes (the parameter is gone)."""

@@ -284,8 +284,8 @@ class Schedule:
             if g.full_bytes > self.prefetch_bytes:
                 self._warn_small_budget(g)
                 return
-            if used + g.full_bytes > self.prefetch_bytes:
-                return
+            if used + g.full_bytes > self.prefetch_bytes or g.updating:
+                return  # (an update still writing its shards: read them when it is done)
             g.unshard()
             self.ahead[g.index] = g.full_bytes
             used += g.full_bytes

@@ -15,6 +15,7 @@ from torch import nn
 
 import outcore
 from outcore.storage import NvmeStored
+from tests.distributed import run_world
 
 
 def _model() -> nn.Sequential:
@@ -96,3 +97,63 @@ def test_updates_equal_torch_adamw(tmp_path: Path) -> None:
     for overlap in (True, False):
         got = _losses(str(tmp_path), 4, overlap_optimizer=overlap)
         assert got == pytest.approx(want, rel=1e-5, abs=1e-7), overlap
+
+
+def _deferred(swap: str, defer: bool) -> dict:
+    """Train with the step's tail running into the next forward (or not), the update slowed
+    so the worker is surely behind when ``step()`` returns, and the learning rate changed
+    right after each step (a schedule); return losses, weights read right after each step
+    and the optimizer's counts."""
+    import time
+
+    from outcore.optim import ShardedOptimizer
+
+    update = ShardedOptimizer._update
+
+    def slow_update(self: ShardedOptimizer, work, hp: dict) -> None:
+        time.sleep(0.02)
+        update(self, work, hp)
+
+    ShardedOptimizer._update = slow_update
+    try:
+        cfg = outcore.Config(
+            dtype="fp32", optimizer={"lr": 1e-2}, gradient_accumulation_steps=2,
+            zero={"persistence_threshold_bytes": 0, "overlap_step_with_forward": defer},
+            offload={"params": "nvme", "optimizer": "nvme", "nvme_path": swap,
+                     "host_buffer_bytes": 1 << 20})
+        engine = outcore.initialize(_model(), cfg)
+        gen = torch.Generator().manual_seed(1)
+        losses, weights = [], []
+        for i in range(8):
+            x = torch.randn(8, 64, generator=gen)[engine.rank * 4 : engine.rank * 4 + 4]
+            loss = engine(x).pow(2).mean()
+            engine.backward(loss)
+            if engine.step():
+                for g in engine.param_groups:
+                    g["lr"] = 1e-2 * 0.5 ** (i + 1)
+                if i == 3:
+                    with engine.gathered_parameters():
+                        weights = [p.data.clone() for p in engine.module.parameters()]
+            losses.append(loss.item())
+        stats = engine.schedule_stats()
+        engine.close()
+    finally:
+        ShardedOptimizer._update = update
+    return {"losses": losses, "weights": weights, "stats": stats}
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_the_step_returning_before_its_updates_changes_nothing(world: int,
+                                                               tmp_path: Path) -> None:
+    """engine.py's [Note: the step's tail runs into the next forward]: the forward waits for
+    each group's own updates, readers after the step see them, and the learning rate set after
+    ``step()`` does not reach updates still running. Results equal the step that waits."""
+    on = run_world(_deferred, world, str(tmp_path), True)
+    off = run_world(_deferred, world, str(tmp_path), False)
+    for a, b in zip(on, off, strict=True):
+        assert a["losses"] == b["losses"]
+        for p, q in zip(a["weights"], b["weights"], strict=True):
+            assert (p == q).all()
+        assert a["stats"]["updates_after_step"] > 0
+        assert b["stats"]["updates_after_step"] == 0
+        assert a["stats"]["updates_during_backward"] == b["stats"]["updates_during_backward"]

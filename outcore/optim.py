@@ -46,9 +46,11 @@ class ShardedOptimizer:
     ``submit(params)`` queues an update of parameters whose gradients are final on a worker
     thread, so it runs (and, with state on NVMe, does its reads and writes) while backward
     continues on earlier layers; torch kernels and file I/O release the GIL. ``step()`` waits
-    for the queue and updates whatever was not submitted. The engine only submits when the
-    update cannot depend on gradients still to come: no clipping (the global norm needs every
-    gradient) and no fp16 (an overflow anywhere must cancel the whole step).
+    for the queue, or with ``defer`` hands back the jobs still queued (engine.py's [Note: the
+    step's tail runs into the next forward]), and updates whatever was not submitted. The
+    engine only submits when the update cannot depend on gradients still to come: no
+    clipping (the global norm needs every gradient) and no fp16 (an overflow anywhere must
+    cancel the whole step). A job's hyper-parameters are copied when it is submitted.
     """
 
     def __init__(self, groups: list[tuple[dict, list[ShardedParam]]], cfg: OptimizerConfig,
@@ -135,8 +137,8 @@ class ShardedOptimizer:
     def step(self, defer: bool = False) -> list[Job]:
         """Update every parameter that got a gradient and was not submitted, then end the
         round. Submitted updates are waited for, unless ``defer``: then the unfinished ones
-        are returned, re-ordered for the next forward (see [Note: the step's tail runs into
-        the next forward])."""
+        are returned, re-ordered for the next forward (engine.py's [Note: the step's tail runs
+        into the next forward])."""
         rest = [sp for sp in self.params if sp.has_grad and sp.updated_round != self._round]
         if rest or not defer:
             self.wait()

@@ -120,6 +120,7 @@ def _load_one(h, key: str, p: nn.Parameter) -> None:
         piece = read_flat_range(h, key, tuple(sp.shape), lay.start, lay.start + lay.valid_numel)
         shard[: lay.valid_numel].copy_(piece)
     if sp.group is not None:
+        sp.group.await_update()  # a step that returned early may still be writing the shard
         sp.group.reshard()  # waits for reads of the old shard still in flight
     sp.write_shard(shard.to(sp.rt.device))
     if sp.group is not None:

@@ -157,3 +157,39 @@ def test_the_step_returning_before_its_updates_changes_nothing(world: int,
         assert a["stats"]["updates_after_step"] > 0
         assert b["stats"]["updates_after_step"] == 0
         assert a["stats"]["updates_during_backward"] == b["stats"]["updates_during_backward"]
+
+
+def test_weights_loaded_right_after_a_step_are_not_overwritten_by_its_updates(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``load_pretrained`` after a step that returned early waits for the step's updates:
+    otherwise an update still running would write its result over the loaded weights."""
+    import time
+
+    from safetensors.torch import save_file
+
+    from outcore.optim import ShardedOptimizer
+
+    update = ShardedOptimizer._update
+
+    def slow_update(self: ShardedOptimizer, work, hp: dict) -> None:
+        time.sleep(0.05)
+        update(self, work, hp)
+
+    monkeypatch.setattr(ShardedOptimizer, "_update", slow_update)
+    torch.manual_seed(5)
+    other = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(),
+                          nn.Linear(64, 1))
+    save_file({k: v.contiguous() for k, v in other.state_dict().items()},
+              str(tmp_path / "w.safetensors"))
+    cfg = outcore.Config(dtype="fp32", optimizer={"lr": 1e-2},
+                         offload={"params": "nvme", "optimizer": "nvme",
+                                  "nvme_path": str(tmp_path / "swap"),
+                                  "host_buffer_bytes": 1 << 20})
+    with outcore.initialize(_model(), cfg) as engine:
+        engine.backward(engine(torch.randn(8, 64)).pow(2).mean())
+        assert engine.step()
+        assert engine.schedule_stats()["updates_after_step"] > 0
+        outcore.load_pretrained(engine.module, tmp_path / "w.safetensors")
+        with engine.gathered_parameters():
+            for p, q in zip(engine.module.parameters(), other.parameters(), strict=True):
+                assert torch.equal(p.data, q.data)

@@ -80,10 +80,11 @@ class ParamGroup:
         return any(not fut.done() for fut in self._updates)
 
     def await_update(self) -> None:
-        """Wait until the optimizer has finished with its shards; raise the update's error."""
-        updates, self._updates = self._updates, []
-        for fut in updates:
+        """Wait until the optimizer has finished with its shards; raise the update's error
+        (again at every later fetch: the shards are not to be trusted after it)."""
+        for fut in self._updates:
             fut.result()
+        self._updates = []
 
     # -- gather -----------------------------------------------------------------------------
     def unshard(self) -> None:

@@ -211,10 +211,11 @@ class ShardedOptimizer:
         Sub-group k + 1 is read while k is updated and k - 1 written, and the pipeline does not
         drain between jobs: the worker's jobs are single modules, a sub-group or two each, and
         draining after each left the disk idle through every update and every digest of the
-        writes (measured: the optimizer's tail after backward spent 1.1 s of 3.4 s so on
-        gpt-335m with its state on NVMe). Only when no job is queued does it wait for all of
-        its writes, so a job is done, and ``wait()`` returns, once its bytes are on disk.
-        A failed sub-group fails its job; the pipeline goes on with the others.
+        writes (gpt-335m with its state on NVMe: 0.8-1.1 s of a 3.2-3.8 s tail after
+        backward; the tail fell to 2.2-2.6 s and the step by 10%, bench/RESULTS.md, 14:48
+        UTC). Only when no job is queued does it wait for all of its writes, so a job is done,
+        and ``wait()`` returns, once its bytes are on disk. A failed sub-group fails its job;
+        the pipeline goes on with the others.
         """
         slots: list[Slot | None] = self._slots() if self._stages else [None, None, None]
         owners: list[Work | None] = [None, None, None]  # whose writes may still use a slot

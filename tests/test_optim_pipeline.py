@@ -193,3 +193,46 @@ def test_weights_loaded_right_after_a_step_are_not_overwritten_by_its_updates(
         with engine.gathered_parameters():
             for p, q in zip(engine.module.parameters(), other.parameters(), strict=True):
                 assert torch.equal(p.data, q.data)
+
+
+def test_an_update_failing_after_the_step_raises_from_every_later_fetch(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first layer's update is the step's last, so it runs after ``step()`` returned; a
+    write failure in it is raised by the next forward that fetches the layer, and again by
+    the one after (its shards are not to be trusted), never swallowed."""
+    import time
+
+    from outcore.errors import StorageError
+    from outcore.optim import ShardedOptimizer
+
+    update, save = ShardedOptimizer._update, NvmeStored.save_range
+
+    def slow_update(self: ShardedOptimizer, work, hp: dict) -> None:
+        time.sleep(0.05)
+        update(self, work, hp)
+
+    model = _model()
+    cfg = outcore.Config(dtype="fp32", optimizer={"lr": 1e-2},
+                         offload={"params": "nvme", "optimizer": "nvme",
+                                  "nvme_path": str(tmp_path), "host_buffer_bytes": 1 << 20})
+    engine = outcore.initialize(model, cfg)
+    target = outcore.registry.managed(model[0].weight).master
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(1))
+    engine.backward(engine(x).pow(2).mean())
+    engine.step()
+    engine.synchronize()  # that step's updates all land before the failure is armed
+
+    def failing_save(self: NvmeStored, start: int, src: torch.Tensor):
+        if self is target:
+            raise StorageError("injected write failure")
+        return save(self, start, src)
+
+    monkeypatch.setattr(ShardedOptimizer, "_update", slow_update)
+    monkeypatch.setattr(NvmeStored, "save_range", failing_save)
+    engine.backward(engine(x).pow(2).mean())
+    engine.step()
+    assert engine.schedule_stats()["updates_after_step"] > 0
+    for _ in range(2):
+        with pytest.raises(StorageError, match="injected write failure"):
+            engine(x)
+    engine.close()

@@ -236,3 +236,19 @@ def test_an_update_failing_after_the_step_raises_from_every_later_fetch(
         with pytest.raises(StorageError, match="injected write failure"):
             engine(x)
     engine.close()
+
+
+@pytest.mark.parametrize(("params", "zero", "track", "expect"), [
+    ("nvme", {}, False, True),
+    ("cpu", {}, False, False),  # one rank on a CPU: a host shard is the full tensor
+    ("nvme", {}, True, False),  # the norm sums gradients the updates free
+    ("nvme", {"overlap_step_with_forward": False}, False, False),
+    ("nvme", {"overlap_optimizer": False}, False, False),
+])
+def test_when_the_step_may_return_early(params: str, zero: dict, track: bool, expect: bool,
+                                        tmp_path: Path) -> None:
+    cfg = outcore.Config(dtype="fp32", zero=zero, track_grad_norm=track,
+                         offload={"params": params, "optimizer": "nvme",
+                                  "nvme_path": str(tmp_path)})
+    with outcore.initialize(_model(), cfg) as engine:
+        assert engine.defers_updates is expect

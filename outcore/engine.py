@@ -260,7 +260,9 @@ class Engine:
 
     @torch.no_grad()
     def step(self) -> bool:
-        """Apply the optimizer at an accumulation boundary; True if parameters changed."""
+        """Apply the optimizer at an accumulation boundary; True if parameters changed (the
+        last updates may still be running: see [Note: the step's tail runs into the next
+        forward])."""
         self._check_open()
         if not self.is_accumulation_boundary:
             return False

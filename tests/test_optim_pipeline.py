@@ -7,6 +7,7 @@ transfers actually issued, and check that the updates are still exactly torch's.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ import torch
 from torch import nn
 
 import outcore
+from outcore.optim import ShardedOptimizer
 from outcore.storage import NvmeStored
 from tests.distributed import run_world
 
@@ -22,6 +24,18 @@ def _model() -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(),
                          nn.Linear(64, 1))
+
+
+def _slowed(seconds: float):
+    """ShardedOptimizer._update, sleeping first: the worker is then surely behind when
+    ``step()`` returns, so the updates it leaves running are really there."""
+    update = ShardedOptimizer._update
+
+    def slow_update(self: ShardedOptimizer, work, hp: dict) -> None:
+        time.sleep(seconds)
+        update(self, work, hp)
+
+    return slow_update
 
 
 def _record(monkeypatch: pytest.MonkeyPatch, events: list[tuple[str, int]]) -> None:
@@ -102,19 +116,10 @@ def test_updates_equal_torch_adamw(tmp_path: Path) -> None:
 def _deferred(swap: str, defer: bool) -> dict:
     """Train with the step's tail running into the next forward (or not), the update slowed
     so the worker is surely behind when ``step()`` returns, and the learning rate changed
-    right after each step (a schedule); return losses, weights read right after each step
+    right after each step (a schedule); return losses, the weights read right after a step
     and the optimizer's counts."""
-    import time
-
-    from outcore.optim import ShardedOptimizer
-
     update = ShardedOptimizer._update
-
-    def slow_update(self: ShardedOptimizer, work, hp: dict) -> None:
-        time.sleep(0.02)
-        update(self, work, hp)
-
-    ShardedOptimizer._update = slow_update
+    ShardedOptimizer._update = _slowed(0.02)  # (a spawned rank: no monkeypatch here)
     try:
         cfg = outcore.Config(
             dtype="fp32", optimizer={"lr": 1e-2}, gradient_accumulation_steps=2,
@@ -163,19 +168,9 @@ def test_weights_loaded_right_after_a_step_are_not_overwritten_by_its_updates(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``load_pretrained`` after a step that returned early waits for the step's updates:
     otherwise an update still running would write its result over the loaded weights."""
-    import time
-
     from safetensors.torch import save_file
 
-    from outcore.optim import ShardedOptimizer
-
-    update = ShardedOptimizer._update
-
-    def slow_update(self: ShardedOptimizer, work, hp: dict) -> None:
-        time.sleep(0.05)
-        update(self, work, hp)
-
-    monkeypatch.setattr(ShardedOptimizer, "_update", slow_update)
+    monkeypatch.setattr(ShardedOptimizer, "_update", _slowed(0.05))
     torch.manual_seed(5)
     other = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(),
                           nn.Linear(64, 1))
@@ -200,16 +195,9 @@ def test_an_update_failing_after_the_step_raises_from_every_later_fetch(
     """The first layer's update is the step's last, so it runs after ``step()`` returned; a
     write failure in it is raised by the next forward that fetches the layer, and again by
     the one after (its shards are not to be trusted), never swallowed."""
-    import time
-
     from outcore.errors import StorageError
-    from outcore.optim import ShardedOptimizer
 
-    update, save = ShardedOptimizer._update, NvmeStored.save_range
-
-    def slow_update(self: ShardedOptimizer, work, hp: dict) -> None:
-        time.sleep(0.05)
-        update(self, work, hp)
+    save = NvmeStored.save_range
 
     model = _model()
     cfg = outcore.Config(dtype="fp32", optimizer={"lr": 1e-2},
@@ -227,7 +215,7 @@ def test_an_update_failing_after_the_step_raises_from_every_later_fetch(
             raise StorageError("injected write failure")
         return save(self, start, src)
 
-    monkeypatch.setattr(ShardedOptimizer, "_update", slow_update)
+    monkeypatch.setattr(ShardedOptimizer, "_update", _slowed(0.05))
     monkeypatch.setattr(NvmeStored, "save_range", failing_save)
     engine.backward(engine(x).pow(2).mean())
     engine.step()

@@ -382,19 +382,33 @@ class Engine:
 
     # -- lifetime ----------------------------------------------------------------------------
     def close(self) -> None:
-        """Remove hooks and delete this rank's swap files. The engine cannot be used after."""
+        """Remove hooks and delete this rank's swap files. The engine cannot be used after.
+
+        An update that the last ``step()`` left running and that failed is raised here,
+        after the clean-up, so a run ending right after its step still hears of it."""
         if self._closed:
             return
         self._closed = True
+        error: BaseException | None = None
+        try:
+            self.optimizer.wait()
+        except BaseException as e:  # noqa: BLE001 - raised below, once everything is closed
+            error = e
         self.optimizer.close()
         self.hooks.remove()
         self.rt.close()
+        if error is not None:
+            raise error
 
     def __enter__(self) -> Engine:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        with contextlib.suppress(Exception):  # the exception in flight is the one to see
+            self.close()
 
     def _check_open(self) -> None:
         if self._closed:

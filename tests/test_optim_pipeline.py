@@ -193,8 +193,8 @@ def test_weights_loaded_right_after_a_step_are_not_overwritten_by_its_updates(
 def test_an_update_failing_after_the_step_raises_from_every_later_fetch(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The first layer's update is the step's last, so it runs after ``step()`` returned; a
-    write failure in it is raised by the next forward that fetches the layer, and again by
-    the one after (its shards are not to be trusted), never swallowed."""
+    write failure in it is raised by the next forward that fetches the layer, again by the
+    one after (its shards are not to be trusted), and by ``close()``: never swallowed."""
     from outcore.errors import StorageError
 
     save = NvmeStored.save_range
@@ -223,7 +223,9 @@ def test_an_update_failing_after_the_step_raises_from_every_later_fetch(
     for _ in range(2):
         with pytest.raises(StorageError, match="injected write failure"):
             engine(x)
-    engine.close()
+    with pytest.raises(StorageError, match="injected write failure"):
+        engine.close()  # and once more, after the clean-up: a run ending here hears of it
+    assert not list(tmp_path.iterdir())  # the clean-up happened all the same
 
 
 @pytest.mark.parametrize(("params", "zero", "track", "expect"), [

@@ -105,7 +105,7 @@ class ZeroConfig(_Section):
         True, description="update parameters during backward when clipping and fp16 allow"
     )
     overlap_step_with_forward: bool = Field(
-        True, description="with overlap_optimizer and optimizer state on NVMe, step() returns "
+        False, description="with overlap_optimizer and optimizer state on NVMe, step() returns "
         "before the last updates finish; the next forward waits for each layer's own"
     )
 

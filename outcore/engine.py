@@ -249,6 +249,13 @@ class Engine:
         Not done where the step must see every update first: with the gradient norm tracked
         (it sums gradients the updates free), and with shards that are the full tensors at
         one rank (the forward would read them while they are written in place).
+        Off unless ``zero.overlap_step_with_forward`` asks. On this project's 2-core CPU host
+        it made no difference beyond noise (gpt-335m, alternating runs: 6.61 against 6.76 s
+        at 512 tokens, 7.91 against 7.89 at 1024; bench/RESULTS.md, 14:48 UTC), because the
+        forward running behind the updates takes the cores their digests and page zeroing
+        need; and it moves a failed update's error from ``step()`` to a later call. Where the
+        forward runs on an accelerator it would not compete for the host's cores (not
+        measured: no GPU here).
         """
         return (self.overlaps_optimizer and self.cfg.zero.overlap_step_with_forward
                 and self.rt.state_tier is Tier.NVME and not self.cfg.track_grad_norm

@@ -178,8 +178,8 @@ def test_nvme_optimizer_holds_bf16_gradients_without_copying(accumulate: int,
 
 def test_next_forward_head_is_read_during_the_step(tmp_path: Path) -> None:
     """Masters on NVMe: the head cannot be carried over the step, so it is read during it.
-    (With the step returning before its last updates, the head is read when they finish:
-    ``overlap_step_with_forward`` is off here to see the read start inside the step.)"""
+    (With ``overlap_step_with_forward`` the head would be read once its updates finish, after
+    the step: it is off here, as by default, to see the read start inside the step.)"""
     cfg = outcore.Config(dtype="fp32", offload={"params": "nvme", "optimizer": "nvme",
                                                 "nvme_path": str(tmp_path)},
                          zero={"persistence_threshold_bytes": 0, "prefetch_bytes": 8 * 2**20,

@@ -177,6 +177,7 @@ def test_weights_loaded_right_after_a_step_are_not_overwritten_by_its_updates(
     save_file({k: v.contiguous() for k, v in other.state_dict().items()},
               str(tmp_path / "w.safetensors"))
     cfg = outcore.Config(dtype="fp32", optimizer={"lr": 1e-2},
+                         zero={"overlap_step_with_forward": True},
                          offload={"params": "nvme", "optimizer": "nvme",
                                   "nvme_path": str(tmp_path / "swap"),
                                   "host_buffer_bytes": 1 << 20})
@@ -201,6 +202,7 @@ def test_an_update_failing_after_the_step_raises_from_every_later_fetch(
 
     model = _model()
     cfg = outcore.Config(dtype="fp32", optimizer={"lr": 1e-2},
+                         zero={"overlap_step_with_forward": True},
                          offload={"params": "nvme", "optimizer": "nvme",
                                   "nvme_path": str(tmp_path), "host_buffer_bytes": 1 << 20})
     engine = outcore.initialize(model, cfg)
@@ -229,11 +231,13 @@ def test_an_update_failing_after_the_step_raises_from_every_later_fetch(
 
 
 @pytest.mark.parametrize(("params", "zero", "track", "expect"), [
-    ("nvme", {}, False, True),
-    ("cpu", {}, False, False),  # one rank on a CPU: a host shard is the full tensor
-    ("nvme", {}, True, False),  # the norm sums gradients the updates free
-    ("nvme", {"overlap_step_with_forward": False}, False, False),
-    ("nvme", {"overlap_optimizer": False}, False, False),
+    ("nvme", {"overlap_step_with_forward": True}, False, True),
+    ("nvme", {}, False, False),  # off unless asked
+    ("cpu", {"overlap_step_with_forward": True}, False, False),  # one rank, CPU: a host
+    # shard is the full tensor
+    ("nvme", {"overlap_step_with_forward": True}, True, False),  # the norm sums gradients
+    # the updates free
+    ("nvme", {"overlap_step_with_forward": True, "overlap_optimizer": False}, False, False),
 ])
 def test_when_the_step_may_return_early(params: str, zero: dict, track: bool, expect: bool,
                                         tmp_path: Path) -> None:

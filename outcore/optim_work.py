@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import queue
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -79,14 +79,7 @@ class Work:
         """Wait for every transfer of this sub-group, then raise the first error, if any:
         its slot is reused next, so nothing may still be reading or writing it."""
         pending, self.pending = self.pending, []
-        error: BaseException | None = None
-        for f in pending:
-            try:
-                f.result()
-            except BaseException as e:  # noqa: BLE001 - re-raised below, after the rest
-                error = error or e
-        if error is not None:
-            raise error
+        first_error(pending)
 
 
 class Feed:
@@ -147,8 +140,9 @@ def settle(work: Work | None, error: BaseException | None = None) -> None:
     work.job.settle(error)
 
 
-def first_error(futures: Iterator[Future]) -> None:
-    """Wait for every future, then raise the first error among them, if any."""
+def first_error(futures: Iterable[Future]) -> None:
+    """Wait for every future (``concurrent.futures`` or I/O futures alike), then raise the
+    first error among them, if any."""
     error: BaseException | None = None
     for fut in futures:
         e = fut.exception()

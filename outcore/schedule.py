@@ -250,13 +250,17 @@ class Schedule:
                     return False
         else:
             return False  # not needed again in the window the schedule can see
-        after = {g.index: n for n, g in enumerate(upcoming)}  # the generator goes on from here
-        later = sorted(
-            (i for i in self.ahead
-             if i not in before and i != group.index
-             and self.groups[i].state is GroupState.UNSHARDED and self.groups[i].holds == 0),
-            key=lambda i: -after.get(i, len(after)))
         free = self.prefetch_bytes - self._ahead_bytes() - group.full_bytes
+        if free >= 0:
+            return True
+        movable = [i for i in self.ahead
+                   if i not in before and i != group.index
+                   and self.groups[i].state is GroupState.UNSHARDED and self.groups[i].holds == 0]
+        if free + sum(self.ahead[i] for i in movable) < 0:
+            return False  # not enough even without them: release nothing for nothing
+        # the rest of the trace is walked only now, when something will be released
+        after = {g.index: n for n, g in enumerate(upcoming)}  # the generator goes on from here
+        later = sorted(movable, key=lambda i: -after.get(i, len(after)))
         for index in later:
             if free >= 0:
                 break
@@ -265,7 +269,7 @@ class Schedule:
             self.groups[index].reshard()
             self.counts["releases"] += 1
             self.counts["displaced"] += 1
-        return free >= 0
+        return True  # the check above guaranteed the room
 
     def _prefetch(self) -> None:
         if self.prefetch_bytes <= 0:

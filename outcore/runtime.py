@@ -164,10 +164,13 @@ class Runtime:
         return MemoryStored(tensor, tier, kind, self.ledger)
 
     def begin_training(self) -> None:
-        """Apply ``offload.reuse_freed_memory: true`` where the host is not sized for the
-        optimizer state (on NVMe or in device memory), once the model is built: building it
-        under that policy would leave the heap holding what the build allocated and freed
-        (host_memory.py's [Note: reuse on a small host, when asked])."""
+        """Once the model is built: give back the I/O pool's pages (buffers.py's [Note: a
+        pool idle in training keeps no pages]), and apply ``offload.reuse_freed_memory: true``
+        where the host is not sized for the optimizer state (on NVMe or in device memory):
+        building the model under that policy would leave the heap holding what the build
+        allocated and freed (host_memory.py's [Note: reuse on a small host, when asked])."""
+        if self._nvme is not None:
+            self._nvme.pool.release_idle()
         if not self.state_in_host_memory and self.cfg.offload.reuse_freed_memory:
             reuse_freed_memory_on_small_host()
 

@@ -9,9 +9,11 @@ import pytest
 import torch
 
 import outcore
+from outcore.registry import managed
 from outcore.storage import NvmeStored
 from tests.distributed import run_world
 from tests.test_parity import ADAMW, VOCAB, Quirky
+from tests.test_tiers_buffers import resident_bytes
 
 PLACEMENTS = [("none", "none"), ("cpu", "cpu"), ("nvme", "none"), ("none", "nvme"),
               ("nvme", "nvme")]
@@ -105,6 +107,38 @@ def test_swap_file_holds_the_shards(tmp_path: Path) -> None:
     engine.close()
     assert not swap.exists() and not swap.parent.exists()
     assert tmp_path.exists()
+
+
+def test_io_pool_keeps_no_pages_once_the_engine_is_built(tmp_path: Path) -> None:
+    """Building the model stages every initial shard through the I/O pool; once the engine
+    is built its pages are given back, and a later transfer borrows a buffer as before
+    (buffers.py's [Note: a pool idle in training keeps no pages])."""
+    cfg = outcore.Config(dtype="bf16", optimizer=ADAMW,
+                         offload={"params": "nvme", "optimizer": "nvme",
+                                  "nvme_path": str(tmp_path), "host_buffer_bytes": 16 << 20,
+                                  "io_block_bytes": 1 << 20})
+    torch.manual_seed(0)
+    with outcore.init(cfg):
+        model = Quirky()
+    pool = next(managed(p) for p in model.parameters()).rt.nvme.pool
+    assert pool.peak_in_use > 0 and sum(resident_bytes(b) for b in pool._buffers) > 0
+    engine = outcore.initialize(model, cfg)
+    assert sum(resident_bytes(b) for b in pool._buffers) == 0
+    idx = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(5))
+    staged, pool.peak_in_use = engine.rt.nvme.bytes_staged, 0
+    losses = []
+    for _ in range(3):
+        loss = engine(idx, idx.roll(1, 1), True)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    # this model's shards have ragged tails, so training borrows the pool again, and pages
+    # come back for the buffers it borrowed only
+    assert engine.rt.nvme.bytes_staged > staged and pool.peak_in_use > 0
+    assert 0 < sum(resident_bytes(b) for b in pool._buffers) <= (
+        pool.peak_in_use * pool.buffer_bytes)
+    assert losses[-1] < losses[0]
+    engine.close()
 
 
 def test_swap_files_removed_when_training_raises(tmp_path: Path) -> None:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import gc
+import sys
 import threading
 from pathlib import Path
 
@@ -126,6 +129,39 @@ def test_buffers_are_aligned_distinct_and_reused() -> None:
         with pool.acquire() as b:
             assert b.tensor.data_ptr() in ptrs
     assert pool.in_use == 0 and pool.peak_in_use == pool.count
+
+
+def resident_bytes(t: torch.Tensor) -> int:
+    """Bytes of ``t``'s whole pages that are in memory right now (``mincore``)."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    start = t.data_ptr() - t.data_ptr() % ALIGN
+    length = round_up(t.data_ptr() + t.nbytes - start)
+    vec = ctypes.create_string_buffer(length // ALIGN)
+    assert libc.mincore(start, length, vec) == 0, ctypes.get_errno()
+    return sum(b & 1 for b in vec.raw) * ALIGN
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mincore/madvise: Linux")
+@pytest.mark.parametrize("buffer_bytes", [64 * ALIGN, 4 * HUGE_PAGE])  # small and huge pages
+def test_release_idle_gives_back_free_buffers_only(buffer_bytes: int) -> None:
+    pool = BufferPool(3 * buffer_bytes, buffer_bytes)
+    lent = pool.acquire()
+    lent.tensor.fill_(7)
+    others = [pool._buffers[i] for i in pool._free]
+    assert all(resident_bytes(b) == buffer_bytes for b in others)  # touched when made
+
+    assert pool.release_idle() == 2 * buffer_bytes
+    assert [resident_bytes(b) for b in others] == [0, 0]
+    assert resident_bytes(lent.tensor) == buffer_bytes and bool((lent.tensor == 7).all())
+    # a released buffer still works: it reads zeros, then holds what is written to it
+    with pool.acquire() as again:
+        assert again.tensor.data_ptr() in {b.data_ptr() for b in others}
+        assert int(again.tensor.count_nonzero()) == 0
+        again.tensor.fill_(3)
+        assert bool((again.tensor == 3).all()) and resident_bytes(again.tensor) == buffer_bytes
+    lent.release()
+    assert pool.count == 3 and pool.capacity_bytes == 3 * buffer_bytes  # the budget stands
 
 
 def test_release_is_idempotent() -> None:

@@ -379,13 +379,19 @@ class Engine:
         """Write a complete checkpoint folder atomically (a collective: every rank calls)."""
         from outcore import checkpoint
 
-        return checkpoint.save(self, Path(path), client_state or {})
+        try:
+            return checkpoint.save(self, Path(path), client_state or {})
+        finally:  # saving read every shard through the I/O pool
+            self.rt.release_idle_io_buffers()
 
     def load_checkpoint(self, path: str | os.PathLike[str]) -> dict[str, Any]:
         """Restore weights, optimizer state, step, scaler and RNG; return the client state."""
         from outcore import checkpoint
 
-        return checkpoint.load(self, Path(path))
+        try:
+            return checkpoint.load(self, Path(path))
+        finally:  # loading wrote every shard through the I/O pool
+            self.rt.release_idle_io_buffers()
 
     # -- lifetime ----------------------------------------------------------------------------
     def close(self) -> None:

@@ -169,10 +169,16 @@ class Runtime:
         where the host is not sized for the optimizer state (on NVMe or in device memory):
         building the model under that policy would leave the heap holding what the build
         allocated and freed (host_memory.py's [Note: reuse on a small host, when asked])."""
-        if self._nvme is not None:
-            self._nvme.pool.release_idle()
+        self.release_idle_io_buffers()
         if not self.state_in_host_memory and self.cfg.offload.reuse_freed_memory:
             reuse_freed_memory_on_small_host()
+
+    def release_idle_io_buffers(self) -> None:
+        """Give back the pages of I/O pool buffers nobody holds, after work that staged much
+        through the pool (building the model, checkpoints): buffers.py's [Note: a pool idle
+        in training keeps no pages]."""
+        if self._nvme is not None:
+            self._nvme.pool.release_idle()
 
     def reconfigure(self, cfg: Config) -> None:
         """Adopt the engine's config (same placement, possibly another dtype or optimizer)."""

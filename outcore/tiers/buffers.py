@@ -289,12 +289,13 @@ class BufferPool:
         their own (optimizer slots, full-tensor regions), so the pool may never be borrowed
         again: with gpt-335m's params and optimizer state on NVMe, 0 bytes per step went
         through it, while its 128 MiB (the default budget's share) stayed resident. The
-        engine calls this once the model is built. The buffers stay valid and the pool keeps
-        its count and budget: a released page comes back, zeroed, on its next touch (a
+        engine calls this once the model is built and after each checkpoint save or load,
+        which stage every shard through the pool again. The buffers stay valid and the pool
+        keeps its count and budget: a released page comes back, zeroed, on its next touch (a
         first-touch fault, once). Measured side by side, alternating (bench/RESULTS.md,
         2026-11-22 17:39 UTC): that run's peak RSS 1.27 -> 1.18 GiB in every run, step time
-        unchanged within noise. Pinned buffers are never released
-        (page-locked memory is what makes them pinned); elsewhere than Linux nothing is.
+        unchanged within noise. Pinned buffers are never released (page-locked memory is
+        what makes them pinned); elsewhere than Linux nothing is.
         """
         if self.pinned or not _LINUX:
             return 0

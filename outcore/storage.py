@@ -229,12 +229,14 @@ class NvmeStored(Stored):
         src = src.contiguous()
         if not self.verify:  # nothing recorded, so no load finds pieces to check
             return self._store.write(self._sub_extent(start, src.numel()), src)
+        # the disk starts on the bytes while this thread hashes them (both only read ``src``)
+        fut = self._store.write(self._sub_extent(start, src.numel()), src)
         stop = start + src.numel()
         # one assignment, so a read issued on another thread sees the old map or the new one
         sums = {lo: v for lo, v in self._sums.items() if not (lo < stop and lo + v[0] > start)}
         sums[start] = (src.numel(), digest(src))
         self._sums = sums
-        return self._store.write(self._sub_extent(start, src.numel()), src)
+        return fut
 
     def _pieces(self, start: int, numel: int) -> list[tuple[int, int, int]]:
         """(start, numel, digest) of the saved pieces tiling ``[start, start + numel)``,

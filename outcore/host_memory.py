@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 
 log = logging.getLogger("outcore")
@@ -75,14 +76,21 @@ _NEVER_TRIM = -1  # mallopt(M_TRIM_THRESHOLD, -1) turns trimming off (glibc: SIZ
 _policy: str | None = None  # "return", "keep" or "reuse", once applied
 
 
+@functools.cache
+def libc() -> ctypes.CDLL | None:
+    """The C library (errno kept for ``ctypes.get_errno``), or None where it cannot load."""
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    except (OSError, TypeError):
+        return None
+
+
 def _apply(policy: str, options: list[tuple[int, int]]) -> bool:
     """Set ``options`` (mallopt parameter, value) and remember ``policy``; False if not glibc
     or glibc refused one of them."""
     global _policy
-    name = ctypes.util.find_library("c")
-    try:
-        mallopt = ctypes.CDLL(name).mallopt
-    except (OSError, AttributeError, TypeError):
+    mallopt = getattr(libc(), "mallopt", None)
+    if mallopt is None:
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     if not all(mallopt(param, value) for param, value in options):

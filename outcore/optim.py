@@ -125,11 +125,14 @@ class ShardedOptimizer:
             self._worker = threading.Thread(target=self._serve, args=(self._feed,),
                                             name="outcore-optim", daemon=True)
             self._worker.start()
+        held = sum(n for _, n in self._submitted)
         for i, members in sorted(self._by_group(todo).items()):
             nbytes = sum(sp.grad.nbytes for sp in members)
-            while self._submitted and (sum(n for _, n in self._submitted) + nbytes
-                                       > self.pending_grad_limit):
-                self._submitted.pop(0)[0].done.result()
+            while self._submitted and held + nbytes > self.pending_grad_limit:
+                oldest, n = self._submitted.pop(0)
+                oldest.done.result()
+                held -= n
+            held += nbytes
             job = Job(i, dict(self.param_groups[i]), members, background=True)
             self._submitted.append((job, nbytes))
             self._feed.jobs.put(job)
@@ -140,7 +143,7 @@ class ShardedOptimizer:
         are returned, re-ordered for the next forward (engine.py's [Note: the step's tail runs
         into the next forward])."""
         rest = [sp for sp in self.params if sp.has_grad and sp.updated_round != self._round]
-        if rest or not defer:
+        if rest or not defer:  # the rest goes through the worker's three slots: let it finish
             self.wait()
         for sp in rest:
             sp.updated_round = self._round

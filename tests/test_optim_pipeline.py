@@ -113,6 +113,34 @@ def test_updates_equal_torch_adamw(tmp_path: Path) -> None:
         assert got == pytest.approx(want, rel=1e-5, abs=1e-7), overlap
 
 
+@pytest.mark.parametrize("limit", [0, None])  # none may wait / the default budget
+def test_backward_waits_when_pending_gradients_pass_their_limit(
+        limit: int | None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Gradients waiting for a background update hold host memory, so a backward that would
+    queue more than ``pending_grad_limit`` bytes first waits for the oldest update."""
+    monkeypatch.setattr(ShardedOptimizer, "_update", _slowed(0.05))
+    cfg = outcore.Config(dtype="fp32", optimizer={"lr": 1e-2},
+                         offload={"optimizer": "nvme", "nvme_path": str(tmp_path)})
+    engine = outcore.initialize(_model(), cfg)
+    if limit is not None:
+        engine.optimizer.pending_grad_limit = limit
+    queued: list[int] = []
+    submit = ShardedOptimizer.submit
+
+    def counted(self: ShardedOptimizer, sps) -> None:
+        submit(self, sps)
+        queued.append(sum(not job.done.done() for job, _ in self._submitted))
+
+    monkeypatch.setattr(ShardedOptimizer, "submit", counted)
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(1))
+    engine.backward(engine(x).pow(2).mean())
+    engine.step()
+    assert len(queued) == 3 and engine.schedule_stats()["updates_during_backward"] == 6
+    # with no room every submission first waits for the one before; with room they pile up
+    assert max(queued) == (1 if limit == 0 else 3), queued
+    engine.close()
+
+
 def _deferred(swap: str, defer: bool) -> dict:
     """Train with the step's tail running into the next forward (or not), the update slowed
     so the worker is surely behind when ``step()`` returns, and the learning rate changed

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import gc
 import sys
 import threading
@@ -12,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from outcore.host_memory import libc
 from outcore.tiers.buffers import (
     ALIGN,
     HUGE_PAGE,
@@ -133,12 +133,12 @@ def test_buffers_are_aligned_distinct_and_reused() -> None:
 
 def resident_bytes(t: torch.Tensor) -> int:
     """Bytes of ``t``'s whole pages that are in memory right now (``mincore``)."""
-    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    mincore = libc().mincore
+    mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
     start = t.data_ptr() - t.data_ptr() % ALIGN
     length = round_up(t.data_ptr() + t.nbytes - start)
     vec = ctypes.create_string_buffer(length // ALIGN)
-    assert libc.mincore(start, length, vec) == 0, ctypes.get_errno()
+    assert mincore(start, length, vec) == 0, ctypes.get_errno()
     return sum(b & 1 for b in vec.raw) * ALIGN
 
 

@@ -39,8 +39,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
-import functools
 import mmap
 import sys
 import threading
@@ -49,6 +47,8 @@ from types import TracebackType
 
 import numpy as np
 import torch
+
+from outcore.host_memory import libc
 
 ALIGN = 4096
 """Alignment in bytes of buffer addresses, lengths and file offsets (see [Note: alignment])."""
@@ -60,16 +60,13 @@ _PRIVATE_MAPPINGS = hasattr(mmap, "MAP_PRIVATE")  # POSIX; elsewhere torch's all
 _LINUX = sys.platform.startswith("linux")
 
 
-@functools.cache
-def _libc_madvise():
-    fn = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True).madvise
-    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
-    return fn
-
-
 def _madvise(address: int, length: int, advice: int) -> int:
     """libc's ``madvise`` on memory no Python ``mmap`` object owns (0 on success)."""
-    return _libc_madvise()(address, length, advice)
+    fn = getattr(libc(), "madvise", None)
+    if fn is None:
+        return -1
+    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    return fn(address, length, advice)
 
 
 def round_up(nbytes: int, alignment: int = ALIGN) -> int:

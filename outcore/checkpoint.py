@@ -183,7 +183,8 @@ def _manifest(engine: Any, client_state: dict[str, Any], files: dict[str, dict])
                            "aliases": [n for n in names if n != sp.name]}
     groups = [{k: v for k, v in hp.items() if _jsonable(v)} for hp in engine.param_groups]
     man = {"format": FORMAT, "version": VERSION, "world_size": engine.rt.world_size,
-           "dtype": engine.cfg.dtype, "global_steps": engine.global_steps,
+           "dtype": engine.cfg.dtype, "dtype_reason": engine.dtype_choice.reason,
+           "global_steps": engine.global_steps,
            "optimizer": {"type": engine.optimizer.kind,
                          "states": list(engine.optimizer.state_kinds)},
            "params": params, "buffers": list(_buffers(engine.module)),

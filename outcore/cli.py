@@ -299,8 +299,6 @@ def _render(kind: str, value: Any) -> str:
 
 _PROBE_LABELS = {"disk_read_GBps": ("disk read", "GB/s"), "disk_write_GBps": ("disk write", "GB/s"),
                  "host_copy_GBps": ("host copy", "GB/s"),
-                 "matmul_bf16_TFLOPs": ("matmul bf16", "TFLOP/s"),
-                 "matmul_fp32_TFLOPs": ("matmul fp32", "TFLOP/s"),
                  "direct_io": ("disk bypassed page cache", "")}
 
 
@@ -310,17 +308,23 @@ def _run_probe(args: argparse.Namespace) -> int:
     probe = _import_part("outcore.probe", "the machine probe")
     kwargs: dict[str, Any] = {} if args.size is None else {"size_bytes": args.size}
     if not args.json:
-        kwargs["progress"] = True  # progress goes to stderr; a person is waiting ~10 s
-    result = probe.measure(args.path, **kwargs).to_json()
+        kwargs["progress"] = True  # progress goes to stderr; a person is waiting ~20 s
+    out = probe.measure(args.path, **kwargs).to_json()
     if args.json:
-        print(json.dumps(result, indent=2))
+        print(json.dumps(out, indent=2))
         return 0
-    rows = []
-    for key, value in result.items():
-        label, unit = _PROBE_LABELS.get(key, (key, ""))
-        shown = ("yes" if value else "no") if isinstance(value, bool) else \
-            f"{value:.3g}" if isinstance(value, float) else str(value)
+    m = out["machine"]
+    rows = [["machine", f"{m['cpu']}, {m['cores']} cores" + (
+        f", {m['gpu']['name']}" if m["gpu"] else "")]]
+    for key, (label, unit) in _PROBE_LABELS.items():
+        value = out[key]
+        shown = ("yes" if value else "no") if isinstance(value, bool) else f"{value:.3g}"
         rows.append([label, f"{shown} {unit}".rstrip()])
+    for name in ("bf16", "fp16", "fp32"):
+        how = "native" if out["native"][name] else "emulated"
+        rows.append([f"matmul {name} on {out['device']} ({how})",
+                     f"{out[f'matmul_{name}_TFLOPs']:.3g} TFLOP/s"])
+    rows.append(["dtype auto chooses", out["auto_dtype"]])
     print(_table(rows))
     return 0
 

@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from outcore.errors import ConfigError
 
-Dtype = Literal["bf16", "fp16", "fp32"]
+Dtype = Literal["auto", "bf16", "fp16", "fp32"]
 Placement = Literal["none", "cpu", "nvme"]
 
 _MiB = 1 << 20
@@ -127,7 +127,10 @@ class CommConfig(_Section):
 class Config(_Section):
     """The whole outcore configuration: ``Config(...)``, ``from_dict`` or ``from_file``."""
 
-    dtype: Dtype = Field("bf16", description="compute dtype; master weights are always fp32")
+    dtype: Dtype = Field(
+        "auto", description="compute dtype; auto: the fastest the device multiplies natively "
+        "(bf16, else fp16 with loss scaling on a GPU, else fp32; compute_dtype.py). Master "
+        "weights and optimizer states are always fp32")
     seed: int = Field(0, ge=0, description="seed used by the training job for init and data")
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     offload: OffloadConfig = Field(default_factory=OffloadConfig)
@@ -189,6 +192,10 @@ class Config(_Section):
     def with_overrides(self, overrides: dict[str, Any]) -> Config:
         """Deep-merge ``overrides`` into this config and validate the result."""
         return Config.from_dict(_merge(self.model_dump(), overrides))
+
+    def with_dtype(self, name: str) -> Config:
+        """This config with ``dtype`` set to a resolved (concrete) name; no re-validation."""
+        return self if self.dtype == name else self.model_copy(update={"dtype": name})
 
     @property
     def nvme_used(self) -> bool:

@@ -63,13 +63,10 @@ def translate(ds: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     def ignore(path: str, key: str) -> None:
         ignored.append(f"{path}: {_IGNORED.get(key, 'no outcore equivalent')}")
 
+    enabled = _enabled_precisions(ds)
     for key, value in ds.items():
-        if key == "bf16":
-            if value.get("enabled", False):
-                out["dtype"] = "bf16"
-        elif key == "fp16":
-            if value.get("enabled", False):
-                out["dtype"] = "fp16"
+        if key in ("bf16", "fp16"):
+            if key == "fp16" and enabled[key] in (True, "auto"):
                 out["loss_scale"] = _loss_scale(value, ignore)
         elif key == "optimizer":
             out["optimizer"] = _optimizer(value)
@@ -81,9 +78,32 @@ def translate(ds: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
             _aio(value, out, ignore)
         else:
             ignore(key, key)
-    if "dtype" not in out:
-        out["dtype"] = "fp32"
+    out["dtype"] = _dtype(enabled)
     return out, ignored
+
+
+def _enabled_precisions(ds: dict[str, Any]) -> dict[str, Any]:
+    """``enabled`` of the ``bf16`` and ``fp16`` sections present: True, False or "auto"."""
+    out = {}
+    for key in ("bf16", "fp16"):
+        if key not in ds:
+            continue
+        section = ds[key]
+        value = section.get("enabled", False) if isinstance(section, dict) else None
+        if value not in (True, False, "auto"):
+            raise ConfigError(f"DeepSpeed config '{key}': expected {{\"enabled\": true, false "
+                              f"or \"auto\"}}, got {section!r}")
+        out[key] = value
+    return out
+
+
+def _dtype(enabled: dict[str, Any]) -> str:
+    """bf16 or fp16 where enabled; ``auto`` where either says ``"auto"`` (as Hugging Face's
+    DeepSpeed configs do: outcore then picks per device); fp32 where neither is on."""
+    for name in ("bf16", "fp16"):
+        if enabled.get(name) is True:
+            return name
+    return "auto" if "auto" in enabled.values() else "fp32"
 
 
 def from_deepspeed(source: dict[str, Any] | str | os.PathLike[str]):

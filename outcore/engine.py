@@ -25,6 +25,7 @@ import psutil
 import torch
 from torch import nn
 
+from outcore.compute_dtype import DtypeChoice
 from outcore.config import Config
 from outcore.errors import ConfigError, StorageError
 from outcore.gathered import gathered_parameters
@@ -57,11 +58,11 @@ class Engine:
     def __init__(self, module: nn.Module, cfg: Config,
                  param_groups: Iterable[dict] | None = None) -> None:
         self.module = module
-        self.cfg = cfg
         groups = self._check_param_groups(module, param_groups)
         self.rt, own_runtime = self._runtime_for(module, cfg)
+        self.cfg = self.rt.cfg  # dtype resolved for the device (compute_dtype.py's note)
         try:
-            self._build(module, cfg, groups)
+            self._build(module, self.cfg, groups)
         except BaseException as err:
             # Swap files this engine cannot use any more are deleted now, not at exit: always
             # when the engine made the runtime, and on storage errors (a full disk) in any case.
@@ -349,6 +350,16 @@ class Engine:
         return self.rt.device
 
     @property
+    def dtype(self) -> torch.dtype:
+        """The compute dtype in force (``dtype: auto`` resolved for this device)."""
+        return self.rt.compute_dtype
+
+    @property
+    def dtype_choice(self) -> DtypeChoice:
+        """The compute dtype's name, what the config asked for, and why (compute_dtype.py)."""
+        return self.rt.dtype_choice
+
+    @property
     def param_groups(self) -> list[dict]:
         """Hyper-parameters per group; edit ``lr`` here for a schedule, as with torch optimizers."""
         return self.optimizer.param_groups
@@ -365,6 +376,7 @@ class Engine:
         report["by_kind"] = led.snapshot()
         report["rss"] = psutil.Process().memory_info().rss
         report["rank"], report["world_size"] = self.rank, self.world_size
+        report["dtype"] = self.dtype_choice.to_json()
         report["schedule"] = self.schedule_stats()
         return report
 

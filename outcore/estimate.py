@@ -464,7 +464,7 @@ def predict_efficiency(tokens_per_step: int, bandwidth_GBps: float, peak_TFLOPs:
     return Efficiency(t, r, peak_TFLOPs, pg, opt, combined, ckpt)
 
 
-_PROBE_KEYS = ("disk_read_GBps", "disk_write_GBps", "host_copy_GBps", "matmul_bf16_TFLOPs")
+_PROBE_KEYS = ("disk_read_GBps", "disk_write_GBps", "host_copy_GBps")
 
 
 def efficiency_from_probe(probe: dict[str, Any], tokens_per_step: int, *,
@@ -473,13 +473,18 @@ def efficiency_from_probe(probe: dict[str, Any], tokens_per_step: int, *,
     """Efficiency of the host and NVMe tiers from ``outcore probe --json`` measurements.
 
     The probe measures one machine; its devices share the disk and the memory bus, so each
-    device gets ``1/devices_per_node`` of the bandwidth. The peak is the bf16 matmul rate.
+    device gets ``1/devices_per_node`` of the bandwidth. The peak is the matmul rate of the
+    dtype ``dtype: auto`` trains in there (``auto_dtype``; bf16 for probes that predate it).
     """
-    missing = [k for k in _PROBE_KEYS if not isinstance(probe.get(k), (int, float))]
+    auto = probe.get("auto_dtype", "bf16")
+    if auto not in ("bf16", "fp16", "fp32"):
+        raise ConfigError(f"{source}: auto_dtype is {auto!r}; expected bf16, fp16 or fp32")
+    keys = (*_PROBE_KEYS, f"matmul_{auto}_TFLOPs")
+    missing = [k for k in keys if not isinstance(probe.get(k), (int, float))]
     if missing:
         raise ConfigError(f"{source} lacks the numbers {', '.join(missing)}; "
                           "use the output of 'outcore probe --json'")
-    share, peak = 1 / devices_per_node, float(probe["matmul_bf16_TFLOPs"])
+    share, peak = 1 / devices_per_node, float(probe[f"matmul_{auto}_TFLOPs"])
     return {
         "host": predict_efficiency(tokens_per_step, probe["host_copy_GBps"] * share, peak,
                                    hidden=hidden),

@@ -30,6 +30,7 @@ from typing import Any
 import psutil
 import torch
 
+from outcore.compute_dtype import capabilities, choose, default_device
 from outcore.errors import ConfigError
 
 _MiB = 1 << 20
@@ -66,12 +67,13 @@ def free_memory() -> tuple[int, int]:
 def plan(num_params: int, world_size: int = 1, *, nvme_path: str | None = None,
          device_free: int | None = None, host_free: int | None = None,
          disk_free: int | None = None, usable: float = 0.6,
-         grads_resident: bool = True) -> Plan:
+         grads_resident: bool = True, param_bytes: int = PARAM_BYTES) -> Plan:
     """Pick the fastest placement that fits (see the note above).
 
     ``grads_resident``: whether a whole step's fp32 gradients live at once. With the optimizer
     overlapped with backward (no clipping, not fp16) each group's gradient is freed after its
     update, so gradients need no room of their own beyond the host buffer budget.
+    ``param_bytes``: bytes per element of the compute dtype (4 where ``auto`` chose fp32).
     """
     if num_params <= 0:
         raise ConfigError(f"auto placement needs a positive parameter count, got {num_params}")
@@ -83,7 +85,7 @@ def plan(num_params: int, world_size: int = 1, *, nvme_path: str | None = None,
         disk_free = shutil.disk_usage(_existing(nvme_path)).free if nvme_path else 0
     per_rank = -(-num_params // world_size)
     grad_bytes = GRAD_BYTES if grads_resident else 0
-    need = {"params": per_rank * PARAM_BYTES, "optimizer": per_rank * (STATE_BYTES + grad_bytes)}
+    need = {"params": per_rank * param_bytes, "optimizer": per_rank * (STATE_BYTES + grad_bytes)}
     reasons = [f"{num_params:,} parameters over {world_size} rank(s): "
                f"{need['params'] / 2**30:.2f} GiB of parameter shards and "
                f"{need['optimizer'] / 2**30:.2f} GiB of fp32 optimizer state + gradients "
@@ -123,9 +125,11 @@ def auto_config(num_params: int | torch.nn.Module, base: dict[str, Any] | None =
     if isinstance(num_params, torch.nn.Module):
         num_params = sum(p.numel() for p in num_params.parameters())
     cfg = Config.load(base)
+    dtype = choose(cfg.dtype, capabilities(default_device()))  # what the runtime will resolve
     overlapped = (cfg.zero.overlap_optimizer and cfg.gradient_clipping == 0
-                  and cfg.dtype != "fp16")
+                  and dtype.name != "fp16")
     measured.setdefault("grads_resident", not overlapped)
+    measured.setdefault("param_bytes", dtype.torch_dtype.itemsize)
     chosen = plan(int(num_params), world_size, nvme_path=nvme_path, **measured)
     print(chosen.explain(), flush=True)
     offload = {"params": chosen.params, "optimizer": chosen.optimizer,

@@ -14,6 +14,7 @@ import torch
 
 from outcore.accel import Accelerator
 from outcore.comm import Comm
+from outcore.compute_dtype import DtypeChoice, resolve
 from outcore.config import Config
 from outcore.host_memory import (
     keep_freed_memory_for_reuse,
@@ -23,18 +24,17 @@ from outcore.host_memory import (
 from outcore.storage import Ledger, MemoryStored, NvmeStored, Stored, Tier
 from outcore.tiers.buffers import AlignedRegions
 
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
 
 class Runtime:
     """Services for one sharded model on one rank; see the note above."""
 
     def __init__(self, cfg: Config) -> None:
-        self.cfg = cfg
         self.accel = Accelerator.detect()
+        self.dtype_choice: DtypeChoice = resolve(cfg.dtype, self.accel.device)
+        self.cfg = cfg = cfg.with_dtype(self.dtype_choice.name)  # compute_dtype.py's note
         self.comm = Comm.from_env(self.accel.backend, cfg.comm.timeout_s)
         self.ledger = Ledger()
-        self.compute_dtype = _DTYPES[cfg.dtype]
+        self.compute_dtype = self.dtype_choice.torch_dtype
         self.param_tier = Tier.for_placement(cfg.offload.params)
         self.state_tier = Tier.for_placement(cfg.offload.optimizer)
         # gradient shards live beside the optimizer state, but never on disk: the step
@@ -180,12 +180,16 @@ class Runtime:
         if self._nvme is not None:
             self._nvme.pool.release_idle()
 
-    def reconfigure(self, cfg: Config) -> None:
-        """Adopt the engine's config (same placement, possibly another dtype or optimizer)."""
-        self.cfg = cfg
-        self.compute_dtype = _DTYPES[cfg.dtype]
+    def reconfigure(self, cfg: Config) -> Config:
+        """Adopt the engine's config (same placement, possibly another dtype or optimizer);
+        returns it with its dtype resolved for this device."""
+        if cfg.dtype != self.dtype_choice.requested:
+            self.dtype_choice = resolve(cfg.dtype, self.accel.device)
+        self.cfg = cfg = cfg.with_dtype(self.dtype_choice.name)
+        self.compute_dtype = self.dtype_choice.torch_dtype
         if self.full_regions is not None:
             self.full_regions.cap_bytes = self._region_cap(cfg)
+        return cfg
 
     def close(self) -> None:
         """Release the swap store (its files are deleted); safe to call twice."""

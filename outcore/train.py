@@ -53,7 +53,7 @@ JOB_DEFAULTS: dict[str, Any] = {
 """The job's own settings when neither a flag nor the config file's ``train:`` section sets them."""
 
 _ENGINE_DEFAULTS: dict[str, Any] = {
-    "dtype": "bf16",  # AMX/tensor cores: ~2x the fp32 step rate on the test machine
+    "dtype": "auto",  # compute_dtype.py: bf16 where native, else fp32 (fp16 on older GPUs)
     "optimizer": {"type": "adamw", "betas": [0.9, 0.95], "weight_decay": 0.0},
     "gradient_clipping": 1.0,
 }
@@ -80,7 +80,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--lr", type=float, help="peak learning rate (default: 1e-3 for small presets)")
     a("--lr-schedule", choices=["cosine", "constant"],
       help="warmup then cosine decay to 10%%, or constant (default: cosine)")
-    a("--dtype", choices=["bf16", "fp16", "fp32"], help="compute dtype (default: bf16)")
+    a("--dtype", choices=["auto", "bf16", "fp16", "fp32"],
+      help="compute dtype (default: auto, the fastest this device multiplies natively)")
 
 
 # -- settings ------------------------------------------------------------------------------
@@ -277,7 +278,7 @@ def run(args: argparse.Namespace) -> int:
 
         src = job["data"] or "the Python standard library's source"
         _say(f"outcore train: {job['model']} ({format_count(n_params)} params), {world} rank(s), "
-             f"dtype {cfg.dtype}, offload params={cfg.offload.params} "
+             f"dtype {engine.dtype_choice}, offload params={cfg.offload.params} "
              f"optimizer={cfg.offload.optimizer}\n  data: {src} ({format_count(len(tokens))} "
              f"tokens: {tokenized_by}), "
              f"batch {job['batch']}x{seq} per rank x{accum} accumulation\n  out: {out}"

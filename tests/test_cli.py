@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import types
@@ -19,7 +20,11 @@ from outcore.errors import ConfigError, DataError, OutcoreError, StorageError
 REPO = Path(__file__).resolve().parents[1]
 DGX2 = ["--gpus", "16", "--gpu-memory", "32GB", "--host-memory", "1.5TB", "--nvme", "28TB"]
 PROBE = {"disk_read_GBps": 2.0, "disk_write_GBps": 2.8, "host_copy_GBps": 19.0,
-         "matmul_bf16_TFLOPs": 1.6, "matmul_fp32_TFLOPs": 0.3, "direct_io": True}
+         "matmul_bf16_TFLOPs": 1.6, "matmul_fp32_TFLOPs": 0.3, "direct_io": True,
+         "matmul_fp16_TFLOPs": 0.01, "native": {"bf16": True, "fp16": False, "fp32": True},
+         "matmul_n": {"bf16": 4096, "fp16": 512, "fp32": 2048}, "auto_dtype": "bf16",
+         "disk_bytes": 2**29, "device": "cpu",
+         "machine": {"cpu": "Intel Xeon", "cores": 2, "gpu": None}}
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -153,7 +158,9 @@ def test_probe_prints_json_or_a_table(capsys: pytest.CaptureFixture[str], tmp_pa
     assert code == 0  # the probe picks its own size, and shows progress to a person
     assert fake_probe == {"path": str(tmp_path), "progress": True}
     assert "disk read" in out and "GB/s" in out and "TFLOP/s" in out
-    assert "bypassed page cache  yes" in out
+    assert re.search(r"bypassed page cache +yes", out)
+    assert "Intel Xeon, 2 cores" in out and re.search(r"dtype auto chooses +bf16", out)
+    assert "matmul fp16 on cpu (emulated)" in out and "matmul bf16 on cpu (native)" in out
 
 
 @pytest.mark.parametrize(("error", "code"), [

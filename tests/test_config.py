@@ -11,7 +11,7 @@ import outcore
 
 def test_defaults_and_dict_round_trip() -> None:
     cfg = outcore.Config()
-    assert cfg.dtype == "bf16" and cfg.offload.params == "none"
+    assert cfg.dtype == "auto" and cfg.offload.params == "none"
     again = outcore.Config.from_dict(cfg.model_dump())
     assert again == cfg
 
@@ -21,7 +21,7 @@ def test_defaults_and_dict_round_trip() -> None:
     [
         ({"gradient_cliping": 1.0}, r"unknown config key 'gradient_cliping'.*gradient_clipping"),
         ({"offload": {"param": "cpu"}}, r"unknown config key 'offload.param'.*params"),
-        ({"dtype": "fp8"}, r"dtype: got 'fp8'; allowed: 'bf16', 'fp16' or 'fp32'"),
+        ({"dtype": "fp8"}, r"dtype: got 'fp8'; allowed: 'auto', 'bf16', 'fp16' or 'fp32'"),
         ({"offload": {"params": "disk"}}, r"offload.params: got 'disk'; allowed: 'none'"),
         ({"offload": {"params": "nvme"}}, r"offload.nvme_path"),
         ({"optimizer": {"lr": -1}}, r"optimizer.lr: .*greater than 0"),

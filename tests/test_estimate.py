@@ -222,3 +222,16 @@ def test_efficiency_from_probe_splits_bandwidth_between_devices() -> None:
     assert one["host"].params_grads > one["nvme"].params_grads
     with pytest.raises(ConfigError, match="matmul_bf16_TFLOPs"):
         est.efficiency_from_probe({**probe, "matmul_bf16_TFLOPs": None}, 2048)
+
+
+def test_efficiency_from_probe_takes_the_rate_of_the_dtype_auto_trains_in() -> None:
+    """On a CPU without native bf16 the probe says auto_dtype fp32: its peak is fp32's rate."""
+    probe = {"disk_read_GBps": 2.0, "disk_write_GBps": 2.0, "host_copy_GBps": 20.0,
+             "matmul_bf16_TFLOPs": 0.001, "matmul_fp32_TFLOPs": 0.12, "auto_dtype": "fp32"}
+    got = est.efficiency_from_probe(probe, 2048)["nvme"]
+    assert got.peak_TFLOPs == 0.12
+    assert got.params_grads == pytest.approx(est.efficiency(2048, 2.0, 0.12))
+    with pytest.raises(ConfigError, match="matmul_fp16_TFLOPs"):
+        est.efficiency_from_probe({**probe, "auto_dtype": "fp16"}, 2048)
+    with pytest.raises(ConfigError, match="auto_dtype is 'int8'"):
+        est.efficiency_from_probe({**probe, "auto_dtype": "int8"}, 2048)

@@ -6,7 +6,9 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
+from outcore.compute_dtype import capabilities, choose
 from outcore.errors import StorageError
 from outcore.probe import ProbeResult, measure
 
@@ -16,7 +18,9 @@ KEYS = {
     "host_copy_GBps",
     "matmul_bf16_TFLOPs",
     "matmul_fp32_TFLOPs",
+    "matmul_fp16_TFLOPs",
 }
+ADDED = {"direct_io", "native", "matmul_n", "auto_dtype", "disk_bytes", "device", "machine"}
 
 
 def test_probe_measures_positive_rates_and_cleans_up(tmp_path: Path) -> None:
@@ -26,23 +30,40 @@ def test_probe_measures_positive_rates_and_cleans_up(tmp_path: Path) -> None:
         size_bytes=3 << 20,
         rounds=1,
         host_copy_bytes=1 << 20,
-        bf16_n=128,
-        fp32_n=128,
+        matmul_seconds=0.05,
+        max_n=256,
         block_bytes=1 << 18,
     )
     assert isinstance(result, ProbeResult)
     out = result.to_json()
-    assert set(out) == KEYS | {"direct_io"}
+    assert set(out) == KEYS | ADDED
     assert all(isinstance(out[k], float) and out[k] > 0 for k in KEYS)
     assert isinstance(out["direct_io"], bool)
     assert json.loads(json.dumps(out)) == out
     assert [p.name for p in tmp_path.iterdir()] == ["keep.txt"]
+    # what this machine multiplies natively, and what auto picks from it, as the engine would
+    caps = capabilities(torch.device("cpu"))
+    assert out["native"] == {"bf16": caps.bf16, "fp16": caps.fp16, "fp32": True}
+    assert out["auto_dtype"] == choose("auto", caps).name
+    assert out["machine"]["cpu"] and out["machine"]["dtype"] == out["auto_dtype"]
+    assert all(128 <= n <= 256 for n in out["matmul_n"].values())
+    assert 0 < out["disk_bytes"] <= 3 << 20
+
+
+def test_probe_sizes_its_matmuls_by_time(tmp_path: Path) -> None:
+    """A tiny time budget stops at the first size; a larger one grows the square."""
+    small = measure(tmp_path, size_bytes=1 << 20, rounds=1, host_copy_bytes=1 << 16,
+                    matmul_seconds=1e-6, block_bytes=1 << 18)
+    assert set(small.matmul_n.values()) == {128}
+    grown = measure(tmp_path, size_bytes=1 << 20, rounds=1, host_copy_bytes=1 << 16,
+                    matmul_seconds=2.0, max_n=512, block_bytes=1 << 18)
+    assert grown.matmul_n["fp32"] > 128  # a 256-square fp32 product takes well under 0.2 s
 
 
 def test_probe_on_a_missing_folder_names_it(tmp_path: Path) -> None:
     missing = tmp_path / "a" / "b"
     with pytest.raises(StorageError, match=str(missing)):
-        measure(missing, size_bytes=1 << 16, rounds=1, bf16_n=8, fp32_n=8)
+        measure(missing, size_bytes=1 << 16, rounds=1, matmul_seconds=0.01, max_n=8)
 
 
 def test_probe_rejects_nonsense_sizes(tmp_path: Path) -> None:

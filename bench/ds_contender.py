@@ -47,8 +47,11 @@ def main() -> None:
     import torch
     from deepspeed.accelerator import get_accelerator
 
+    if spec.get("compute_threads"):
+        torch.set_num_threads(spec["compute_threads"])  # as every other row of the table
+
     sys.path.insert(0, str(REPO / "bench"))
-    from train import (  # the same data, step and timing loop as every other row
+    from train_worker import (  # the same data, step and timing loop as every other row
         _batch,
         engine_step,
         timed_steps,
@@ -68,7 +71,7 @@ def main() -> None:
     zero.update(spec.get("ds_zero", {}))
     ds_config = {
         "train_micro_batch_size_per_gpu": spec["batch"], "gradient_accumulation_steps": 1,
-        "bf16": {"enabled": True},
+        "bf16": {"enabled": spec["dtype"] == "bf16"},
         "optimizer": {"type": "Adam", "params": {"lr": hp["lr"], "betas": hp["betas"],
                                                   "eps": hp["eps"],
                                                   "weight_decay": hp["weight_decay"]}},
@@ -88,7 +91,7 @@ def main() -> None:
     res.update(init_s=round(init_s, 1), params=models.num_params(cfg),
                deepspeed=deepspeed.__version__, torch=torch.__version__,
                optimizer_class=type(getattr(opt, "optimizer", opt)).__name__,
-               zero_config=zero)
+               zero_config=zero, torch_threads=torch.get_num_threads(), dtype=spec["dtype"])
     print("RESULT " + json.dumps(res), flush=True)
 
 

@@ -30,6 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from outcore.machine import describe  # noqa: E402
 from outcore.tiers.aio import DEFAULT_BLOCK_BYTES, DEFAULT_THREADS, AioEngine  # noqa: E402
 from outcore.tiers.buffers import ALIGN, BufferPool, aligned_empty  # noqa: E402
 from outcore.tiers.nvme import NvmeStore  # noqa: E402
@@ -64,7 +65,7 @@ def timed_rate(run: Callable[[], object], nbytes: int) -> float:
 
 def machine() -> str:
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return f"{os.cpu_count()} cores, {mem:.0f} GiB RAM, torch {torch.__version__}"
+    return (f"{json.dumps(describe())}; {mem:.0f} GiB RAM")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,7 +1,7 @@
 """Scale demonstration: a model whose states are twice this machine's RAM, trained on NVMe.
 
-Builds a GPT preset under ``outcore.init`` with parameters and optimizer state on NVMe (bf16
-compute, fp32 master), trains a few steps, and reports peak RSS, seconds per step, bytes
+Builds a GPT preset under ``outcore.init`` with parameters and optimizer state on NVMe (``--dtype``,
+default auto; fp32 master), trains a few steps, and reports peak RSS, seconds per step, bytes
 moved per step and step time / floor, where the floor is the disk time of those bytes at the
 bandwidths ``outcore probe`` measures (or the compute estimate, if larger).
 
@@ -24,6 +24,7 @@ import psutil
 import torch
 
 import outcore
+from outcore.machine import describe
 from outcore.models import PRESETS, build_model, num_params
 
 
@@ -65,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefetch-mib", type=int, default=256)
     ap.add_argument("--probe", help="JSON from `outcore probe --json` (else measured now)")
     ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32"],
+                    help="compute dtype (default: auto, the fastest this machine has)")
     args = ap.parse_args(argv)
 
     Path(args.nvme_path).mkdir(parents=True, exist_ok=True)
@@ -77,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     gpt = PRESETS[args.model]
     n = num_params(gpt)
     cfg = outcore.Config.from_dict({
-        "dtype": "bf16", "optimizer": {"lr": 1e-4, "betas": [0.9, 0.95]},
+        "dtype": args.dtype, "optimizer": {"lr": 1e-4, "betas": [0.9, 0.95]},
         "offload": {"params": "nvme", "optimizer": "nvme", "nvme_path": args.nvme_path,
                     "host_buffer_bytes": args.host_buffer_mib << 20},
         "zero": {"prefetch_bytes": args.prefetch_mib << 20},
@@ -92,9 +95,14 @@ def main(argv: list[str] | None = None) -> int:
         model = build_model(args.model)
     engine = outcore.initialize(model, cfg)
     build_s = time.perf_counter() - t0
+    dtype = engine.dtype_choice.name
+    machine = describe(dtype)
+    print(f"machine: {machine['cpu']}, {machine['cores']} cores, features "
+          f"{machine['cpu_features']}; dtype {engine.dtype_choice}", flush=True)
     store = engine.rt.nvme
     print(f"built under outcore.init in {build_s:.0f} s; swap file {store.file_bytes / 1e9:.1f} GB,"
           f" peak RSS so far {rss.peak / 2**30:.2f} GiB", flush=True)
+    peak = probe.get(f"matmul_{dtype}_TFLOPs", probe["matmul_bf16_TFLOPs"])  # older probes
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, gpt.vocab, (args.batch, args.seq + 1), generator=gen)
     rows = []
@@ -107,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         dt = time.perf_counter() - t
         read, wrote = store.bytes_read - r0, store.bytes_written - w0
         io_s = read / (probe["disk_read_GBps"] * 1e9) + wrote / (probe["disk_write_GBps"] * 1e9)
-        compute_s = 8 * n * args.batch * args.seq / (probe["matmul_bf16_TFLOPs"] * 1e12)
+        compute_s = 8 * n * args.batch * args.seq / (peak * 1e12)
         floor = max(io_s, compute_s)
         rows.append({"step": step, "loss": loss.item(), "seconds": dt, "read_GB": read / 1e9,
                      "written_GB": wrote / 1e9, "floor_s": floor, "ratio": dt / floor})
@@ -123,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
               "build_s": build_s, "steps": rows, "peak_rss_GiB": peak / 2**30,
               "peak_rss_over_model_states": peak / (16 * n),
               "page_cache_growth_GiB": cache_growth / 2**30, "o_direct": direct,
-              "schedule": report["schedule"], "probe": probe,
+              "schedule": report["schedule"], "probe": probe, "machine": machine,
               "command": " ".join([sys.executable, *sys.argv])}
     print(json.dumps({k: v for k, v in result.items() if k != "steps"}, indent=1))
     if args.json:

@@ -22,6 +22,8 @@ import torch
 from torch import nn
 
 import outcore
+from outcore.compute_dtype import capabilities, choose, default_device
+from outcore.machine import describe
 from outcore.tiling import TiledLinear, tile_linears
 
 MiB = 2**20
@@ -40,7 +42,7 @@ class Layer(nn.Module):
 def run(a: argparse.Namespace) -> dict:
     torch.set_num_threads(2)
     cfg = outcore.Config.from_dict({
-        "dtype": "bf16", "optimizer": {"lr": 1e-4},
+        "dtype": a.dtype, "optimizer": {"lr": 1e-4},
         "offload": {"params": "nvme", "optimizer": "nvme", "nvme_path": a.swap},
         "zero": {"prefetch_bytes": a.prefetch_mib * MiB},
     })
@@ -96,6 +98,8 @@ def main() -> None:
     p.add_argument("--prefetch-mib", type=int, default=128)
     p.add_argument("--build", choices=["linear", "tiled"], default="linear",
                    help="build nn.Linear (then tile_linears) or TiledLinear under outcore.init")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32"],
+                   help="compute dtype (default: auto, the fastest this machine has)")
     p.add_argument("--one", action="store_true", help="run one configuration (internal)")
     a = p.parse_args()
     if a.one:
@@ -107,10 +111,12 @@ def main() -> None:
                                     (n, "linear", 0), (n, "tiled", budget)):
         cmd = [sys.executable, __file__, "--one", "--hidden", str(a.hidden), "--splits",
                str(splits), "--steps", str(a.steps), "--tokens", str(a.tokens), "--swap",
-               a.swap, "--prefetch-mib", str(prefetch), "--build", build]
+               a.swap, "--prefetch-mib", str(prefetch), "--build", build, "--dtype", a.dtype]
         out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
         rows.append(json.loads(out.strip().splitlines()[-1]))
         print(json.dumps(rows[-1]), flush=True)
+    dtype = choose(a.dtype, capabilities(default_device())).name
+    print(f"machine: {json.dumps(describe(dtype))}")
     print("| layer | tiles | built as | prefetch budget | peak gathered | peak prefetched "
           "| peak RSS (train) | peak RSS (run) | s/step | losses |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")

@@ -1,0 +1,234 @@
+"""bench/train.py's worker side: one row, trained in this fresh process, printed as JSON.
+
+Every row trains the same GPT preset on the same fixed random token batch in the compute dtype
+the driver resolved (``--dtype``, default ``auto``), with AdamW and seed 0, and times its
+steps with ``timed_steps``: medians after warm-up, bytes moved, CPU seconds of the process
+(``getrusage``, all threads) and the CPU other processes took meanwhile. ``ds_contender.py``
+imports ``timed_steps``, ``engine_step`` and ``_batch`` from here so DeepSpeed's row is timed
+the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+PLACEMENT = {  # row -> (offload.params, offload.optimizer, prefetch on)
+    "none": ("none", "none", True),
+    "cpu-p0": ("cpu", "none", False), "cpu": ("cpu", "none", True),
+    "nvme-p0": ("nvme", "none", False), "nvme": ("nvme", "none", True),
+    "nvme+opt-p0": ("nvme", "nvme", False), "nvme+opt": ("nvme", "nvme", True),
+    "nvme+opt-reuse": ("nvme", "nvme", True), "nvme+opt-early": ("nvme", "nvme", True),
+}
+# a row's own overrides, applied after --set (so --set cannot turn a row into another)
+ROW_SET = {"nvme+opt-reuse": {"offload": {"reuse_freed_memory": True}},
+           "nvme+opt-early": {"zero": {"overlap_step_with_forward": True}}}
+HP = {"lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.0}
+
+
+def merge(a: dict, b: dict) -> dict:
+    """``b`` deep-merged into ``a``."""
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _cpu_jiffies() -> tuple[int, int]:
+    """(machine busy jiffies, this process's utime+stime jiffies over all its threads)."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    with open("/proc/self/stat") as f:
+        p = f.read().rsplit(")", 1)[1].split()
+    return sum(v) - v[3] - v[4], int(p[11]) + int(p[12])
+
+
+def _proc_io() -> tuple[int, int]:
+    """(read_bytes, write_bytes) this process caused at the block layer."""
+    vals = {}
+    with open("/proc/self/io") as f:
+        for line in f:
+            k, v = line.split(":")
+            vals[k] = int(v)
+    return vals["read_bytes"], vals["write_bytes"]
+
+
+def timed_steps(step_fn, steps: int, warmup: int, counters=None, profile: str | None = None
+                ) -> dict:
+    """Run ``step_fn() -> (loss, t_fwd, t_bwd)`` ``steps`` times; medians after ``warmup``.
+
+    ``counters()`` returns (bytes read, bytes written) of the store; sampled around the
+    measured steps, as are /proc/self/io and the CPU other processes used meanwhile.
+    With ``profile`` (a path), the measured steps run under cProfile and the stats go there.
+    """
+    import cProfile
+    import resource
+
+    prof = cProfile.Profile() if profile else None
+    ru0 = None
+    hz, ncpu = os.sysconf("SC_CLK_TCK"), os.cpu_count() or 1
+    times, phases, losses, others = [], [], [], []
+    io0 = store0 = None
+    for i in range(steps):
+        if i == warmup:
+            io0, store0 = _proc_io(), counters() if counters else (0, 0)
+            ru0 = resource.getrusage(resource.RUSAGE_SELF)
+            if prof:
+                prof.enable()
+        b0, m0 = _cpu_jiffies()
+        t0 = time.perf_counter()
+        loss, t1, t2 = step_fn()
+        t3 = time.perf_counter()
+        b1, m1 = _cpu_jiffies()
+        times.append(t3 - t0)
+        phases.append((t1 - t0, t2 - t1, t3 - t2))
+        losses.append(loss)
+        others.append(max(0.0, ((b1 - b0) - (m1 - m0)) / hz / ((t3 - t0) * ncpu)))
+        print(f"  step {i} loss {loss:.4f} {t3 - t0:.2f}s (fwd {t1 - t0:.2f} bwd {t2 - t1:.2f} "
+              f"step {t3 - t2:.2f}) other_cpu {others[-1]:.2f}", file=sys.stderr, flush=True)
+    if prof:
+        prof.disable()
+        prof.dump_stats(profile)
+    n = steps - warmup
+    io1, store1 = _proc_io(), counters() if counters else (0, 0)
+    ru1 = resource.getrusage(resource.RUSAGE_SELF)
+    med = statistics.median
+    return {
+        "step_s": med(times[warmup:]), "step_times_s": [round(t, 3) for t in times],
+        "fwd_s": med(p[0] for p in phases[warmup:]), "bwd_s": med(p[1] for p in phases[warmup:]),
+        "opt_s": med(p[2] for p in phases[warmup:]),
+        "losses": [round(x, 5) for x in losses],
+        "other_cpu": round(statistics.mean(others[warmup:]), 3),
+        "proc_read_per_step": (io1[0] - io0[0]) / n, "proc_write_per_step": (io1[1] - io0[1]) / n,
+        "store_read_per_step": (store1[0] - store0[0]) / n,
+        "store_write_per_step": (store1[1] - store0[1]) / n,
+        # CPU seconds of this process (all threads) and minor page faults, per measured step
+        "user_s_per_step": (ru1.ru_utime - ru0.ru_utime) / n,
+        "sys_s_per_step": (ru1.ru_stime - ru0.ru_stime) / n,
+        "minflt_per_step": (ru1.ru_minflt - ru0.ru_minflt) / n,
+    }
+
+
+def _batch(vocab: int, batch: int, seq: int):
+    import torch
+
+    g = torch.Generator().manual_seed(1234)
+    tokens = torch.randint(0, vocab, (batch, seq + 1), generator=g)
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def engine_step(engine, x, y):
+    """One timed training step of an engine with the ``engine(x, y)`` / ``backward`` /
+    ``step`` API (outcore's and DeepSpeed's): returns (loss, end of forward, end of backward)."""
+
+    def step():
+        loss = engine(x, y)
+        t1 = time.perf_counter()
+        engine.backward(loss)
+        t2 = time.perf_counter()
+        engine.step()
+        return float(loss.float()), t1, t2
+
+    return step
+
+
+def run_plain(spec: dict) -> dict:
+    import torch
+
+    from outcore.models import build_model, num_params, resolve_config
+
+    torch.manual_seed(0)
+    model = build_model(spec["model"]).to(getattr(torch, DTYPES[spec["dtype"]]))
+    params = list(model.parameters())
+    # plain-master keeps fp32 masters beside the bf16 model, as outcore does
+    masters = [p.detach().float() for p in params] if spec["row"] == "plain-master" else None
+    opt = torch.optim.AdamW(masters or params, lr=HP["lr"], betas=tuple(HP["betas"]),
+                            eps=HP["eps"], weight_decay=HP["weight_decay"], fused=True)
+    x, y = _batch(resolve_config(spec["model"]).vocab, spec["batch"], spec["seq"])
+    clip = spec["clip"]
+
+    def step():
+        loss = model(x, y)
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        if masters:
+            for m, p in zip(masters, params, strict=True):
+                m.grad, p.grad = p.grad.float(), None
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(masters or params, clip, foreach=True)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if masters:
+            with torch.no_grad():
+                for m, p in zip(masters, params, strict=True):
+                    p.copy_(m)
+        return float(loss.float()), t1, t2
+
+    res = timed_steps(step, spec["steps"], spec["warmup"])
+    res["params"] = num_params(resolve_config(spec["model"]))
+    return res
+
+
+def run_outcore(spec: dict) -> dict:
+    import torch
+
+    import outcore
+    from outcore.models import build_model, num_params, resolve_config
+
+    params, optim, prefetch = PLACEMENT[spec["row"]]
+    zero: dict = {"prefetch_bytes": spec["prefetch_bytes"] if prefetch else 0}
+    if prefetch and spec["prefetch_bytes"] is None:
+        zero = {}  # outcore's default budget
+    cfg = outcore.Config.from_dict({
+        "dtype": spec["dtype"], "seed": 0, "optimizer": {"type": "adamw", **HP},
+        "offload": {"params": params, "optimizer": optim, "nvme_path": spec["nvme_path"]},
+        "zero": zero, "gradient_clipping": spec["clip"],
+    }).with_overrides(merge(spec.get("outcore_set", {}), ROW_SET.get(spec["row"], {})))
+    t0 = time.perf_counter()
+    torch.manual_seed(0)
+    with outcore.init(cfg):
+        model = build_model(spec["model"])
+    engine = outcore.initialize(model, cfg)
+    init_s = time.perf_counter() - t0
+    x, y = _batch(resolve_config(spec["model"]).vocab, spec["batch"], spec["seq"])
+    step = engine_step(engine, x, y)
+
+    def counters():
+        store = engine.rt._nvme  # only NVMe placements create the store
+        return (store.bytes_read, store.bytes_written) if store is not None else (0, 0)
+
+    res = timed_steps(step, spec["steps"], spec["warmup"], counters, spec.get("profile"))
+    report = engine.memory_report()
+    res.update(init_s=round(init_s, 1), params=num_params(resolve_config(spec["model"])),
+               memory_report={k: report[k] for k in ("device", "host", "nvme", "rss")},
+               schedule=engine.schedule_stats())
+    engine.close()
+    return res
+
+
+def run_probe(spec: dict) -> dict:
+    from outcore.probe import measure
+
+    return measure(spec["nvme_path"]).to_json()
+
+
+def worker(spec: dict) -> None:
+    """Run one row in this process and print its ``RESULT`` line; ``compute_threads`` (when
+    set) caps torch's intra-op threads, leaving the other cores to outcore's I/O threads."""
+    import torch
+
+    sys.path.insert(0, str(REPO))
+    if spec.get("compute_threads"):
+        torch.set_num_threads(spec["compute_threads"])
+    kind = {"plain": run_plain, "plain-master": run_plain, "probe": run_probe}.get(
+        spec["row"], run_outcore)
+    res = kind(spec)
+    res["torch_threads"] = torch.get_num_threads()
+    print("RESULT " + json.dumps(res), flush=True)

@@ -82,6 +82,12 @@ def main() -> None:
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
     torch.manual_seed(0)
     model = models.build_model(spec["model"])
+    # Partition under zero.Init with the config, as DeepSpeed documents. Without it, 0.19.8's
+    # ZeRO-3 calls Init(dtype=<the params' dtype>) itself, and Init's `dtype or fp16 if
+    # is_fp16_supported() else bf16` precedence (partition_parameters.py) gives NVMe-swapped
+    # params bf16 in an fp32 run, which a CPU without native bf16 emulates (checked
+    # 2026-11-23 on the AMD EPYC kind: bf16 matmuls with params on NVMe, fp32 with this line).
+    deepspeed.zero.Init(module=model, config_dict_or_path=ds_config)
     engine, opt, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                              config=ds_config)
     init_s = time.perf_counter() - t0

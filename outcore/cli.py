@@ -120,7 +120,9 @@ def build_parser(with_train_options: bool = False) -> _Parser:
     probe = sub.add_parser("probe", help="measure this machine's disk, memory and matmul rates",
                            description="Measure disk read/write, host copy and matmul rates.")
     probe.add_argument("--path", default=".", help="folder on the disk to measure (default: .)")
-    probe.add_argument("--size", type=_positive_size, help="bytes of disk traffic, e.g. 1GB")
+    probe.add_argument("--size", type=_positive_size,
+                       help="at most this many bytes per disk round, e.g. 1GB (default 512MiB; "
+                       "sized by time below that)")
     probe.add_argument("--json", action="store_true", help="print JSON")
     probe.set_defaults(run=_run_probe)
 

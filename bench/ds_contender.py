@@ -72,6 +72,7 @@ def main() -> None:
     ds_config = {
         "train_micro_batch_size_per_gpu": spec["batch"], "gradient_accumulation_steps": 1,
         "bf16": {"enabled": spec["dtype"] == "bf16"},
+        "fp16": {"enabled": spec["dtype"] == "fp16"},
         "optimizer": {"type": "Adam", "params": {"lr": hp["lr"], "betas": hp["betas"],
                                                   "eps": hp["eps"],
                                                   "weight_decay": hp["weight_decay"]}},

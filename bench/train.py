@@ -171,7 +171,8 @@ def _run_row_once(row: Row, args, nvme_root: Path, logs: Path, quiet: str) -> No
 
 def probe(args, nvme_root: Path, logs: Path) -> dict:
     folder = Path(tempfile.mkdtemp(prefix="probe-", dir=nvme_root))
-    spec = {"row": "probe", "nvme_path": str(folder)}
+    # the matmul peak on the threads every row computes on (--compute-threads)
+    spec = {"row": "probe", "nvme_path": str(folder), "compute_threads": args.compute_threads}
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec)]
     try:
         res, err = _child(cmd, logs / "probe.log", 600)

@@ -61,18 +61,25 @@ def _bytes(r: dict) -> tuple[float, float]:
     return r.get("proc_read_per_step", 0.0), r.get("proc_write_per_step", 0.0)
 
 
-def cpu_s(r: dict) -> float:
-    """CPU seconds (user + system, all threads) the row's process spent per measured step."""
-    return r.get("user_s_per_step", 0.0) + r.get("sys_s_per_step", 0.0)
+def cpu_s(r: dict) -> float | None:
+    """CPU seconds (user + system, all threads) the row's process spent per measured step;
+    None for results that predate the counters."""
+    if "user_s_per_step" not in r:
+        return None
+    return r["user_s_per_step"] + r.get("sys_s_per_step", 0.0)
 
 
 def cpu_per_gb(r: dict, base: float | None) -> str:
     """CPU seconds per GB moved to and from the disk beyond the no-offload row's CPU per step:
     what the offload's host work costs per byte (issue: at most 0.2 s/GB)."""
-    moved = sum(_bytes(r)) / 1e9
-    if base is None or moved < 0.05:
+    moved, mine = sum(_bytes(r)) / 1e9, cpu_s(r)
+    if base is None or mine is None or moved < 0.05:
         return "—"
-    return f"{(cpu_s(r) - base) / moved:.2f}"
+    return f"{(mine - base) / moved:.2f}"
+
+
+def _num(value: float | None) -> str:
+    return "—" if value is None else f"{value:.2f}"
 
 
 def _gb(nbytes: float) -> str:
@@ -108,7 +115,7 @@ def table(rows: list[Row], pr: dict) -> str:
             f"| {LABEL[row.name]} | {r['step_s']:.2f} | {tps:.0f} | {ratio} | "
             f"{r['peak_rss'] / 2**30:.2f} | {_gb(rd)}{src} | {_gb(wr)}{src} | {fl} | "
             f"{rel} | {r['fwd_s']:.2f} / {r['bwd_s']:.2f} / {r['opt_s']:.2f} | "
-            f"{cpu_s(r):.2f} | {cpu_per_gb(r, base_cpu)} | {r['other_cpu']:.2f} |")
+            f"{_num(cpu_s(r))} | {cpu_per_gb(r, base_cpu)} | {r['other_cpu']:.2f} |")
     return "\n".join(out)
 
 

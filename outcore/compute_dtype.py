@@ -137,7 +137,7 @@ def _user_stacklevel() -> int:
     """The ``stacklevel`` that points a warning raised in ``resolve`` at the first caller
     outside outcore (``outcore.init``, ``initialize`` and the CLI reach it at different
     depths)."""
-    package = os.path.dirname(os.path.abspath(__file__))
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
     frame, level = sys._getframe(1), 1  # resolve's frame is level 1 for its warnings.warn
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
         frame, level = frame.f_back, level + 1

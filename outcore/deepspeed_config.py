@@ -90,7 +90,7 @@ def _enabled_precisions(ds: dict[str, Any]) -> dict[str, Any]:
             continue
         section = ds[key]
         value = section.get("enabled", False) if isinstance(section, dict) else None
-        if value not in (True, False, "auto"):
+        if not (isinstance(value, bool) or value == "auto"):
             raise ConfigError(f"DeepSpeed config '{key}': expected {{\"enabled\": true, false "
                               f"or \"auto\"}}, got {section!r}")
         out[key] = value
@@ -100,6 +100,8 @@ def _enabled_precisions(ds: dict[str, Any]) -> dict[str, Any]:
 def _dtype(enabled: dict[str, Any]) -> str:
     """bf16 or fp16 where enabled; ``auto`` where either says ``"auto"`` (as Hugging Face's
     DeepSpeed configs do: outcore then picks per device); fp32 where neither is on."""
+    if enabled.get("bf16") is True and enabled.get("fp16") is True:
+        raise ConfigError("DeepSpeed config enables both 'bf16' and 'fp16'; enable one")
     for name in ("bf16", "fp16"):
         if enabled.get(name) is True:
             return name

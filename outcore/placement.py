@@ -93,6 +93,8 @@ def plan(num_params: int, world_size: int = 1, *, nvme_path: str | None = None,
     for params, optimizer in _ORDER:
         use = {"device": 0, "host": 0, "nvme": 0}
         for kind, where in (("params", params), ("optimizer", optimizer)):
+            if kind == "params" and param_bytes == 4 and params == optimizer:
+                continue  # fp32 shards beside their masters are the masters (runtime.py)
             use[{"none": "device", "cpu": "host", "nvme": "nvme"}[where]] += need[kind]
         if optimizer == "nvme":  # gradients stay in host memory until their update
             use["host"] += per_rank * grad_bytes

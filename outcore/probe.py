@@ -176,7 +176,7 @@ def _matmul(dtype: torch.dtype, device: torch.device, seconds: float, max_n: int
         sync()
         return (time.perf_counter() - start) / reps
 
-    n = 128
+    n = min(128, max_n)
     while True:
         a = torch.randn(n, n, device=device).to(dtype)
         b = torch.randn(n, n, device=device).to(dtype)
@@ -216,9 +216,9 @@ def measure(
         raise ValueError("size_bytes, host_copy_bytes, rounds, disk_seconds and "
                          "matmul_seconds must be > 0")
     device = device or default_device()
-    max_n = max_n or (16384 if device.type == "cuda" else 4096)
-    if max_n < 1:
+    if max_n is not None and max_n < 1:
         raise ValueError(f"max_n must be >= 1, got {max_n}")
+    max_n = max_n or (16384 if device.type == "cuda" else 4096)
     _say(progress, f"disk: writing and reading up to {round_up(size_bytes) / 2**20:.0f} MiB "
          f"in {os.fspath(path)} (about {disk_seconds:.0f} s)")
     read, write, direct, nbytes = _disk(path, round_up(size_bytes), threads, block_bytes,

@@ -81,9 +81,14 @@ def test_deepspeed_auto_means_auto(ds: dict, dtype: str) -> None:
     assert translate(ds)[0]["dtype"] == dtype
 
 
-def test_deepspeed_precision_section_that_is_not_a_mapping_is_named() -> None:
-    with pytest.raises(outcore.ConfigError, match="'bf16'"):
-        translate({"bf16": True})
+@pytest.mark.parametrize(("ds", "says"), [
+    ({"bf16": True}, "'bf16'"),
+    ({"fp16": {"enabled": 1}}, "'fp16'"),  # DeepSpeed's own check wants a bool
+    ({"bf16": {"enabled": True}, "fp16": {"enabled": True}}, "both"),
+])
+def test_deepspeed_precision_sections_are_checked(ds: dict, says: str) -> None:
+    with pytest.raises(outcore.ConfigError, match=says):
+        translate(ds)
 
 
 def _fake(monkeypatch: pytest.MonkeyPatch, caps: Capabilities) -> None:
@@ -165,3 +170,16 @@ def test_a_checkpoint_resumes_in_another_dtype(tmp_path: Path, first: str, then:
     assert eng.dtype == compute_dtype.DTYPES[then]
     assert all(torch.equal(saved[k], loaded[k]) for k in saved)
     assert all(torch.isfinite(torch.tensor(losses)))
+
+
+def test_placement_prices_fp32_shards_as_their_masters() -> None:
+    """In fp32 a parameter shard in the optimizer's tier *is* its master (12 B per parameter
+    in all); in bf16 it is 2 B more. 13 GB of host room holds the first, not the second."""
+    from outcore.placement import plan
+
+    room = {"device_free": 1, "host_free": int(13e9 / 0.6), "disk_free": 10**13,
+            "grads_resident": False}
+    fp32 = plan(10**9, param_bytes=4, **room)
+    bf16 = plan(10**9, param_bytes=2, **room)
+    assert (fp32.params, fp32.optimizer) == ("cpu", "cpu")
+    assert (bf16.params, bf16.optimizer) == ("cpu", "nvme")

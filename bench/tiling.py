@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 import outcore
-from outcore.compute_dtype import capabilities, choose, default_device
+from outcore.compute_dtype import planned
 from outcore.machine import describe
 from outcore.tiling import TiledLinear, tile_linears
 
@@ -115,7 +115,7 @@ def main() -> None:
         out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
         rows.append(json.loads(out.strip().splitlines()[-1]))
         print(json.dumps(rows[-1]), flush=True)
-    dtype = choose(a.dtype, capabilities(default_device())).name
+    dtype = planned(a.dtype).name
     print(f"machine: {json.dumps(describe(dtype))}")
     print("| layer | tiles | built as | prefetch budget | peak gathered | peak prefetched "
           "| peak RSS (train) | peak RSS (run) | s/step | losses |")

@@ -190,9 +190,9 @@ def machine() -> str:
 
 def resolve_dtype(name: str) -> str:
     """``--dtype`` as every row will train: ``auto`` resolved for this machine's CPU."""
-    from outcore.compute_dtype import capabilities, choose, default_device
+    from outcore.compute_dtype import planned
 
-    return choose(name, capabilities(default_device())).name
+    return planned(name).name
 
 
 def parse_sweep(text: str) -> list[tuple[int, int]]:

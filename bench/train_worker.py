@@ -18,7 +18,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 PLACEMENT = {  # row -> (offload.params, offload.optimizer, prefetch on)
     "none": ("none", "none", True),
     "cpu-p0": ("cpu", "none", False), "cpu": ("cpu", "none", True),
@@ -141,10 +140,11 @@ def engine_step(engine, x, y):
 def run_plain(spec: dict) -> dict:
     import torch
 
+    from outcore.compute_dtype import DTYPES
     from outcore.models import build_model, num_params, resolve_config
 
     torch.manual_seed(0)
-    model = build_model(spec["model"]).to(getattr(torch, DTYPES[spec["dtype"]]))
+    model = build_model(spec["model"]).to(DTYPES[spec["dtype"]])
     params = list(model.parameters())
     # plain-master keeps fp32 masters beside the bf16 model, as outcore does
     masters = [p.detach().float() for p in params] if spec["row"] == "plain-master" else None

@@ -17,6 +17,11 @@ from dataclasses import dataclass, field
 import torch
 
 
+def default_device() -> torch.device:
+    """The device ``Accelerator.detect`` computes on (its type), without selecting one."""
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
 @dataclass
 class Accelerator:
     """Device, collective backend and host<->device copies for one rank."""

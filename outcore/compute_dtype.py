@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from outcore.accel import default_device
 from outcore.machine import cpu_features, cpu_model
 
 DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16,
@@ -120,11 +121,11 @@ _warned: set[tuple[str, str]] = set()
 
 def resolve(requested: str, device: torch.device) -> DtypeChoice:
     """``choose`` for a real device; warns once per process where the choice is emulated."""
-    choice = choose(requested, capabilities(device))
+    caps = capabilities(device)
+    choice = choose(requested, caps)
     if not choice.native and (device.type, choice.name) not in _warned:
         _warned.add((device.type, choice.name))
-        better = choose("auto", capabilities(device)).name
-        caps = capabilities(device)
+        better = choose("auto", caps).name
         warnings.warn(f"dtype {choice.name}: {caps.name} ({caps.detail}) does not multiply "
                       f"{choice.name} natively, so torch emulates it and matrix products may "
                       f"run tens of times slower than in {better}. Use dtype 'auto' (here: "
@@ -144,6 +145,7 @@ def _user_stacklevel() -> int:
     return level
 
 
-def default_device() -> torch.device:
-    """The device ``Accelerator.detect`` would compute on, without selecting it."""
-    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+def planned(requested: str) -> DtypeChoice:
+    """What the runtime will resolve ``requested`` to on this machine's compute device, for
+    readers that run before one exists (placement, the probe, benchmarks); never warns."""
+    return choose(requested, capabilities(default_device()))

@@ -30,7 +30,7 @@ from typing import Any
 import psutil
 import torch
 
-from outcore.compute_dtype import capabilities, choose, default_device
+from outcore.compute_dtype import planned
 from outcore.errors import ConfigError
 
 _MiB = 1 << 20
@@ -127,7 +127,7 @@ def auto_config(num_params: int | torch.nn.Module, base: dict[str, Any] | None =
     if isinstance(num_params, torch.nn.Module):
         num_params = sum(p.numel() for p in num_params.parameters())
     cfg = Config.load(base)
-    dtype = choose(cfg.dtype, capabilities(default_device()))  # what the runtime will resolve
+    dtype = planned(cfg.dtype)
     overlapped = (cfg.zero.overlap_optimizer and cfg.gradient_clipping == 0
                   and dtype.name != "fp16")
     measured.setdefault("grads_resident", not overlapped)

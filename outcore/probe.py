@@ -31,7 +31,8 @@ from typing import Any
 
 import torch
 
-from outcore.compute_dtype import DTYPES, capabilities, choose, default_device
+from outcore.accel import default_device
+from outcore.compute_dtype import DTYPES, capabilities, choose
 from outcore.errors import StorageError
 from outcore.machine import describe
 from outcore.tiers.aio import DEFAULT_BLOCK_BYTES, DEFAULT_THREADS, AioEngine
@@ -78,10 +79,6 @@ class ProbeResult:
     def to_json(self) -> dict[str, Any]:
         """The result as a JSON-ready dict keyed by the field names."""
         return asdict(self)
-
-    def matmul_TFLOPs(self, dtype: str) -> float:
-        """The measured rate of ``dtype`` (``bf16``, ``fp16`` or ``fp32``)."""
-        return float(getattr(self, f"matmul_{dtype}_TFLOPs"))
 
 
 def _best_rate(

@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from outcore.machine import describe  # noqa: E402
+from outcore.device.machine import describe  # noqa: E402
 from outcore.tiers.aio import DEFAULT_BLOCK_BYTES, DEFAULT_THREADS, AioEngine  # noqa: E402
 from outcore.tiers.buffers import ALIGN, BufferPool, aligned_empty  # noqa: E402
 from outcore.tiers.nvme import NvmeStore  # noqa: E402

@@ -24,7 +24,7 @@ import psutil
 import torch
 
 import outcore
-from outcore.machine import describe
+from outcore.device.machine import describe
 from outcore.models import PRESETS, build_model, num_params
 
 

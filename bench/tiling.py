@@ -22,8 +22,8 @@ import torch
 from torch import nn
 
 import outcore
-from outcore.compute_dtype import planned
-from outcore.machine import describe
+from outcore.device.compute_dtype import planned
+from outcore.device.machine import describe
 from outcore.tiling import TiledLinear, tile_linears
 
 MiB = 2**20

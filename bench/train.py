@@ -190,7 +190,7 @@ def machine() -> str:
 
 def resolve_dtype(name: str) -> str:
     """``--dtype`` as every row will train: ``auto`` resolved for this machine's CPU."""
-    from outcore.compute_dtype import planned
+    from outcore.device.compute_dtype import planned
 
     return planned(name).name
 
@@ -276,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         sweep_rows = [r for r in sweep_rows if r != "deepspeed"]
 
     sys.path.insert(0, str(REPO))
-    from outcore.machine import describe
+    from outcore.device.machine import describe
     from outcore.models import num_params, resolve_config
 
     args.dtype_resolved = resolve_dtype(args.dtype)

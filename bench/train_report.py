@@ -251,7 +251,7 @@ def merge_report(paths: list[Path]) -> int:
 
 
 def machine_line(m: dict) -> str:
-    """One line naming the machine of a ``outcore.machine.describe()`` dict."""
+    """One line naming the machine of a ``outcore.device.machine.describe()`` dict."""
     if not m:
         return ""
     f = m.get("cpu_features", {})

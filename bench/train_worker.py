@@ -140,7 +140,7 @@ def engine_step(engine, x, y):
 def run_plain(spec: dict) -> dict:
     import torch
 
-    from outcore.compute_dtype import DTYPES
+    from outcore.device.compute_dtype import DTYPES
     from outcore.models import build_model, num_params, resolve_config
 
     torch.manual_seed(0)

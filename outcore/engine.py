@@ -25,8 +25,8 @@ import psutil
 import torch
 from torch import nn
 
-from outcore.compute_dtype import DtypeChoice
 from outcore.config import Config
+from outcore.device.compute_dtype import DtypeChoice
 from outcore.errors import ConfigError, StorageError
 from outcore.gathered import gathered_parameters
 from outcore.group import ParamGroup

@@ -30,7 +30,7 @@ from typing import Any
 import psutil
 import torch
 
-from outcore.compute_dtype import planned
+from outcore.device.compute_dtype import planned
 from outcore.errors import ConfigError
 
 _MiB = 1 << 20

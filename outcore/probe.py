@@ -31,10 +31,10 @@ from typing import Any
 
 import torch
 
-from outcore.accel import default_device
-from outcore.compute_dtype import DTYPES, capabilities, choose
+from outcore.device.accel import default_device
+from outcore.device.compute_dtype import DTYPES, capabilities, choose
+from outcore.device.machine import describe
 from outcore.errors import StorageError
-from outcore.machine import describe
 from outcore.tiers.aio import DEFAULT_BLOCK_BYTES, DEFAULT_THREADS, AioEngine
 from outcore.tiers.buffers import ALIGN, BufferPool, aligned_empty, round_up
 from outcore.tiers.nvme import NvmeStore
@@ -74,7 +74,7 @@ class ProbeResult:
     device: str = "cpu"
     """The compute device the matmuls ran on."""
     machine: dict[str, Any] = field(default_factory=dict)
-    """``outcore.machine.describe()``: CPU model and features, cores, torch, GPU, date."""
+    """``outcore.device.machine.describe()``: CPU model and features, cores, torch, GPU, date."""
 
     def to_json(self) -> dict[str, Any]:
         """The result as a JSON-ready dict keyed by the field names."""

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import torch
 
-from outcore.accel import Accelerator
 from outcore.comm import Comm
-from outcore.compute_dtype import DtypeChoice, resolve
 from outcore.config import Config
+from outcore.device.accel import Accelerator
+from outcore.device.compute_dtype import DtypeChoice, resolve
 from outcore.host_memory import (
     keep_freed_memory_for_reuse,
     return_large_frees_to_os,

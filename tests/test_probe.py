@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from outcore.compute_dtype import capabilities, choose
+from outcore.device.compute_dtype import capabilities, choose
 from outcore.errors import StorageError
 from outcore.probe import ProbeResult, measure
 

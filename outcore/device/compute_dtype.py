@@ -29,8 +29,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from outcore.accel import default_device
-from outcore.machine import cpu_features, cpu_model
+from outcore.device.accel import default_device
+from outcore.device.machine import cpu_features, cpu_model
 
 DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16,
                                   "fp32": torch.float32}
@@ -138,7 +138,7 @@ def _user_stacklevel() -> int:
     """The ``stacklevel`` that points a warning raised in ``resolve`` at the first caller
     outside outcore (``outcore.init``, ``initialize`` and the CLI reach it at different
     depths)."""
-    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # outcore/
     frame, level = sys._getframe(1), 1  # resolve's frame is level 1 for its warnings.warn
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
         frame, level = frame.f_back, level + 1

@@ -12,10 +12,10 @@ from outcore.activations import checkpoint_activations
 from outcore.config import Config
 from outcore.engine import Engine, initialize
 from outcore.errors import CommError, ConfigError, DataError, OutcoreError, StorageError
-from outcore.gathered import gathered_parameters
-from outcore.init import init
 from outcore.pretrained import load_pretrained
 from outcore.tiling import TiledLinear, tile_linears
+from outcore.zero.gathered import gathered_parameters
+from outcore.zero.init import init
 
 __version__ = "0.1.0"
 

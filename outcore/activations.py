@@ -64,9 +64,9 @@ from torch.overrides import _get_current_function_mode_stack
 from torch.utils.checkpoint import checkpoint
 
 from outcore.hooks import ParamAccessMode
-from outcore.registry import managed, owner
 from outcore.storage import Tier
 from outcore.tiers.buffers import aligned_empty
+from outcore.zero.registry import managed, owner
 
 if TYPE_CHECKING:
     from outcore.engine import Engine

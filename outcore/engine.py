@@ -28,16 +28,16 @@ from torch import nn
 from outcore.config import Config
 from outcore.device.compute_dtype import DtypeChoice
 from outcore.errors import ConfigError, StorageError
-from outcore.gathered import gathered_parameters
-from outcore.group import ParamGroup
 from outcore.hooks import Hooks
 from outcore.optim import ShardedOptimizer
-from outcore.param import ShardedParam
 from outcore.precision import LossScaler
-from outcore.registry import managed, register
 from outcore.runtime import Runtime
 from outcore.schedule import Schedule
 from outcore.storage import Tier
+from outcore.zero.gathered import gathered_parameters
+from outcore.zero.group import ParamGroup
+from outcore.zero.param import ShardedParam
+from outcore.zero.registry import managed, register
 
 _HP_KEYS = ("lr", "betas", "eps", "weight_decay", "momentum", "nesterov")
 

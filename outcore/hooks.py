@@ -39,12 +39,12 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from outcore.group import GroupState, ParamGroup, PendingReduce
-from outcore.registry import METADATA_CALLS, managed, owner
+from outcore.zero.group import GroupState, ParamGroup, PendingReduce
+from outcore.zero.registry import METADATA_CALLS, managed, owner
 
 if TYPE_CHECKING:
-    from outcore.param import ShardedParam
     from outcore.schedule import Schedule
+    from outcore.zero.param import ShardedParam
 
 
 class ParamAccessMode(TorchFunctionMode):

@@ -32,9 +32,9 @@ from torch.optim.sgd import sgd
 
 from outcore.config import OptimizerConfig
 from outcore.optim_work import ALIGN_ELEMS, Feed, Job, Slice, Slot, Work, first_error, settle
-from outcore.param import ShardedParam
 from outcore.runtime import Runtime
 from outcore.storage import Tier
+from outcore.zero.param import ShardedParam
 
 _STATE_KINDS = {"adamw": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",)}
 

@@ -26,7 +26,7 @@ from safetensors import safe_open
 from torch import nn
 
 from outcore.errors import ConfigError
-from outcore.registry import managed
+from outcore.zero.registry import managed
 
 _INDEX = "model.safetensors.index.json"
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import torch
 
-from outcore.comm import Comm
 from outcore.config import Config
 from outcore.device.accel import Accelerator
 from outcore.device.compute_dtype import DtypeChoice, resolve
@@ -23,6 +22,7 @@ from outcore.host_memory import (
 )
 from outcore.storage import Ledger, MemoryStored, NvmeStored, Stored, Tier
 from outcore.tiers.buffers import AlignedRegions
+from outcore.zero.comm import Comm
 
 
 class Runtime:

@@ -43,7 +43,7 @@ import itertools
 import logging
 import warnings
 
-from outcore.group import GroupState, ParamGroup
+from outcore.zero.group import GroupState, ParamGroup
 
 log = logging.getLogger("outcore")
 

@@ -31,9 +31,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from outcore.gathered import gathered_parameters
-from outcore.param import ShardedParam
-from outcore.registry import managed, register
+from outcore.zero.gathered import gathered_parameters
+from outcore.zero.param import ShardedParam
+from outcore.zero.registry import managed, register
 
 
 def split_sizes(n: int, parts: int) -> list[int]:

@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import outcore
-from outcore.group import GroupState
-from outcore.registry import managed
+from outcore.zero.group import GroupState
+from outcore.zero.registry import managed
 from tests.distributed import run_world
 from tests.test_parity import VOCAB, Quirky
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import outcore
-from outcore.registry import managed
 from outcore.storage import NvmeStored
+from outcore.zero.registry import managed
 from tests.distributed import run_world
 from tests.test_parity import ADAMW, VOCAB, Quirky
 from tests.test_tiers_buffers import resident_bytes

@@ -67,7 +67,7 @@ def test_the_next_job_is_read_before_the_last_one_is_written(
                          offload={"optimizer": "nvme", "nvme_path": str(tmp_path)})
     engine = outcore.initialize(model, cfg,
                                 param_groups=[{"params": list(m.parameters())} for m in layers])
-    masters = {id(outcore.registry.managed(m.weight).master): i for i, m in enumerate(layers)}
+    masters = {id(outcore.zero.registry.managed(m.weight).master): i for i, m in enumerate(layers)}
     events: list[tuple[str, int]] = []
     _record(monkeypatch, events)
     x = torch.randn(8, 64, generator=torch.Generator().manual_seed(1))
@@ -234,7 +234,7 @@ def test_an_update_failing_after_the_step_raises_from_every_later_fetch(
                          offload={"params": "nvme", "optimizer": "nvme",
                                   "nvme_path": str(tmp_path), "host_buffer_bytes": 1 << 20})
     engine = outcore.initialize(model, cfg)
-    target = outcore.registry.managed(model[0].weight).master
+    target = outcore.zero.registry.managed(model[0].weight).master
     x = torch.randn(8, 64, generator=torch.Generator().manual_seed(1))
     engine.backward(engine(x).pow(2).mean())
     engine.step()

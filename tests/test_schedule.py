@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import outcore
-from outcore.group import GroupState
+from outcore.zero.group import GroupState
 from tests.distributed import run_world
 
 DIM = 64  # one Linear(64, 64) group is 64*64*4 + 64*4 = 16640 bytes in fp32

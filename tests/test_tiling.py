@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import outcore
-from outcore.registry import managed
 from outcore.tiling import TiledLinear, tile_linears
+from outcore.zero.registry import managed
 from tests.distributed import run_world
 
 

@@ -29,9 +29,9 @@ from torch.nn.modules.module import register_module_parameter_registration_hook
 from outcore.config import Config
 from outcore.errors import ConfigError
 from outcore.hooks import ParamAccessMode
-from outcore.param import ShardedParam
-from outcore.registry import OVERWRITE_CALLS, managed, register
 from outcore.runtime import Runtime
+from outcore.zero.param import ShardedParam
+from outcore.zero.registry import OVERWRITE_CALLS, managed, register
 
 
 class init:  # noqa: N801  (a context manager named like the function users call)

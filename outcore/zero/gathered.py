@@ -14,8 +14,8 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
-from outcore.group import GroupState
-from outcore.registry import managed
+from outcore.zero.group import GroupState
+from outcore.zero.registry import managed
 
 
 @contextlib.contextmanager

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from outcore.param import ShardedParam
+    from outcore.zero.param import ShardedParam
 
 _MANAGED: dict[int, ShardedParam] = {}
 

@@ -23,11 +23,11 @@ import weakref
 import torch
 from torch import nn
 
-from outcore import registry
 from outcore.errors import ConfigError
 from outcore.runtime import Runtime
-from outcore.sharding import ShardLayout
 from outcore.storage import Stored, load_now
+from outcore.zero import registry
+from outcore.zero.sharding import ShardLayout
 
 
 class ShardedParam:

@@ -28,10 +28,10 @@ from enum import Enum
 
 import torch
 
-from outcore.param import ShardedParam
 from outcore.runtime import Runtime
 from outcore.storage import Tier
 from outcore.tiers.buffers import ALIGN, aligned_empty, round_up
+from outcore.zero.param import ShardedParam
 
 
 class GroupState(str, Enum):

@@ -63,7 +63,7 @@ from torch.autograd.graph import saved_tensors_hooks
 from torch.overrides import _get_current_function_mode_stack
 from torch.utils.checkpoint import checkpoint
 
-from outcore.hooks import ParamAccessMode
+from outcore.overlap.hooks import ParamAccessMode
 from outcore.storage import Tier
 from outcore.tiers.buffers import aligned_empty
 from outcore.zero.registry import managed, owner

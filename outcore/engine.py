@@ -28,11 +28,11 @@ from torch import nn
 from outcore.config import Config
 from outcore.device.compute_dtype import DtypeChoice
 from outcore.errors import ConfigError, StorageError
-from outcore.hooks import Hooks
 from outcore.optim import ShardedOptimizer
+from outcore.overlap.hooks import Hooks
+from outcore.overlap.schedule import Schedule
 from outcore.precision import LossScaler
 from outcore.runtime import Runtime
-from outcore.schedule import Schedule
 from outcore.storage import Tier
 from outcore.zero.gathered import gathered_parameters
 from outcore.zero.group import ParamGroup

@@ -28,7 +28,7 @@ from torch.nn.modules.module import register_module_parameter_registration_hook
 
 from outcore.config import Config
 from outcore.errors import ConfigError
-from outcore.hooks import ParamAccessMode
+from outcore.overlap.hooks import ParamAccessMode
 from outcore.runtime import Runtime
 from outcore.zero.param import ShardedParam
 from outcore.zero.registry import OVERWRITE_CALLS, managed, register

@@ -43,7 +43,7 @@ from outcore.zero.group import GroupState, ParamGroup, PendingReduce
 from outcore.zero.registry import METADATA_CALLS, managed, owner
 
 if TYPE_CHECKING:
-    from outcore.schedule import Schedule
+    from outcore.overlap.schedule import Schedule
     from outcore.zero.param import ShardedParam
 
 

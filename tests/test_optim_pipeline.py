@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import outcore
-from outcore.optim import ShardedOptimizer
+from outcore.optim.optimizer import ShardedOptimizer
 from outcore.storage import NvmeStored
 from tests.distributed import run_world
 

@@ -31,7 +31,7 @@ from torch.optim.adamw import adamw
 from torch.optim.sgd import sgd
 
 from outcore.config import OptimizerConfig
-from outcore.optim_work import ALIGN_ELEMS, Feed, Job, Slice, Slot, Work, first_error, settle
+from outcore.optim.work import ALIGN_ELEMS, Feed, Job, Slice, Slot, Work, first_error, settle
 from outcore.runtime import Runtime
 from outcore.storage import Tier
 from outcore.zero.param import ShardedParam

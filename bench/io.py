@@ -31,9 +31,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from outcore.device.machine import describe  # noqa: E402
-from outcore.tiers.aio import DEFAULT_BLOCK_BYTES, DEFAULT_THREADS, AioEngine  # noqa: E402
-from outcore.tiers.buffers import ALIGN, BufferPool, aligned_empty  # noqa: E402
-from outcore.tiers.nvme import NvmeStore  # noqa: E402
+from outcore.offload.aio import DEFAULT_BLOCK_BYTES, DEFAULT_THREADS, AioEngine  # noqa: E402
+from outcore.offload.buffers import ALIGN, BufferPool, aligned_empty  # noqa: E402
+from outcore.offload.nvme import NvmeStore  # noqa: E402
 
 UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 

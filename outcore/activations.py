@@ -63,9 +63,9 @@ from torch.autograd.graph import saved_tensors_hooks
 from torch.overrides import _get_current_function_mode_stack
 from torch.utils.checkpoint import checkpoint
 
+from outcore.offload.buffers import aligned_empty
+from outcore.offload.storage import Tier
 from outcore.overlap.hooks import ParamAccessMode
-from outcore.storage import Tier
-from outcore.tiers.buffers import aligned_empty
 from outcore.zero.registry import managed, owner
 
 if TYPE_CHECKING:

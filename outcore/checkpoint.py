@@ -47,8 +47,8 @@ from safetensors import safe_open
 
 from outcore import safetensors_stream as sts
 from outcore.errors import ConfigError, OutcoreError, StorageError
+from outcore.offload.storage import load_now
 from outcore.safetensors_stream import CHECKSUM, FileInfo, StreamWriter, TensorSpec
-from outcore.storage import load_now
 
 FORMAT, VERSION, MANIFEST = "outcore-checkpoint", 1, "manifest.json"
 _PARTIAL, _ASIDE = ".partial", ".replaced-"

@@ -28,12 +28,12 @@ from torch import nn
 from outcore.config import Config
 from outcore.device.compute_dtype import DtypeChoice
 from outcore.errors import ConfigError, StorageError
+from outcore.offload.storage import Tier
 from outcore.optim.optimizer import ShardedOptimizer
 from outcore.optim.precision import LossScaler
 from outcore.overlap.hooks import Hooks
 from outcore.overlap.schedule import Schedule
 from outcore.runtime import Runtime
-from outcore.storage import Tier
 from outcore.zero.gathered import gathered_parameters
 from outcore.zero.group import ParamGroup
 from outcore.zero.param import ShardedParam

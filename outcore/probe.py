@@ -35,9 +35,9 @@ from outcore.device.accel import default_device
 from outcore.device.compute_dtype import DTYPES, capabilities, choose
 from outcore.device.machine import describe
 from outcore.errors import StorageError
-from outcore.tiers.aio import DEFAULT_BLOCK_BYTES, DEFAULT_THREADS, AioEngine
-from outcore.tiers.buffers import ALIGN, BufferPool, aligned_empty, round_up
-from outcore.tiers.nvme import NvmeStore
+from outcore.offload.aio import DEFAULT_BLOCK_BYTES, DEFAULT_THREADS, AioEngine
+from outcore.offload.buffers import ALIGN, BufferPool, aligned_empty, round_up
+from outcore.offload.nvme import NvmeStore
 
 DEFAULT_SIZE_BYTES = 512 << 20
 """At most this many bytes are written and read per round: large against the device's cache."""

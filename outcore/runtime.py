@@ -15,13 +15,13 @@ import torch
 from outcore.config import Config
 from outcore.device.accel import Accelerator
 from outcore.device.compute_dtype import DtypeChoice, resolve
-from outcore.host_memory import (
+from outcore.offload.buffers import AlignedRegions
+from outcore.offload.host_memory import (
     keep_freed_memory_for_reuse,
     return_large_frees_to_os,
     reuse_freed_memory_on_small_host,
 )
-from outcore.storage import Ledger, MemoryStored, NvmeStored, Stored, Tier
-from outcore.tiers.buffers import AlignedRegions
+from outcore.offload.storage import Ledger, MemoryStored, NvmeStored, Stored, Tier
 from outcore.zero.comm import Comm
 
 
@@ -70,10 +70,10 @@ class Runtime:
     def nvme(self):
         """This rank's swap store, created on first use (only NVMe placements need it)."""
         if self._nvme is None:
-            from outcore.stale import remove_stale_swap
-            from outcore.tiers.aio import AioEngine
-            from outcore.tiers.buffers import BufferPool
-            from outcore.tiers.nvme import NvmeStore
+            from outcore.offload.aio import AioEngine
+            from outcore.offload.buffers import BufferPool
+            from outcore.offload.nvme import NvmeStore
+            from outcore.offload.stale import remove_stale_swap
 
             off = self.cfg.offload
             assert off.nvme_path is not None  # guaranteed by Config validation

@@ -21,8 +21,8 @@ import torch
 from torch import nn
 
 import outcore
-from outcore.host_memory import return_large_frees_to_os
-from outcore.tiers.buffers import ALIGN, AlignedRegions
+from outcore.offload.buffers import ALIGN, AlignedRegions
+from outcore.offload.host_memory import return_large_frees_to_os
 from tests.distributed import run_world
 
 
@@ -262,7 +262,7 @@ import json, resource, sys
 import torch
 from torch import nn
 import outcore
-from outcore import host_memory
+from outcore.offload import host_memory
 torch.manual_seed(0)
 cfg = outcore.Config.from_dict({"dtype": "auto", "optimizer": {"type": "adamw", "lr": 1e-3},
                                 "offload": json.loads(sys.argv[1])})
@@ -339,7 +339,7 @@ def test_small_host_reuses_pages_only_when_asked(tmp_path: Path) -> None:
 _FREED_RSS = """
 import ctypes, json, sys
 import psutil
-from outcore import host_memory
+from outcore.offload import host_memory
 {"keep": host_memory.keep_freed_memory_for_reuse,
  "reuse": host_memory.reuse_freed_memory_on_small_host}[sys.argv[1]]()
 libc = ctypes.CDLL("libc.so.6")

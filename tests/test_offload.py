@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import outcore
-from outcore.storage import NvmeStored
+from outcore.offload.storage import NvmeStored
 from outcore.zero.registry import managed
 from tests.distributed import run_world
 from tests.test_parity import ADAMW, VOCAB, Quirky

@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 import outcore
+from outcore.offload.storage import NvmeStored
 from outcore.optim.optimizer import ShardedOptimizer
-from outcore.storage import NvmeStored
 from tests.distributed import run_world
 
 

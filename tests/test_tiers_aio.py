@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from outcore.errors import StorageError
-from outcore.tiers.aio import AioEngine, AioError, IOFuture
-from outcore.tiers.buffers import ALIGN, aligned_empty
+from outcore.offload.aio import AioEngine, AioError, IOFuture
+from outcore.offload.buffers import ALIGN, aligned_empty
 
 
 def _random_bytes(n: int, seed: int = 0) -> torch.Tensor:

@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from outcore.host_memory import libc
-from outcore.tiers.buffers import (
+from outcore.offload.buffers import (
     ALIGN,
     HUGE_PAGE,
     AlignedRegions,
@@ -21,6 +20,7 @@ from outcore.tiers.buffers import (
     is_aligned,
     round_up,
 )
+from outcore.offload.host_memory import libc
 
 _THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 

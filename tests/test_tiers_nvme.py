@@ -20,10 +20,10 @@ import pytest
 import torch
 
 from outcore.errors import StorageError
-from outcore.tiers import nvme
-from outcore.tiers.aio import AioEngine, AioError
-from outcore.tiers.buffers import ALIGN, BufferPool, aligned_empty, round_up
-from outcore.tiers.nvme import Extent, NvmeStore, check_space
+from outcore.offload import nvme
+from outcore.offload.aio import AioEngine, AioError
+from outcore.offload.buffers import ALIGN, BufferPool, aligned_empty, round_up
+from outcore.offload.nvme import Extent, NvmeStore, check_space
 
 CHUNK = 16 * ALIGN  # small pool buffers, so ordinary tests exercise chunking and waiting
 
@@ -297,7 +297,9 @@ def test_interpreter_exit_after_an_uncaught_exception_cleans_up(tmp_path: Path) 
     script = textwrap.dedent(
         f"""
         import torch
-        from outcore.tiers import AioEngine, BufferPool, NvmeStore
+        from outcore.offload.aio import AioEngine
+        from outcore.offload.buffers import BufferPool
+        from outcore.offload.nvme import NvmeStore
         engine = AioEngine(threads=2)
         store = NvmeStore({str(tmp_path)!r}, rank=0, engine=engine, pool=BufferPool(0, 4096))
         store.write(store.allocate(1 << 20), torch.ones(1 << 18))  # still in flight, maybe

@@ -31,9 +31,9 @@ from torch.optim.adamw import adamw
 from torch.optim.sgd import sgd
 
 from outcore.config import OptimizerConfig
+from outcore.offload.storage import Tier
 from outcore.optim.work import ALIGN_ELEMS, Feed, Job, Slice, Slot, Work, first_error, settle
 from outcore.runtime import Runtime
-from outcore.storage import Tier
 from outcore.zero.param import ShardedParam
 
 _STATE_KINDS = {"adamw": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",)}

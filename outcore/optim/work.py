@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from outcore.tiers.buffers import aligned_empty
+from outcore.offload.buffers import aligned_empty
 from outcore.zero.param import ShardedParam
 
 ALIGN_ELEMS = 2048  # 8 KiB of fp32, 4 KiB of bf16/fp16: slices start on 4 KiB boundaries

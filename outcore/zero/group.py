@@ -28,9 +28,9 @@ from enum import Enum
 
 import torch
 
+from outcore.offload.buffers import ALIGN, aligned_empty, round_up
+from outcore.offload.storage import Tier
 from outcore.runtime import Runtime
-from outcore.storage import Tier
-from outcore.tiers.buffers import ALIGN, aligned_empty, round_up
 from outcore.zero.param import ShardedParam
 
 

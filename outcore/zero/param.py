@@ -24,8 +24,8 @@ import torch
 from torch import nn
 
 from outcore.errors import ConfigError
+from outcore.offload.storage import Stored, load_now
 from outcore.runtime import Runtime
-from outcore.storage import Stored, load_now
 from outcore.zero import registry
 from outcore.zero.sharding import ShardLayout
 

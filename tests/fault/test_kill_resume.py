@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import outcore
-from outcore.stale import remove_stale_swap
+from outcore.offload.stale import remove_stale_swap
 
 STEPS = 8
 

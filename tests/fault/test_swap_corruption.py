@@ -48,7 +48,7 @@ def test_flipped_byte_in_swap_extent_is_a_storage_error(target: str, tmp_path: P
 def test_verify_swap_off_neither_hashes_nor_checks(tmp_path: Path, monkeypatch) -> None:
     """``offload.verify_swap: false`` trades the check for a core: no digest is computed,
     and the same flipped byte that is an error by default goes unnoticed."""
-    import outcore.storage as storage
+    import outcore.offload.storage as storage
 
     hashed = []
     real = storage.digest
@@ -90,9 +90,9 @@ def test_untouched_swap_file_verifies_every_step(tmp_path: Path) -> None:
 def test_write_whose_source_is_dropped_at_once_still_lands(tmp_path: Path) -> None:
     """The I/O engine must own a write's source until the bytes are on disk, even when the
     caller drops it right after submitting (an aligned source goes to disk without a copy)."""
-    from outcore.tiers.aio import AioEngine
-    from outcore.tiers.buffers import BufferPool, aligned_empty
-    from outcore.tiers.nvme import NvmeStore
+    from outcore.offload.aio import AioEngine
+    from outcore.offload.buffers import BufferPool, aligned_empty
+    from outcore.offload.nvme import NvmeStore
 
     n = 1 << 18  # 1 MiB of fp32, written in 64 KiB blocks by 4 threads
     with AioEngine(threads=4, block_bytes=64 * 1024) as engine, \

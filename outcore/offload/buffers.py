@@ -48,7 +48,7 @@ from types import TracebackType
 import numpy as np
 import torch
 
-from outcore.host_memory import libc
+from outcore.offload.host_memory import libc
 
 ALIGN = 4096
 """Alignment in bytes of buffer addresses, lengths and file offsets (see [Note: alignment])."""

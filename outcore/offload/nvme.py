@@ -43,8 +43,8 @@ from typing import NamedTuple
 import torch
 
 from outcore.errors import StorageError
-from outcore.tiers.aio import AioEngine, IOFuture, transfer
-from outcore.tiers.buffers import ALIGN, BufferPool, aligned_empty, is_aligned, round_up
+from outcore.offload.aio import AioEngine, IOFuture, transfer
+from outcore.offload.buffers import ALIGN, BufferPool, aligned_empty, is_aligned, round_up
 
 _BUFFERED_WARNED = threading.Event()  # the fallback warning is printed once per process
 

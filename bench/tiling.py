@@ -24,7 +24,7 @@ from torch import nn
 import outcore
 from outcore.device.compute_dtype import planned
 from outcore.device.machine import describe
-from outcore.tiling import TiledLinear, tile_linears
+from outcore.memory.tiling import TiledLinear, tile_linears
 
 MiB = 2**20
 

@@ -8,12 +8,12 @@ weights exist only while it runs.
 import os
 from pathlib import Path
 
-from outcore.activations import checkpoint_activations
 from outcore.config import Config
 from outcore.engine import Engine, initialize
 from outcore.errors import CommError, ConfigError, DataError, OutcoreError, StorageError
+from outcore.memory.activations import checkpoint_activations
+from outcore.memory.tiling import TiledLinear, tile_linears
 from outcore.pretrained import load_pretrained
-from outcore.tiling import TiledLinear, tile_linears
 from outcore.zero.gathered import gathered_parameters
 from outcore.zero.init import init
 

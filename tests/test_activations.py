@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import outcore
-from outcore.activations import checkpoint_activations
+from outcore.memory.activations import checkpoint_activations
 from tests.distributed import run_world
 
 VOCAB, DIM, HEADS, BATCH, SEQ, LAYERS = 64, 32, 4, 2, 16, 3

@@ -327,7 +327,7 @@ def test_frozen_groups_are_released_during_backward(tmp_path: Path) -> None:
 def test_frozen_groups_with_checkpointed_blocks_keep_exact_losses(tmp_path: Path) -> None:
     """A frozen layer both recomputed by activation checkpointing and unpacked by outcore's
     hooks: the recomputation's group stays gathered, the losses equal the model in memory."""
-    from outcore.activations import checkpoint_activations
+    from outcore.memory.activations import checkpoint_activations
 
     x = torch.randn(32, 64, generator=torch.Generator().manual_seed(3))
 

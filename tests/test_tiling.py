@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import outcore
-from outcore.tiling import TiledLinear, tile_linears
+from outcore.memory.tiling import TiledLinear, tile_linears
 from outcore.zero.registry import managed
 from tests.distributed import run_world
 

@@ -11,9 +11,9 @@ from pathlib import Path
 from outcore.config import Config
 from outcore.engine import Engine, initialize
 from outcore.errors import CommError, ConfigError, DataError, OutcoreError, StorageError
+from outcore.io.pretrained import load_pretrained
 from outcore.memory.activations import checkpoint_activations
 from outcore.memory.tiling import TiledLinear, tile_linears
-from outcore.pretrained import load_pretrained
 from outcore.zero.gathered import gathered_parameters
 from outcore.zero.init import init
 
@@ -22,14 +22,14 @@ __version__ = "0.1.0"
 
 def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
     """The complete checkpoint with the highest step under ``root``, or None."""
-    from outcore import checkpoint
+    from outcore.io import checkpoint
 
     return checkpoint.latest_checkpoint(root)
 
 
 def consolidate(ckpt: str | os.PathLike[str], out: str | os.PathLike[str]) -> Path:
     """Stream a checkpoint's full weights into one safetensors file (no pickle)."""
-    from outcore import full_weights
+    from outcore.io import full_weights
 
     return full_weights.consolidate(ckpt, out)
 

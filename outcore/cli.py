@@ -1,7 +1,7 @@
 """The ``outcore`` command: ``train``, ``probe``, ``estimate`` and ``consolidate``.
 
 Each subcommand's work lives in its own module (``outcore.train``, ``outcore.probe``,
-``outcore.estimate``, ``outcore.checkpoint``), imported only when that subcommand runs, so
+``outcore.estimate``, ``outcore.io.checkpoint``), imported only when that subcommand runs, so
 ``outcore estimate`` answers without building anything and one missing part does not break
 the others. This file only parses arguments, prints results and applies the error policy.
 
@@ -334,7 +334,7 @@ def _run_probe(args: argparse.Namespace) -> int:
 def _run_consolidate(args: argparse.Namespace) -> int:
     if not Path(args.ckpt).exists():
         raise ConfigError(f"checkpoint {args.ckpt} does not exist")
-    full_weights = _import_part("outcore.full_weights", "checkpoints")
+    full_weights = _import_part("outcore.io.full_weights", "checkpoints")
     out = full_weights.consolidate(args.ckpt, args.out)
     print(f"wrote {out} ({format_bytes(out.stat().st_size)})")
     return 0

@@ -176,7 +176,7 @@ class Config(_Section):
     @classmethod
     def from_deepspeed(cls, source: dict[str, Any] | str | os.PathLike[str]) -> Config:
         """Map a DeepSpeed ZeRO-3 config (dict or JSON path); warns once about ignored keys."""
-        from outcore.deepspeed_config import from_deepspeed
+        from outcore.io.deepspeed_config import from_deepspeed
 
         return from_deepspeed(source)
 

@@ -389,7 +389,7 @@ class Engine:
     def save_checkpoint(self, path: str | os.PathLike[str],
                         client_state: dict[str, Any] | None = None) -> Path:
         """Write a complete checkpoint folder atomically (a collective: every rank calls)."""
-        from outcore import checkpoint
+        from outcore.io import checkpoint
 
         try:
             return checkpoint.save(self, Path(path), client_state or {})
@@ -398,7 +398,7 @@ class Engine:
 
     def load_checkpoint(self, path: str | os.PathLike[str]) -> dict[str, Any]:
         """Restore weights, optimizer state, step, scaler and RNG; return the client state."""
-        from outcore import checkpoint
+        from outcore.io import checkpoint
 
         try:
             return checkpoint.load(self, Path(path))

@@ -19,8 +19,8 @@ import safetensors.torch
 import torch
 
 import outcore
-from outcore import checkpoint
-from outcore.safetensors_stream import StreamWriter, TensorSpec
+from outcore.io import checkpoint
+from outcore.io.safetensors_stream import StreamWriter, TensorSpec
 from tests.distributed import run_world
 from tests.test_parity import BASE, DIM, SEQ, VOCAB, Quirky, _max_rel, _param_groups
 

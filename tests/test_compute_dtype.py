@@ -12,9 +12,9 @@ import torch
 
 import outcore
 from outcore.config import Config
-from outcore.deepspeed_config import translate
 from outcore.device import compute_dtype
 from outcore.device.compute_dtype import Capabilities, EmulatedDtypeWarning, choose
+from outcore.io.deepspeed_config import translate
 from tests.test_checkpoint import _engine, _train, _weights
 
 AMX = Capabilities("cpu", "Intel Xeon", bf16=True, fp16=False, detail="AMX")

@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from outcore import safetensors_stream as sts
-from outcore.checkpoint import _DTYPES, _check_file, rank_file, read_manifest
-from outcore.safetensors_stream import StreamWriter, TensorSpec
+from outcore.io import safetensors_stream as sts
+from outcore.io.checkpoint import _DTYPES, _check_file, rank_file, read_manifest
+from outcore.io.safetensors_stream import StreamWriter, TensorSpec
 
 
 def consolidate(ckpt: str | os.PathLike[str], out: str | os.PathLike[str]) -> Path:

@@ -45,10 +45,10 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from outcore import safetensors_stream as sts
 from outcore.errors import ConfigError, OutcoreError, StorageError
+from outcore.io import safetensors_stream as sts
+from outcore.io.safetensors_stream import CHECKSUM, FileInfo, StreamWriter, TensorSpec
 from outcore.offload.storage import load_now
-from outcore.safetensors_stream import CHECKSUM, FileInfo, StreamWriter, TensorSpec
 
 FORMAT, VERSION, MANIFEST = "outcore-checkpoint", 1, "manifest.json"
 _PARTIAL, _ASIDE = ".partial", ".replaced-"

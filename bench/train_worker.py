@@ -214,7 +214,7 @@ def run_outcore(spec: dict) -> dict:
 
 
 def run_probe(spec: dict) -> dict:
-    from outcore.probe import measure
+    from outcore.planning.probe import measure
 
     return measure(spec["nvme_path"]).to_json()
 

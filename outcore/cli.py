@@ -1,9 +1,9 @@
 """The ``outcore`` command: ``train``, ``probe``, ``estimate`` and ``consolidate``.
 
-Each subcommand's work lives in its own module (``outcore.train``, ``outcore.probe``,
-``outcore.estimate``, ``outcore.io.checkpoint``), imported only when that subcommand runs, so
-``outcore estimate`` answers without building anything and one missing part does not break
-the others. This file only parses arguments, prints results and applies the error policy.
+Each subcommand's work lives in its own module (``outcore.train``,
+``outcore.planning.probe``, ``outcore.planning.estimate``, ``outcore.io.checkpoint``), imported
+only when that subcommand runs, so ``outcore estimate`` answers without building anything and
+one missing part does not break the others. This file only parses arguments, prints results and applies the error policy.
 
 [Note: the CLI error policy]
 * Bad arguments (unknown option, missing value, a size like ``32XB``): exit code 2 and exactly
@@ -29,8 +29,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, NoReturn
 
-from outcore import estimate as est
 from outcore.errors import ConfigError, DataError, OutcoreError
+from outcore.planning import estimate as est
 from outcore.units import format_bytes, format_count, parse_count, parse_size
 
 __all__ = ["build_parser", "main"]
@@ -307,7 +307,7 @@ _PROBE_LABELS = {"disk_read_GBps": ("disk read", "GB/s"), "disk_write_GBps": ("d
 def _run_probe(args: argparse.Namespace) -> int:
     if not Path(args.path).is_dir():
         raise ConfigError(f"--path {args.path} is not a folder")
-    probe = _import_part("outcore.probe", "the machine probe")
+    probe = _import_part("outcore.planning.probe", "the machine probe")
     kwargs: dict[str, Any] = {} if args.size is None else {"size_bytes": args.size}
     if not args.json:
         kwargs["progress"] = True  # progress goes to stderr; a person is waiting ~20 s

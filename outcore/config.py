@@ -184,7 +184,7 @@ class Config(_Section):
     def auto(cls, model_or_params: Any, base: Config | dict[str, Any] | None = None, *,
              world_size: int = 1, nvme_path: str | None = None, **measured: Any) -> Config:
         """Choose tiers and budgets for this machine (placement.py); prints the plan and why."""
-        from outcore.placement import auto_config
+        from outcore.planning.placement import auto_config
 
         return auto_config(model_or_params, base, world_size=world_size, nvme_path=nvme_path,
                            **measured)

@@ -172,7 +172,7 @@ def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
 def _describe_model(name: str) -> tuple[int, int, int]:
     """(parameter count, longest sequence, vocabulary size) without building the model."""
     if models.is_hf_folder(name):
-        from outcore.estimate import shape_from_hf_config
+        from outcore.planning.estimate import shape_from_hf_config
 
         hf = json.loads((Path(name) / "config.json").read_text())
         seq = int(hf.get("max_position_embeddings") or hf.get("n_positions") or 1024)

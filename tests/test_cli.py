@@ -135,7 +135,7 @@ def test_top_level_usage(capsys: pytest.CaptureFixture[str]) -> None:
 
 @pytest.fixture
 def fake_probe(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
-    """An ``outcore.probe`` stand-in recording its calls; ``raises`` makes it fail."""
+    """An ``outcore.planning.probe`` stand-in recording its calls; ``raises`` makes it fail."""
     calls: dict[str, Any] = {}
 
     def measure(path: str, **kwargs: Any) -> Any:
@@ -144,7 +144,8 @@ def fake_probe(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
             raise calls["raises"]
         return types.SimpleNamespace(to_json=lambda: dict(PROBE))
 
-    monkeypatch.setitem(sys.modules, "outcore.probe", types.SimpleNamespace(measure=measure))
+    monkeypatch.setitem(sys.modules, "outcore.planning.probe",
+                        types.SimpleNamespace(measure=measure))
     return calls
 
 

@@ -175,7 +175,7 @@ def test_a_checkpoint_resumes_in_another_dtype(tmp_path: Path, first: str, then:
 def test_placement_prices_fp32_shards_as_their_masters() -> None:
     """In fp32 a parameter shard in the optimizer's tier *is* its master (12 B per parameter
     in all); in bf16 it is 2 B more. 13 GB of host room holds the first, not the second."""
-    from outcore.placement import plan
+    from outcore.planning.placement import plan
 
     room = {"device_free": 1, "host_free": int(13e9 / 0.6), "disk_free": 10**13,
             "grads_resident": False}

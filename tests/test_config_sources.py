@@ -8,7 +8,7 @@ import warnings
 import pytest
 
 import outcore
-from outcore.placement import plan
+from outcore.planning.placement import plan
 
 GiB = 1 << 30
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from outcore import estimate as est
 from outcore.errors import ConfigError
+from outcore.planning import estimate as est
 
 GPT2_CONFIG = {"model_type": "gpt2", "n_layer": 12, "n_embd": 768, "n_head": 12,
                "vocab_size": 50257, "n_positions": 1024, "activation_function": "gelu_new"}

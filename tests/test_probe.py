@@ -10,7 +10,7 @@ import torch
 
 from outcore.device.compute_dtype import capabilities, choose
 from outcore.errors import StorageError
-from outcore.probe import ProbeResult, measure
+from outcore.planning.probe import ProbeResult, measure
 
 KEYS = {
     "disk_read_GBps",

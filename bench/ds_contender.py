@@ -2,7 +2,7 @@
 
     ~/.cache/outcore-peers/ds-venv/bin/python bench/ds_contender.py --spec '{"model": ...}'
 
-Same model (outcore.models' GPT preset, tied head), same fixed token batch, same AdamW
+Same model (outcore.app.models' GPT preset, tied head), same fixed token batch, same AdamW
 hyper-parameters, same timing loop as bench/train.py's rows. Offload follows
 ../shared/peers/deepspeed/train_zero3.py: params and optimizer state on NVMe with
 ``max_in_cpu=0`` (otherwise DeepSpeed keeps a model under 1e9 parameters in RAM) and
@@ -32,7 +32,7 @@ def load_models():
     pkg = types.ModuleType("outcore")
     pkg.__path__ = [str(REPO / "outcore")]  # submodules import; __init__.py does not run
     sys.modules.setdefault("outcore", pkg)
-    return importlib.import_module("outcore.models")
+    return importlib.import_module("outcore.app.models")
 
 
 def main() -> None:

@@ -24,8 +24,8 @@ import psutil
 import torch
 
 import outcore
+from outcore.app.models import PRESETS, build_model, num_params
 from outcore.device.machine import describe
-from outcore.models import PRESETS, build_model, num_params
 
 
 class PeakRSS:

@@ -212,7 +212,7 @@ def parse_set(text: str) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--worker", help=argparse.SUPPRESS)
-    ap.add_argument("--model", default="gpt-335m", help="outcore.models preset")
+    ap.add_argument("--model", default="gpt-335m", help="outcore.app.models preset")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--steps", type=int, default=6, help="steps per row, warm-up included")
@@ -276,8 +276,8 @@ def main(argv: list[str] | None = None) -> int:
         sweep_rows = [r for r in sweep_rows if r != "deepspeed"]
 
     sys.path.insert(0, str(REPO))
+    from outcore.app.models import num_params, resolve_config
     from outcore.device.machine import describe
-    from outcore.models import num_params, resolve_config
 
     args.dtype_resolved = resolve_dtype(args.dtype)
     if args.dtype_resolved == "fp32" and "plain-master" in rows:

@@ -197,7 +197,7 @@ def report(main_rows: list[Row], pairs: list[tuple[Row, Row]], pr: dict, model: 
            warmup: int, steps: int, dtype: str = "bf16", machine: str = "") -> list[dict]:
     """Print the table and the sweep; plot the sweep; return the sweep's points."""
     sys.path.insert(0, str(REPO))
-    from outcore.models import num_params, resolve_config
+    from outcore.app.models import num_params, resolve_config
 
     n_params = num_params(resolve_config(model))
     first = main_rows[0] if main_rows else pairs[0][0]

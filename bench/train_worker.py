@@ -140,8 +140,8 @@ def engine_step(engine, x, y):
 def run_plain(spec: dict) -> dict:
     import torch
 
+    from outcore.app.models import build_model, num_params, resolve_config
     from outcore.device.compute_dtype import DTYPES
-    from outcore.models import build_model, num_params, resolve_config
 
     torch.manual_seed(0)
     model = build_model(spec["model"]).to(DTYPES[spec["dtype"]])
@@ -180,7 +180,7 @@ def run_outcore(spec: dict) -> dict:
     import torch
 
     import outcore
-    from outcore.models import build_model, num_params, resolve_config
+    from outcore.app.models import build_model, num_params, resolve_config
 
     params, optim, prefetch = PLACEMENT[spec["row"]]
     zero: dict = {"prefetch_bytes": spec["prefetch_bytes"] if prefetch else 0}

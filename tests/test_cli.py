@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from outcore import cli
+from outcore.app import cli
 from outcore.errors import ConfigError, DataError, OutcoreError, StorageError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -227,7 +227,7 @@ def test_train_options_come_from_outcore_train(capsys: pytest.CaptureFixture[str
             raise DataError("data: no text in /tmp/x")
         return 0
 
-    monkeypatch.setitem(sys.modules, "outcore.train",
+    monkeypatch.setitem(sys.modules, "outcore.app.train",
                         types.SimpleNamespace(add_arguments=add_arguments, run=run_job))
     assert run(capsys, "train", "--steps", "3")[0] == 0
     assert seen[-1].steps == 3
@@ -241,22 +241,22 @@ def test_train_options_come_from_outcore_train(capsys: pytest.CaptureFixture[str
 
 def test_a_missing_part_is_one_line_not_a_traceback(capsys: pytest.CaptureFixture[str],
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, "outcore.train", None)  # makes the import fail
+    monkeypatch.setitem(sys.modules, "outcore.app.train", None)  # makes the import fail
     code, _, err = run(capsys, "train")
     assert code == 1
-    assert_one_line_error(err, "outcore train", "outcore.train")
+    assert_one_line_error(err, "outcore train", "outcore.app.train")
     assert run(capsys, "estimate", "--params", "1B")[0] == 0  # the others still work
 
 
 def test_the_real_command_in_a_subprocess() -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
-    ok = subprocess.run([sys.executable, "-m", "outcore.cli", "estimate", "--max-model", *DGX2,
+    ok = subprocess.run([sys.executable, "-m", "outcore", "estimate", "--max-model", *DGX2,
                          "--json"], capture_output=True, text=True, cwd=REPO, env=env, timeout=120)
     assert ok.returncode == 0, ok.stderr
     assert set(json.loads(ok.stdout)["max_params"]) == {"data_parallel", "zero3", "zero3_cpu",
                                                        "zero3_nvme"}
-    bad = subprocess.run([sys.executable, "-m", "outcore.cli", "estimate", "--max-model",
+    bad = subprocess.run([sys.executable, "-m", "outcore", "estimate", "--max-model",
                           "--gpu-memory", "lots"], capture_output=True, text=True, cwd=REPO,
                          env=env, timeout=120)
     assert bad.returncode == 2

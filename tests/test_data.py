@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from outcore.data import BatchSampler, default_corpus, load_text, load_tokens, split_tokens
+from outcore.app.data import BatchSampler, default_corpus, load_text, load_tokens, split_tokens
 from outcore.errors import DataError, OutcoreError
 
 
@@ -154,7 +154,7 @@ def _char_tokenizer(folder):
 
 
 def test_encode_with_a_tokenizer_in_line_aligned_chunks(tmp_path) -> None:
-    from outcore.data import encode
+    from outcore.app.data import encode
 
     tokenizer = _char_tokenizer(tmp_path / "tok")
     text = "ab c\n" * 50

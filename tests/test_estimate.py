@@ -26,7 +26,7 @@ def test_parameter_counts_match_published_models() -> None:
 
 
 def test_preset_shapes_count_what_outcore_models_builds() -> None:
-    models = pytest.importorskip("outcore.models")
+    models = pytest.importorskip("outcore.app.models")
     for name, cfg in models.PRESETS.items():
         assert est.shape_from_preset(name).params == models.num_params(cfg), name
 

@@ -8,8 +8,7 @@ import math
 import pytest
 import torch
 
-from outcore.errors import ConfigError
-from outcore.models import (
+from outcore.app.models import (
     GPT,
     PRESETS,
     GPTConfig,
@@ -18,6 +17,7 @@ from outcore.models import (
     load_hf_model,
     num_params,
 )
+from outcore.errors import ConfigError
 
 
 def _unique_params(model: torch.nn.Module) -> int:

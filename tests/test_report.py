@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from outcore.report import MetricsWriter, read_metrics, write_report
+from outcore.app.report import MetricsWriter, read_metrics, write_report
 
 _PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import outcore
-from outcore import train
+from outcore.app import train
+from outcore.app.report import read_metrics
 from outcore.errors import ConfigError
-from outcore.report import read_metrics
 
 _HAS_ENGINE = hasattr(outcore, "initialize")
 _HAS_CHECKPOINTS = _HAS_ENGINE and hasattr(outcore, "latest_checkpoint") and hasattr(
@@ -139,7 +139,7 @@ def test_lr_schedule_warms_up_then_decays_to_a_tenth() -> None:
 
 
 def test_bad_data_is_one_line_and_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    from outcore.cli import main
+    from outcore.app.cli import main
 
     missing = tmp_path / "nothing.txt"
     assert main(["train", "--model", "tiny", "--data", str(missing),
@@ -233,7 +233,7 @@ def _gpt2_folder(folder: Path):
 
 @needs_engine
 def test_hf_folder_fine_tunes_from_its_own_weights(tmp_path: Path, text_file: Path) -> None:
-    from outcore.data import BatchSampler, load_tokens, split_tokens
+    from outcore.app.data import BatchSampler, load_tokens, split_tokens
 
     folder = tmp_path / "gpt2"
     hf = _gpt2_folder(folder)

@@ -320,9 +320,9 @@ def shape_from_hf_config(config: dict[str, Any] | str | Path) -> ModelShape:
 
 
 def shape_from_preset(name: str) -> ModelShape:
-    """The shape of an ``outcore.models`` preset (imported only when asked for)."""
+    """The shape of an ``outcore.app.models`` preset (imported only when asked for)."""
     try:
-        from outcore.models import PRESETS
+        from outcore.app.models import PRESETS
     except ImportError:
         raise ConfigError(f"no model presets in this build, so {name!r} is not "
                           "a model; give --params, --layers/--hidden or a config.json") from None

@@ -23,9 +23,9 @@ def _cmd(world: int, out: Path, data: Path, resume: bool) -> list[str]:
              str(out), "--steps", str(STEPS), "--save-every", "2", "--batch", "2", "--seq", "32",
              "--offload", "nvme", "--seed", "3"] + (["--resume"] if resume else [])
     if world == 1:
-        return [sys.executable, "-m", "outcore.cli", *train]
+        return [sys.executable, "-m", "outcore", *train]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc_per_node={world}", "-m", "outcore.cli", *train]
+            f"--nproc_per_node={world}", "-m", "outcore", *train]
 
 
 def _losses(out: Path) -> dict[int, float]:

@@ -1,9 +1,10 @@
 """The ``outcore`` command: ``train``, ``probe``, ``estimate`` and ``consolidate``.
 
-Each subcommand's work lives in its own module (``outcore.train``,
+Each subcommand's work lives in its own module (``outcore.app.train``,
 ``outcore.planning.probe``, ``outcore.planning.estimate``, ``outcore.io.checkpoint``), imported
 only when that subcommand runs, so ``outcore estimate`` answers without building anything and
-one missing part does not break the others. This file only parses arguments, prints results and applies the error policy.
+one missing part does not break the others. This file only parses arguments, prints results
+and applies the error policy.
 
 [Note: the CLI error policy]
 * Bad arguments (unknown option, missing value, a size like ``32XB``): exit code 2 and exactly
@@ -95,14 +96,14 @@ def _version() -> str:
     try:
         return version("outcore")
     except PackageNotFoundError:  # a source checkout that was not pip-installed
-        pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
+        pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
         found = re.search(r'^version\s*=\s*"([^"]+)"', pyproject.read_text(), re.M) \
             if pyproject.is_file() else None
         return found[1] if found else "unknown"
 
 
 def build_parser(with_train_options: bool = False) -> _Parser:
-    """The ``outcore`` parser; ``outcore.train``'s options are added only when asked for,
+    """The ``outcore`` parser; ``outcore.app.train``'s options are added only when asked for,
     because importing the training job (and torch) for ``outcore estimate`` would be waste."""
     parser = _Parser(prog="outcore", description="ZeRO-Infinity for PyTorch: train models "
                      "larger than device and host memory.")
@@ -113,7 +114,7 @@ def build_parser(with_train_options: bool = False) -> _Parser:
     train = sub.add_parser("train", help="train a model (see 'outcore train --help')",
                            description="Train a model with outcore.")
     if with_train_options:
-        job = _import_part("outcore.train", "the training job")
+        job = _import_part("outcore.app.train", "the training job")
         job.add_arguments(train)
         train.set_defaults(run=job.run)
 

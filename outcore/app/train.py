@@ -34,11 +34,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from outcore import data as datamod
-from outcore import models
+from outcore.app import data as datamod
+from outcore.app import models
+from outcore.app.report import MetricsWriter, read_metrics, write_report
 from outcore.config import read_mapping
 from outcore.errors import ConfigError
-from outcore.report import MetricsWriter, read_metrics, write_report
 from outcore.units import format_bytes, format_count
 
 if TYPE_CHECKING:

@@ -52,8 +52,8 @@ def main() -> None:
 
     sys.path.insert(0, str(REPO / "bench"))
     from train_worker import (  # the same data, step and timing loop as every other row
-        _batch,
         engine_step,
+        make_batch,
         timed_steps,
     )
 
@@ -93,7 +93,7 @@ def main() -> None:
                                              config=ds_config)
     init_s = time.perf_counter() - t0
     cfg = models.resolve_config(spec["model"])
-    x, y = _batch(cfg.vocab, spec["batch"], spec["seq"])
+    x, y = make_batch(cfg.vocab, spec["batch"], spec["seq"])
     res = timed_steps(engine_step(engine, x, y), spec["steps"], spec["warmup"])
     res.update(init_s=round(init_s, 1), params=models.num_params(cfg),
                deepspeed=deepspeed.__version__, torch=torch.__version__,

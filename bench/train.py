@@ -251,9 +251,13 @@ def main(argv: list[str] | None = None) -> int:
                          "of later JSONs (reruns of noisy rows) replacing the same rows when "
                          "other processes disturbed them less")
     args = ap.parse_args(argv)
+    sys.path.insert(0, str(REPO))
     sets, args.outcore_set = args.outcore_set, {}
-    for one in sets:
-        args.outcore_set = train_worker.merge(args.outcore_set, one)
+    if sets:  # importing outcore costs seconds; --merge and most workers need none of it
+        from outcore.config import merge_mappings
+
+        for one in sets:
+            args.outcore_set = merge_mappings(args.outcore_set, one)
     if args.worker:
         train_worker.worker(json.loads(args.worker))
         return 0
@@ -275,7 +279,6 @@ def main(argv: list[str] | None = None) -> int:
         rows = [r for r in rows if r != "deepspeed"]
         sweep_rows = [r for r in sweep_rows if r != "deepspeed"]
 
-    sys.path.insert(0, str(REPO))
     from outcore.app.models import num_params, resolve_config
     from outcore.device.machine import describe
 

@@ -4,7 +4,7 @@ Every row trains the same GPT preset on the same fixed random token batch in the
 the driver resolved (``--dtype``, default ``auto``), with AdamW and seed 0, and times its
 steps with ``timed_steps``: medians after warm-up, bytes moved, CPU seconds of the process
 (``getrusage``, all threads) and the CPU other processes took meanwhile. ``ds_contender.py``
-imports ``timed_steps``, ``engine_step`` and ``_batch`` from here so DeepSpeed's row is timed
+imports ``timed_steps``, ``engine_step`` and ``make_batch`` from here so DeepSpeed's row is timed
 the same way.
 """
 
@@ -29,14 +29,6 @@ PLACEMENT = {  # row -> (offload.params, offload.optimizer, prefetch on)
 ROW_SET = {"nvme+opt-reuse": {"offload": {"reuse_freed_memory": True}},
            "nvme+opt-early": {"zero": {"overlap_step_with_forward": True}}}
 HP = {"lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.0}
-
-
-def merge(a: dict, b: dict) -> dict:
-    """``b`` deep-merged into ``a``."""
-    out = dict(a)
-    for k, v in b.items():
-        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
 
 
 def _cpu_jiffies() -> tuple[int, int]:
@@ -114,7 +106,7 @@ def timed_steps(step_fn, steps: int, warmup: int, counters=None, profile: str | 
     }
 
 
-def _batch(vocab: int, batch: int, seq: int):
+def make_batch(vocab: int, batch: int, seq: int):
     import torch
 
     g = torch.Generator().manual_seed(1234)
@@ -150,7 +142,7 @@ def run_plain(spec: dict) -> dict:
     masters = [p.detach().float() for p in params] if spec["row"] == "plain-master" else None
     opt = torch.optim.AdamW(masters or params, lr=HP["lr"], betas=tuple(HP["betas"]),
                             eps=HP["eps"], weight_decay=HP["weight_decay"], fused=True)
-    x, y = _batch(resolve_config(spec["model"]).vocab, spec["batch"], spec["seq"])
+    x, y = make_batch(resolve_config(spec["model"]).vocab, spec["batch"], spec["seq"])
     clip = spec["clip"]
 
     def step():
@@ -181,6 +173,8 @@ def run_outcore(spec: dict) -> dict:
 
     import outcore
     from outcore.app.models import build_model, num_params, resolve_config
+    from outcore.config import merge_mappings
+    from outcore.offload.storage import Tier
 
     params, optim, prefetch = PLACEMENT[spec["row"]]
     zero: dict = {"prefetch_bytes": spec["prefetch_bytes"] if prefetch else 0}
@@ -190,14 +184,16 @@ def run_outcore(spec: dict) -> dict:
         "dtype": spec["dtype"], "seed": 0, "optimizer": {"type": "adamw", **HP},
         "offload": {"params": params, "optimizer": optim, "nvme_path": spec["nvme_path"]},
         "zero": zero, "gradient_clipping": spec["clip"],
-    }).with_overrides(merge(spec.get("outcore_set", {}), ROW_SET.get(spec["row"], {})))
+    })
+    cfg = cfg.with_overrides(merge_mappings(spec.get("outcore_set", {}),
+                                            ROW_SET.get(spec["row"], {})))
     t0 = time.perf_counter()
     torch.manual_seed(0)
     with outcore.init(cfg):
         model = build_model(spec["model"])
     engine = outcore.initialize(model, cfg)
     init_s = time.perf_counter() - t0
-    x, y = _batch(resolve_config(spec["model"]).vocab, spec["batch"], spec["seq"])
+    x, y = make_batch(resolve_config(spec["model"]).vocab, spec["batch"], spec["seq"])
     step = engine_step(engine, x, y)
 
     def counters():
@@ -207,7 +203,7 @@ def run_outcore(spec: dict) -> dict:
     res = timed_steps(step, spec["steps"], spec["warmup"], counters, spec.get("profile"))
     report = engine.memory_report()
     res.update(init_s=round(init_s, 1), params=num_params(resolve_config(spec["model"])),
-               memory_report={k: report[k] for k in ("device", "host", "nvme", "rss")},
+               memory_report={k: report[k] for k in (*(t.value for t in Tier), "rss")},
                schedule=engine.schedule_stats())
     engine.close()
     return res

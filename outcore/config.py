@@ -42,7 +42,8 @@ class _Section(BaseModel):
 class OptimizerConfig(_Section):
     """Hyper-parameters of the sharded optimizer; per-group overrides come from param groups."""
 
-    type: Literal["adamw", "sgd"] = "adamw"
+    type: Literal["adamw", "sgd"] = Field(
+        "adamw", description="torch's AdamW or SGD kernel, run over this rank's fp32 shards")
     lr: float = Field(1e-4, gt=0, description="learning rate")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas, each in [0, 1)")
     eps: float = Field(1e-8, gt=0, description="AdamW epsilon")
@@ -77,11 +78,11 @@ class OffloadConfig(_Section):
     io_threads: int = Field(4, ge=1, le=64, description="I/O threads per rank")
     verify_swap: bool = Field(
         True, description="check every swap read against the xxh3 digest of what was written"
-        " (about one core-second per 8 GB moved; storage.py)")
+        " (about one core-second per 8 GB moved; offload/storage.py)")
     reuse_freed_memory: bool | None = Field(
         None, description="keep host memory freed by one step for the next (fewer page "
         "faults, higher RSS); default: only where the optimizer state is in host memory "
-        "(host_memory.py)")
+        "(offload/host_memory.py)")
 
     @model_validator(mode="after")
     def _check_nvme(self) -> OffloadConfig:
@@ -129,7 +130,7 @@ class Config(_Section):
 
     dtype: Dtype = Field(
         "auto", description="compute dtype; auto: the fastest the device multiplies natively "
-        "(bf16, else fp16 with loss scaling on a GPU, else fp32; compute_dtype.py). Master "
+        "(bf16, else fp16 with loss scaling on a GPU, else fp32; device/compute_dtype.py). Master "
         "weights and optimizer states are always fp32")
     seed: int = Field(0, ge=0, description="seed used by the training job for init and data")
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
@@ -191,7 +192,7 @@ class Config(_Section):
 
     def with_overrides(self, overrides: dict[str, Any]) -> Config:
         """Deep-merge ``overrides`` into this config and validate the result."""
-        return Config.from_dict(_merge(self.model_dump(), overrides))
+        return Config.from_dict(merge_mappings(self.model_dump(), overrides))
 
     def with_dtype(self, name: str) -> Config:
         """This config with ``dtype`` set to a resolved (concrete) name; no re-validation."""
@@ -221,11 +222,19 @@ def read_mapping(path: str | os.PathLike[str]) -> dict[str, Any]:
     return data
 
 
-def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+def merge_mappings(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """``over`` deep-merged into ``base``: the one merge of config layers (defaults < file <
+    flags, a config and its overrides); neither argument is changed.
+
+    Where both hold a dict under a key, the two are merged the same way, key by key. Anything
+    else in ``over`` replaces what ``base`` holds, whole: a list is not concatenated, and
+    ``None`` is a value like any other (it replaces; it does not mean "keep the base's").
+    Sub-dicts that ``over`` does not touch are shared with ``base``, not copied.
+    """
     out = dict(base)
     for key, value in over.items():
         if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _merge(out[key], value)
+            out[key] = merge_mappings(out[key], value)
         else:
             out[key] = value
     return out

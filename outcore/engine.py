@@ -3,7 +3,7 @@
 [Note: what the engine owns]
 The engine wires the parts together and owns nothing they can own themselves: parameters
 and their shards (param.py), groups that move together (group.py), hooks (hooks.py), when
-groups move (schedule.py), the optimizer over shards (optim.py) and loss scaling
+groups move (schedule.py), the optimizer over shards (optimizer.py) and loss scaling
 (precision.py). Its own state is the step counters.
 
 [Note: loss and gradient conventions]
@@ -33,6 +33,8 @@ from outcore.optim.optimizer import ShardedOptimizer
 from outcore.optim.precision import LossScaler
 from outcore.overlap.hooks import Hooks
 from outcore.overlap.schedule import Schedule
+from outcore.plan import ExecutionPlan
+from outcore.profiling import STEP, record_function
 from outcore.runtime import Runtime
 from outcore.zero.gathered import gathered_parameters
 from outcore.zero.group import ParamGroup
@@ -79,11 +81,11 @@ class Engine:
             if g.zero_copy:  # its shards are the full tensors: show them once, for good
                 g.wait_unshard()
         self._cast_buffers(module)
-        self.schedule = Schedule(cfg.zero.prefetch_bytes, self.groups)
-        self.schedule.carry = self.rt.refreshes_full_in_place
+        self.schedule = Schedule(cfg.zero.prefetch_bytes, self.groups,
+                                 carry=self.rt.plan.carries_head)
         self.optimizer = ShardedOptimizer(self._optimizer_groups(param_groups), cfg.optimizer,
                                           self.rt)
-        self.scaler = LossScaler(cfg.loss_scale, enabled=cfg.dtype == "fp16")
+        self.scaler = LossScaler(cfg.loss_scale, enabled=self.rt.plan.loss_scaling)
         self.hooks = Hooks(module_groups, self.groups, self.schedule)
         self.micro_steps = 0
         self.global_steps = 0
@@ -199,37 +201,26 @@ class Engine:
         factor = self.scaler.scale / self.cfg.gradient_accumulation_steps
         scaled = loss.float() * factor if factor != 1.0 else loss
         boundary = (self.micro_steps + 1) % self.cfg.gradient_accumulation_steps == 0
-        if boundary and self.overlaps_optimizer:
-            self.hooks.on_reduced = lambda g: self.optimizer.submit(g.trainable)
-        self.hooks.in_backward = True
-        try:
+        on_reduced = (lambda g: self.optimizer.submit(g.trainable)) if (
+            boundary and self.rt.plan.overlaps_optimizer) else None
+        # [Note: a failed boundary backward] Updates already started on the worker are allowed
+        # to finish (they used final gradients) and stay applied; everything else of this
+        # backward is dropped, so a retry of the step sees a consistent engine.
+        with self.hooks.backward(on_reduced, before_abort=self.optimizer.wait):
             scaled.backward()
-            with self.hooks.mode.suspended():
-                self.hooks.finish_backward()
-        except BaseException:
-            # [Note: a failed boundary backward] Updates already started on the worker are
-            # allowed to finish (they used final gradients) and stay applied; everything else
-            # of this backward is dropped, so a retry of the step sees a consistent engine.
-            self.optimizer.wait()
-            with self.hooks.mode.suspended():
-                self.hooks.abort_backward()
-            raise
-        finally:
-            self.hooks.in_backward = False
-            self.hooks.on_reduced = None
         self.micro_steps += 1
 
     @property
+    def plan(self) -> ExecutionPlan:
+        """Which code paths this run takes, and why (plan.py's [Note: one place decides the
+        path]); ``print(engine.plan)`` shows every decision with its reason."""
+        return self.rt.plan
+
+    @property
     def overlaps_optimizer(self) -> bool:
-        """Whether updates start during the boundary backward (see optim.py's note)."""
-        # On a CPU device with optimizer state in memory there is little I/O to hide and no
-        # idle compute unit: the update only competes with backward for the same cores.
-        # Measured with parameters on NVMe (gpt-335m, 2 cores): backward + step took 2.8 s
-        # with the overlap, 2.6 s without, as the update's CPU time outweighs the
-        # training-dtype writes it would hide.
-        hides_something = self.rt.state_tier is Tier.NVME or self.rt.accel.is_cuda
-        return (self.cfg.zero.overlap_optimizer and self.cfg.gradient_clipping == 0
-                and not self.scaler.enabled and hides_something)
+        """Whether updates start during the boundary backward (optimizer.py's [Note: updating
+        during backward]); the plan decides it."""
+        return self.rt.plan.overlaps_optimizer
 
     @property
     def defers_updates(self) -> bool:
@@ -237,7 +228,7 @@ class Engine:
 
         [Note: the step's tail runs into the next forward]
         Backward finishes with the first layers, so their updates (with the optimizer state
-        on NVMe: seconds of reads and writes) are what the step would still wait for, and
+        on NVMe: reads and writes of all their state) are what the step would still wait for, and
         they are what the next forward needs first. Instead, the step re-orders the updates
         not yet started so the first layers come first, and returns. Each group's next fetch
         waits for the updates of its shards (``ParamGroup.await_update``); a prefetch passes a
@@ -250,17 +241,14 @@ class Engine:
         Not done where the step must see every update first: with the gradient norm tracked
         (it sums gradients the updates free), and with shards that are the full tensors at
         one rank (the forward would read them while they are written in place).
-        Off unless ``zero.overlap_step_with_forward`` asks. On this project's 2-core CPU host
-        it made no difference beyond noise (gpt-335m, alternating runs: 6.61 against 6.76 s
-        at 512 tokens, 7.91 against 7.89 at 1024; bench/RESULTS.md, 14:48 UTC), because the
-        forward running behind the updates takes the cores their digests and page zeroing
-        need; and it moves a failed update's error from ``step()`` to a later call. Where the
-        forward runs on an accelerator it would not compete for the host's cores (not
-        measured: no GPU here).
+        Off unless ``zero.overlap_step_with_forward`` asks. On a CPU host with few cores it makes
+        no difference beyond noise (measured side by side: bench/RESULTS.md, 'update pipeline', the
+        step's tail run into the next forward), because the forward running behind the updates
+        takes the cores their digests and page zeroing need; and it moves a failed update's error
+        from ``step()`` to a later call. Where the forward runs on an accelerator it would not
+        compete for the host's cores (not measured yet).
         """
-        return (self.overlaps_optimizer and self.cfg.zero.overlap_step_with_forward
-                and self.rt.state_tier is Tier.NVME and not self.cfg.track_grad_norm
-                and not any(g.zero_copy for g in self.groups))
+        return self.rt.plan.defers_updates
 
     @property
     def is_accumulation_boundary(self) -> bool:
@@ -274,6 +262,10 @@ class Engine:
         self._check_open()
         if not self.is_accumulation_boundary:
             return False
+        with record_function(STEP):
+            return self._step()
+
+    def _step(self) -> bool:
         defer = self.defers_updates
         if not defer:  # loss scaling and the norm below look at every gradient
             self.optimizer.wait()
@@ -288,7 +280,7 @@ class Engine:
             for g in grads:
                 g.mul_(1.0 / self.scaler.scale)
         clip = self.cfg.gradient_clipping
-        # the norm reads every fp32 gradient once more (0.16 s per step on gpt-335m here), so
+        # the norm reads every fp32 gradient once more (a full pass over them per step), so
         # only where it is used: clipping, or the user asked to see it
         norm = self._global_norm(grads) if clip > 0 or self.cfg.track_grad_norm else None
         self.last_grad_norm = norm
@@ -372,12 +364,13 @@ class Engine:
     def memory_report(self) -> dict[str, Any]:
         """Bytes per tier from outcore's own accounting, plus process RSS for reference."""
         led = self.rt.ledger
-        report: dict[str, Any] = {t: led.tier_bytes(t) for t in ("device", "host", "nvme")}
+        report: dict[str, Any] = {t.value: led.tier_bytes(t.value) for t in Tier}
         report["by_kind"] = led.snapshot()
         report["rss"] = psutil.Process().memory_info().rss
         report["rank"], report["world_size"] = self.rank, self.world_size
         report["dtype"] = self.dtype_choice.to_json()
         report["schedule"] = self.schedule_stats()
+        report["plan"] = self.plan.to_json()
         return report
 
     def schedule_stats(self) -> dict[str, int]:

@@ -22,6 +22,7 @@ from outcore.offload.host_memory import (
     reuse_freed_memory_on_small_host,
 )
 from outcore.offload.storage import Ledger, MemoryStored, NvmeStored, Stored, Tier
+from outcore.plan import ExecutionPlan
 from outcore.zero.comm import Comm
 
 
@@ -35,24 +36,33 @@ class Runtime:
         self.comm = Comm.from_env(self.accel.backend, cfg.comm.timeout_s)
         self.ledger = Ledger()
         self.compute_dtype = self.dtype_choice.torch_dtype
-        self.param_tier = Tier.for_placement(cfg.offload.params)
-        self.state_tier = Tier.for_placement(cfg.offload.optimizer)
-        # gradient shards live beside the optimizer state, but never on disk: the step
-        # reads them right after backward (param.py's [Note: gradient buffers] says when
-        # they are kept between steps).
-        self.grad_tier = Tier.DEVICE if self.state_tier is Tier.DEVICE else Tier.HOST
-        self.grad_device = self.device if self.grad_tier is Tier.DEVICE else torch.device("cpu")
+        self.plan = self._derive_plan(cfg)
         # host_memory.py's notes
         reuse = cfg.offload.reuse_freed_memory
         if self.state_tier is Tier.NVME or reuse is False:
             return_large_frees_to_os()  # reuse, if asked, starts in begin_training
-        elif self.state_in_host_memory:
+        elif self.plan.state_in_host_memory:
             keep_freed_memory_for_reuse(force=reuse is True)
-        # see param.py's [Note: gradient buffers]
-        self.keeps_grad_buffers = self.state_tier is not Tier.NVME
         self.full_regions = self._full_regions(cfg)
         self._nvme = None
         self.closed = False
+
+    def _derive_plan(self, cfg: Config) -> ExecutionPlan:
+        return ExecutionPlan.for_config(cfg, self.world_size, self.device.type,
+                                        aligned_regions=AlignedRegions.supported())
+
+    @property
+    def param_tier(self) -> Tier:
+        return self.plan.inputs.params
+
+    @property
+    def state_tier(self) -> Tier:
+        return self.plan.inputs.optimizer
+
+    @property
+    def grad_device(self) -> torch.device:
+        """Where gradient shards live (the plan's ``grad_tier``) as a torch device."""
+        return self.device if self.plan.grad_tier is Tier.DEVICE else torch.device("cpu")
 
     @property
     def device(self) -> torch.device:
@@ -86,47 +96,16 @@ class Runtime:
             self.ledger.add(Tier.HOST.value, "io_buffers", pool.capacity_bytes)
         return self._nvme
 
-    @property
-    def compute_is_master(self) -> bool:
-        """Whether a parameter's training-dtype shard *is* its fp32 master shard (param.py's
-        [Note: fp32 shards are shared, not copied])."""
-        return self.compute_dtype == torch.float32 and self.param_tier == self.state_tier
-
-    @property
-    def refreshes_full_in_place(self) -> bool:
-        """Whether a gathered full tensor can be updated from the masters in memory (one
-        rank: a full tensor is the whole shard, and the masters are not on disk); see
-        schedule.py's [Note: carrying the head across iterations]."""
-        return self.world_size == 1 and self.state_tier is not Tier.NVME
-
-    @property
-    def state_in_host_memory(self) -> bool:
-        """Whether the optimizer state lives in host memory (on a CPU device, device memory
-        is host memory), so the host is sized for it."""
-        return self.state_tier is Tier.HOST or (
-            self.state_tier is Tier.DEVICE and self.device.type == "cpu")
-
-    @property
-    def holds_raw_grads(self) -> bool:
-        """Whether a gradient shard may stay in the dtype backward produced it in until the
-        update reads it (param.py's [Note: gradients are held, not copied]): at one rank
-        with the gradients already where they are kept (the host), where no kept fp32 buffer
-        exists and nothing scales gradients in place (clipping, fp16)."""
-        return (self.world_size == 1 and self.grad_device == self.device
-                and not self.keeps_grad_buffers and self.cfg.gradient_clipping == 0
-                and self.cfg.dtype != "fp16")
-
     def _full_regions(self, cfg: Config) -> AlignedRegions | None:
         """Aligned memory for full tensors where disk reads land in them: one rank, params
         on NVMe (buffers.py's [Note: aligned memory under a storage ...])."""
-        if not (self.world_size == 1 and self.param_tier is Tier.NVME
-                and self.device.type == "cpu" and AlignedRegions.supported()):
+        if not self.plan.aligned_full:
             return None
         # Kept memory is bounded by twice the prefetch budget where the optimizer state is in
         # host memory (the host is sized for 8x the parameters then), by half of it where the
-        # state is on NVMe (a small host); at least a few layers' worth either way. Measured
-        # on gpt-335m with state in memory (about 4500 fills per 12 steps): half the budget
-        # mapped fresh memory for ~4400 of them, the budget ~1700, twice the budget ~400.
+        # state is on NVMe (a small host); at least a few layers' worth either way. With the
+        # state in memory, a cap of half or one budget still maps fresh memory for many fills,
+        # twice the budget for few (measured: bench/RESULTS.md, 'in-memory page reuse').
         return AlignedRegions(self._region_cap(cfg),
                               lambda n: self.ledger.add(Tier.HOST.value, "param_cache", n))
 
@@ -149,8 +128,7 @@ class Runtime:
         exception: the optimizer's three buffers hold at least 2048 elements each, a few
         hundred KB, so a budget below that is exceeded by the difference.)
         """
-        streams = self.state_tier is Tier.NVME or self.param_tier is Tier.NVME
-        return self.cfg.offload.host_buffer_bytes // 2 // 4096 * 4096 if streams else 0
+        return self.cfg.offload.host_buffer_bytes // 2 // 4096 * 4096 if self.plan.streams else 0
 
     def store(self, tensor: torch.Tensor, tier: Tier, kind: str) -> Stored:
         """Give ``tensor``'s bytes a home in ``tier`` (memory tiers keep the tensor itself)."""
@@ -170,7 +148,7 @@ class Runtime:
         building the model under that policy would leave the heap holding what the build
         allocated and freed (host_memory.py's [Note: reuse on a small host, when asked])."""
         self.release_idle_io_buffers()
-        if not self.state_in_host_memory and self.cfg.offload.reuse_freed_memory:
+        if not self.plan.state_in_host_memory and self.cfg.offload.reuse_freed_memory:
             reuse_freed_memory_on_small_host()
 
     def release_idle_io_buffers(self) -> None:
@@ -187,6 +165,7 @@ class Runtime:
             self.dtype_choice = resolve(cfg.dtype, self.accel.device)
         self.cfg = cfg = cfg.with_dtype(self.dtype_choice.name)
         self.compute_dtype = self.dtype_choice.torch_dtype
+        self.plan = self._derive_plan(cfg)
         if self.full_regions is not None:
             self.full_regions.cap_bytes = self._region_cap(cfg)
         return cfg

@@ -379,3 +379,21 @@ def test_nvme_offloaded_state_round_trips(tmp_path: Path) -> None:
     eng.load_checkpoint(tmp_path / "ckpt")
     _equal(_weights(eng, model), results[0]["w2"])
     eng.close()
+
+
+def test_no_module_imports_another_modules_private_names() -> None:
+    """full_weights.py uses checkpoint.py's public ``check_file`` and safetensors_stream's
+    ``DTYPES_BY_NAME``; no module of outcore reaches for another's underscore names."""
+    import ast
+
+    from outcore.io import safetensors_stream as sts
+
+    assert all(sts.DTYPES_BY_NAME[name] is dtype for dtype, name in sts.DTYPE_NAMES.items())
+    root = Path(outcore.__file__).parent
+    leaks = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("outcore"):
+                leaks += [f"{path.relative_to(root)}: {node.module}.{a.name}"
+                          for a in node.names if a.name.startswith("_")]
+    assert not leaks

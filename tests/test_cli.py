@@ -103,7 +103,7 @@ def test_efficiency_from_a_probe_file(capsys: pytest.CaptureFixture[str], tmp_pa
     (["estimate", "--params", "1B", "--layers", "2", "--hidden", "64"], ["--params", "--layers"]),
     (["estimate", "--layers", "2"], ["--hidden"]),
     (["estimate", "--layers", "2", "--hidden", "100", "--heads", "3"], ["divisible"]),
-    (["estimate", "--model", "no-such-model"], ["no-such-model"]),
+    (["estimate", "--model", "no-such-model"], ["no-such-model", "preset (tiny, small,"]),
     (["estimate", "--max-model"], ["--gpu-memory"]),
     (["estimate", "--probe", "/no/such/probe.json"], ["/no/such/probe.json"]),
     (["estimate", "--max-model", "--gpu-memory", "1GB", "--gpus", "3", "--nodes", "2"],

@@ -173,13 +173,15 @@ def test_a_checkpoint_resumes_in_another_dtype(tmp_path: Path, first: str, then:
 
 
 def test_placement_prices_fp32_shards_as_their_masters() -> None:
-    """In fp32 a parameter shard in the optimizer's tier *is* its master (12 B per parameter
-    in all); in bf16 it is 2 B more. 13 GB of host room holds the first, not the second."""
+    """In fp32 a parameter shard in the optimizer's tier *is* its master (12 B of state and
+    4 B of gradients per parameter in host memory); in bf16 it is 2 B more. 17 GB of host
+    room holds the first, not the second."""
+    from outcore.planning.estimate import USABLE
     from outcore.planning.placement import plan
 
-    room = {"device_free": 1, "host_free": int(13e9 / 0.6), "disk_free": 10**13,
-            "grads_resident": False}
-    fp32 = plan(10**9, param_bytes=4, **room)
-    bf16 = plan(10**9, param_bytes=2, **room)
+    room = {"device_free": 1, "host_free": int(17e9 / USABLE.states_only().host),
+            "disk_free": 10**13, "device": "cpu"}
+    fp32 = plan(10**9, settings=outcore.Config.from_dict({"dtype": "fp32"}), **room)
+    bf16 = plan(10**9, settings=outcore.Config.from_dict({"dtype": "bf16"}), **room)
     assert (fp32.params, fp32.optimizer) == ("cpu", "cpu")
     assert (bf16.params, bf16.optimizer) == ("cpu", "nvme")

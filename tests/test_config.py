@@ -70,6 +70,34 @@ def test_with_overrides_deep_merges_and_revalidates() -> None:
         cfg.with_overrides({"optimizer": {"lr": 0}})
 
 
+def test_merge_mappings_is_the_one_deep_merge() -> None:
+    """Nested dicts merge key by key; anything else (a list, None) replaces whole; the inputs
+    are left as they were. The training job merges its config layers with this function."""
+    from outcore.app import train
+    from outcore.config import merge_mappings
+
+    base = {"a": {"x": 1, "y": [1, 2], "z": {"deep": 1}}, "b": 2, "c": {"k": 1}}
+    over = {"a": {"y": [3], "z": {"other": 2}}, "b": None, "c": 5, "d": {"new": 1}}
+    before = repr((base, over))
+    assert merge_mappings(base, over) == {
+        "a": {"x": 1, "y": [3], "z": {"deep": 1, "other": 2}}, "b": None, "c": 5,
+        "d": {"new": 1}}
+    assert repr((base, over)) == before
+    assert merge_mappings({"a": 1}, {"a": {"b": 1}}) == {"a": {"b": 1}}  # a dict replaces a value
+    assert train.merge_mappings is merge_mappings
+    assert not hasattr(train, "_merge")
+
+
+def test_every_config_placement_names_a_tier_and_tiers_iterate_fastest_first() -> None:
+    from typing import get_args
+
+    from outcore.config import Placement
+    from outcore.offload.storage import Tier
+
+    assert [Tier.for_placement(p) for p in get_args(Placement)] == list(Tier)
+    assert [t.value for t in Tier] == ["device", "host", "nvme"]
+
+
 def test_init_and_initialize_must_agree_on_placement(tmp_path) -> None:
     from torch import nn
 

@@ -71,24 +71,49 @@ def test_deepspeed_errors_name_the_key() -> None:
         (10**9, 8 * GiB, 64 * GiB, 100 * GiB, ("none", "cpu")),    # 2 GB params fit, 16 GB not
         (3 * 10**9, 8 * GiB, 128 * GiB, 100 * GiB, ("cpu", "cpu")),
         (3 * 10**9, 8 * GiB, 64 * GiB, 100 * GiB, ("cpu", "nvme")),
-        # 3B: fp32 gradients of a whole step (12 GB) do not fit 60% of 24 GiB of host memory
+        # 3B: bf16 params (6 GB) beside a whole step's fp32 gradients (12 GB, held for the
+        # clipping norm) do not fit 60% of 24 GiB of host memory
         (3 * 10**9, 8 * GiB, 24 * GiB, 100 * GiB, ("nvme", "nvme")),
     ],
 )
 def test_auto_placement_picks_the_fastest_tier_that_fits(params, dev, host, disk,
                                                          expected, tmp_path) -> None:
+    settings = outcore.Config.from_dict({"dtype": "bf16", "gradient_clipping": 1.0})
     chosen = plan(params, device_free=dev, host_free=host, disk_free=disk,
-                  nvme_path=str(tmp_path))
+                  nvme_path=str(tmp_path), settings=settings, device="cpu")
     assert (chosen.params, chosen.optimizer) == expected
     assert "fits" in chosen.explain()
 
 
+def test_auto_placement_applies_the_estimators_tier_model(tmp_path) -> None:
+    """Model states may take ``USABLE.states_only()`` of each tier's free bytes (estimate.py's
+    one model: 67.5% of device memory, 60% of host memory, 71% of the disk); here the host's
+    limit decides between keeping the optimizer state in host memory and moving it to NVMe."""
+    from outcore.planning.estimate import USABLE, Overheads
+
+    frac = USABLE.states_only()
+    assert (frac.device, frac.host, frac.nvme) == pytest.approx((0.675, 0.6, 0.7125))
+    n = 10**9  # host needs 16 GB of fp32 state + gradients beside device-resident parameters
+    kw = {"device_free": 8 * GiB, "disk_free": 100 * GiB, "nvme_path": str(tmp_path)}
+    fits = plan(n, host_free=int(16 * n / frac.host) + 1, **kw)
+    assert (fits.params, fits.optimizer) == ("none", "cpu")
+    spills = plan(n, host_free=int(16 * n / frac.host) - 1, **kw)
+    assert (spills.params, spills.optimizer) == ("cpu", "nvme")
+    assert "GiB (60% usable)" in spills.explain()
+    roomy = plan(n, host_free=int(16 * n / frac.host) - 1, usable=Overheads(0.7, 0.7, 0.7), **kw)
+    assert roomy.optimizer == "cpu"  # a caller can still pass its own fractions
+
+
 def test_overlapped_updates_free_gradients_so_larger_models_fit(tmp_path) -> None:
+    """Placement prices each candidate by the execution plan it would run with: with the
+    optimizer on NVMe and overlapped with backward, gradients are freed group by group; with
+    clipping (no overlap) all 80 GB of fp32 gradients wait in host memory for the step."""
     kw = {"device_free": 8 * GiB, "host_free": 24 * GiB, "disk_free": 900 * GiB,
-          "nvme_path": str(tmp_path)}
+          "nvme_path": str(tmp_path), "device": "cpu"}
+    clipped = outcore.Config.from_dict({"dtype": "bf16", "gradient_clipping": 1.0})
     with pytest.raises(outcore.ConfigError):
-        plan(20 * 10**9, **kw)  # 80 GB of resident fp32 gradients
-    chosen = plan(20 * 10**9, grads_resident=False, **kw)
+        plan(20 * 10**9, settings=clipped, **kw)
+    chosen = plan(20 * 10**9, settings=outcore.Config.from_dict({"dtype": "bf16"}), **kw)
     assert (chosen.params, chosen.optimizer) == ("nvme", "nvme")
 
 

@@ -28,7 +28,35 @@ def test_parameter_counts_match_published_models() -> None:
 def test_preset_shapes_count_what_outcore_models_builds() -> None:
     models = pytest.importorskip("outcore.app.models")
     for name, cfg in models.PRESETS.items():
-        assert est.shape_from_preset(name).params == models.num_params(cfg), name
+        assert models.preset_shape(name).params == models.num_params(cfg), name
+        assert est.resolve_model(name, models.preset_shape) == models.preset_shape(name)
+    with pytest.raises(ConfigError, match="unknown model 'nope'; give a preset \\(tiny, small"):
+        est.resolve_model("nope", models.preset_shape)
+
+
+def test_planning_never_imports_the_app() -> None:
+    """Presets belong to the application (outcore.app.models); the library below knows none."""
+    import ast
+
+    planning = Path(est.__file__).parent
+    for path in planning.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            assert not any(n.startswith("outcore.app") for n in names), (path.name, names)
+
+
+def test_one_tier_model_for_estimates_and_placement() -> None:
+    """The usable fractions named once (estimate.py) and the tiers in ``Tier``'s order."""
+    from outcore.offload.storage import Tier
+    from outcore.planning import placement
+
+    assert tuple(t.value for t in Tier) == est.TIERS
+    assert (est.USABLE.device, est.USABLE.host, est.USABLE.nvme) == (0.90, 0.80, 0.95)
+    assert est.USABLE.states_only().host == pytest.approx(0.6)  # Config.auto's tested share
+    assert placement.USABLE is est.USABLE
+    limits = est.max_model(1, 10**9, 10**9, 10**9).assumptions["usable_fraction"]
+    assert limits == {"device": 0.90, "host": 0.80, "nvme": 0.95}
 
 
 def test_hf_config_from_file_and_folder(tmp_path: Path) -> None:

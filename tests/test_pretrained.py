@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -88,3 +89,34 @@ def test_name_and_shape_mismatches_are_clear_errors(tmp_path: Path) -> None:
     assert torch.equal(model[0].weight, before)  # nothing was written
     with pytest.raises(outcore.ConfigError, match="not found"):
         outcore.load_pretrained(model, tmp_path / "nope")
+
+
+def test_one_flat_range_reader_for_weights_and_checkpoints(tmp_path: Path) -> None:
+    """``read_flat_range`` (safetensors_stream.py) reads any element range of a flattened
+    tensor: one N-d tensor in one file (pretrained weights, read by rows) or a flat tensor cut
+    into pieces across files (checkpoints); pretrained.py uses it rather than its own."""
+    from safetensors import safe_open
+
+    from outcore.io import pretrained
+    from outcore.io import safetensors_stream as sts
+
+    assert pretrained.read_flat_range is sts.read_flat_range
+    full = torch.arange(60, dtype=torch.float32).reshape(3, 4, 5)
+    save_file({"w": full.to(torch.bfloat16), "s": torch.tensor(7.0)}, tmp_path / "one.safetensors")
+    flat = full.reshape(-1)
+    for k in range(3):  # a checkpoint's layout: piece k holds elements [20k, 20k + 20)
+        save_file({"w": flat[k * 20 : (k + 1) * 20].clone()}, tmp_path / f"p{k}.safetensors")
+    with contextlib.ExitStack() as stack:
+        h = stack.enter_context(safe_open(tmp_path / "one.safetensors", "pt"))
+        handles = {k: stack.enter_context(safe_open(tmp_path / f"p{k}.safetensors", "pt"))
+                   for k in range(3)}
+        for a, b in [(0, 60), (7, 8), (13, 47), (20, 40), (59, 60), (5, 5)]:
+            out = torch.full((b - a + 2,), -1.0)
+            sts.read_flat_range({0: h}, 1, "w", 60, a, b, out)  # one 3-d tensor, by rows
+            assert torch.equal(out[: b - a], flat[a:b]) and (out[b - a :] == -1).all(), (a, b)
+            out = torch.full((b - a,), -1.0, dtype=torch.float64)
+            sts.read_flat_range(handles, 3, "w", 60, a, b, out)  # three flat pieces
+            assert torch.equal(out, flat[a:b].double()), (a, b)
+        scalar = torch.zeros(1)
+        sts.read_flat_range({0: h}, 1, "s", 1, 0, 1, scalar)
+        assert scalar.item() == 7.0

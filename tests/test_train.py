@@ -15,6 +15,7 @@ import outcore
 from outcore.app import train
 from outcore.app.report import read_metrics
 from outcore.errors import ConfigError
+from outcore.offload.storage import Tier
 
 _HAS_ENGINE = hasattr(outcore, "initialize")
 _HAS_CHECKPOINTS = _HAS_ENGINE and hasattr(outcore, "latest_checkpoint") and hasattr(
@@ -165,6 +166,7 @@ def test_job_writes_metrics_checkpoints_and_report(tmp_path: Path, text_file: Pa
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     assert all(r["tokens_per_s"] > 0 and r["loss"] > 0 for r in records)
     assert (records[-1]["bytes_nvme"] > 0) == (offload == "nvme")
+    assert [k for k in records[0] if k.startswith("bytes_")] == [f"bytes_{t.value}" for t in Tier]
     latest = outcore.latest_checkpoint(out / "checkpoints")
     assert latest is not None and latest.name == "step-00000004"
     assert (out / "checkpoints" / "step-00000002").is_dir()

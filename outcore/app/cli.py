@@ -181,7 +181,7 @@ def _shape(args: argparse.Namespace) -> est.ModelShape | None:
     if (args.layers is None) != (args.hidden is None):
         raise ConfigError("--layers and --hidden go together")
     if args.model is not None:
-        return est.resolve_model(args.model)
+        return est.resolve_model(args.model, _preset_shape)
     if args.params is not None:
         return est.shape_from_params(args.params, seq_len=args.seq or 1024,
                                      vocab=args.vocab or 50257)
@@ -192,6 +192,16 @@ def _shape(args: argparse.Namespace) -> est.ModelShape | None:
         return est.ModelShape(layers=args.layers, hidden=args.hidden, heads=heads,
                               vocab=args.vocab or 50257, seq_len=args.seq or 1024, ffn=args.ffn)
     return None
+
+
+def _preset_shape(name: str) -> est.ModelShape:
+    """A preset's shape; the presets (and torch) are imported only when a name is asked for."""
+    try:
+        from outcore.app.models import preset_shape
+    except ImportError:
+        raise ConfigError(f"no model presets in this build, so {name!r} is not "
+                          "a model; give --params, --layers/--hidden or a config.json") from None
+    return preset_shape(name)
 
 
 def _run_estimate(args: argparse.Namespace) -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
@@ -19,8 +19,11 @@ import torch.nn.functional as F
 
 from outcore.errors import ConfigError
 
+if TYPE_CHECKING:
+    from outcore.planning.estimate import ModelShape
+
 __all__ = ["GPT", "GPTConfig", "PRESETS", "build_model", "hf_has_weights", "is_hf_folder",
-           "load_hf_model", "load_hf_tokenizer", "num_params", "resolve_config"]
+           "load_hf_model", "load_hf_tokenizer", "num_params", "preset_shape", "resolve_config"]
 
 
 @dataclass(frozen=True)
@@ -59,10 +62,9 @@ class GPTConfig:
 # tiny: ~1.7M params, for tests; a step takes milliseconds.
 # small: the default job's model. `outcore train` with no arguments must finish ~300 steps with
 #   NVMe offload in well under 10 minutes on a 2-core CPU and visibly learn byte-level Python.
-#   Measured on the test machine at the job's default batch 8 x 256 tokens (numbers in the
-#   report of this change): 6 x 384 took 8 min for 300 offloaded steps while other jobs shared
-#   the CPU, too close to the limit, so small is 4 x 384 (7.3M params), ~35% less per step;
-#   its loss still falls from 5.5 to ~2.3 in 300 steps.
+#   At the job's default batch (8 x 256 tokens) 6 x 384 came too close to that limit on a
+#   CPU shared with other jobs, so small is 4 x 384 (7.3M params), and its loss still falls
+#   visibly in 300 steps (measured: bench/RESULTS.md, '`outcore train`, the default job').
 # gpt-125m / gpt-335m / gpt-1.3b / gpt-3b: GPT-2 / GPT-3 shaped models for benchmarks and the
 #   scale demo; 32000-token vocabularies (Llama-sized) so the head is not the whole model.
 PRESETS: dict[str, GPTConfig] = {
@@ -203,6 +205,20 @@ def resolve_config(name_or_config: str | GPTConfig) -> GPTConfig:
         raise ConfigError(
             f"model: unknown preset {name_or_config!r}; choose one of "
             f"{', '.join(PRESETS)} or give a local Hugging Face model folder") from None
+
+
+def preset_shape(name: str) -> ModelShape:
+    """Preset ``name`` as the estimator's ``ModelShape`` (for ``outcore estimate --model``);
+    ConfigError listing the presets if there is none by that name."""
+    from outcore.planning.estimate import ModelShape
+
+    if name not in PRESETS:
+        raise ConfigError(f"unknown model {name!r}; give a preset "
+                          f"({', '.join(PRESETS)}), a config.json or a Hugging Face model folder")
+    cfg = PRESETS[name]
+    return ModelShape(layers=cfg.layers, hidden=cfg.hidden, heads=cfg.heads, vocab=cfg.vocab,
+                      seq_len=cfg.seq_len, ffn=cfg.mlp_ratio * cfg.hidden,
+                      tie_embeddings=cfg.tie_embeddings, name=name)
 
 
 def build_model(name_or_config: str | GPTConfig) -> GPT:

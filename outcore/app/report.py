@@ -15,6 +15,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from outcore.offload.storage import Tier
+
 __all__ = ["MetricsWriter", "read_metrics", "write_report"]
 
 
@@ -94,9 +96,6 @@ def _smooth(values: tuple[float, ...], span: int = 20) -> list[float]:
     return out
 
 
-_TIERS = (("bytes_device", "device"), ("bytes_host", "host"), ("bytes_nvme", "nvme"))
-
-
 def write_report(metrics_path: str | Path, png_path: str | Path, title: str | None = None) -> Path:
     """A PNG with the loss curve and the bytes held in each tier, both against the step.
 
@@ -119,7 +118,8 @@ def write_report(metrics_path: str | Path, png_path: str | Path, title: str | No
         ax_loss.legend()
     ax_loss.set(xlabel="step", ylabel="training loss", title="loss")
     ax_loss.grid(alpha=0.3)
-    for key, label in _TIERS:
+    for tier in Tier:
+        key, label = f"bytes_{tier.value}", tier.value
         points = [(s, r[key] / 2**20) for s, r in zip(steps, records, strict=True) if key in r]
         if points:
             ax_mem.plot(*zip(*points, strict=True), lw=1.5, label=label)

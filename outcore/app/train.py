@@ -37,8 +37,9 @@ from torch import nn
 from outcore.app import data as datamod
 from outcore.app import models
 from outcore.app.report import MetricsWriter, read_metrics, write_report
-from outcore.config import read_mapping
+from outcore.config import merge_mappings, read_mapping
 from outcore.errors import ConfigError
+from outcore.offload.storage import Tier
 from outcore.units import format_bytes, format_count
 
 if TYPE_CHECKING:
@@ -151,7 +152,7 @@ def _engine_config(args: argparse.Namespace, file_cfg: dict[str, Any], job: dict
         over["dtype"] = args.dtype
     if args.seed is not None:
         over["seed"] = args.seed
-    merged = _merge(_merge(_ENGINE_DEFAULTS, file_cfg), over)
+    merged = merge_mappings(merge_mappings(_ENGINE_DEFAULTS, file_cfg), over)
     if tier != "auto":
         return Config.from_dict(merged)
     nvme_path = merged["offload"]["nvme_path"]
@@ -159,13 +160,6 @@ def _engine_config(args: argparse.Namespace, file_cfg: dict[str, Any], job: dict
                          if k not in ("params", "optimizer")}  # the plan decides these
     return Config.auto(n_params, Config.from_dict(merged),
                        world_size=int(os.environ.get("WORLD_SIZE", "1")), nvme_path=nvme_path)
-
-
-def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for k, v in over.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
 
 
 # -- model and data ------------------------------------------------------------------------
@@ -326,12 +320,12 @@ def _loop(engine: Any, sampler: datamod.BatchSampler, job: dict[str, Any], seq: 
             mem = engine.memory_report()
             record = {"step": step, "loss": loss_value, "tokens_per_s": tokens_per_step / dt,
                       "lr": lr, "elapsed_s": round(state["elapsed"], 3),
-                      **{f"bytes_{t}": int(mem[t]) for t in ("device", "host", "nvme")}}
+                      **{f"bytes_{t.value}": int(mem[t.value]) for t in Tier}}
             if metrics is not None:
                 metrics.write(record)
             bar.set_postfix_str(
                 f"loss {loss_value:.3f}, {record['tokens_per_s']:,.0f} tok/s, "
-                + ", ".join(f"{t} {format_bytes(mem[t])}" for t in ("device", "host", "nvme")),
+                + ", ".join(f"{t.value} {format_bytes(mem[t.value])}" for t in Tier),
                 refresh=False)
             bar.update(1)
             if step % job["save_every"] == 0 or step == steps:

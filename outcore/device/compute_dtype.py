@@ -5,7 +5,7 @@ The master weights and optimizer states are fp32 whatever the compute dtype, so 
 dtype only decides how fast forward and backward run and how many bytes a parameter shard
 moves. A 16-bit dtype halves the bytes, but it only runs fast where the hardware multiplies
 it: torch emulates bf16 on a CPU without AVX512-BF16 or AMX (each element widened to fp32
-inside the product, about fifty times slower than fp32 there), and a GPU below compute
+inside the product, tens of times slower than fp32 there), and a GPU below compute
 capability 8.0 has no bf16 tensor cores. ``auto`` therefore resolves, per device:
 
   * bf16 where the device multiplies it natively (CUDA capability >= 8.0; a CPU with

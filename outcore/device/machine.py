@@ -1,11 +1,12 @@
 """What this machine is: CPU model and the ISA features that decide speed, cores, GPU, torch.
 
 [Note: a number without its machine means nothing]
-One machine of this project's kind may be an Intel CPU with AMX (bf16 matrix products at
-about a TFLOP/s) and the next an AMD EPYC with AVX2 only, where torch emulates bf16 and the
-same product runs fifty times slower than fp32. A step time, a probe result or a choice of
-dtype is only meaningful beside the features that produced it, so the probe, the training
-banner and every benchmark record take their machine description from ``describe()``.
+One machine of this project's kind may be an Intel CPU with AMX (native bf16 matrix
+products) and the next an AMD EPYC with AVX2 only, where torch emulates bf16 and the same
+product runs tens of times slower than fp32 (measured: bench/RESULTS.md, 'Machines'). A step
+time, a probe result or a choice of dtype is only meaningful beside the features that
+produced it, so the probe, the training banner and every benchmark record take their
+machine description from ``describe()``.
 """
 
 from __future__ import annotations

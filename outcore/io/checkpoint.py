@@ -54,7 +54,6 @@ FORMAT, VERSION, MANIFEST = "outcore-checkpoint", 1, "manifest.json"
 _PARTIAL, _ASIDE = ".partial", ".replaced-"
 _OURS = re.compile(r"^(rank\d{5}-of-\d{5}\.safetensors|manifest\.json|config\.json)(\.tmp)?$")
 _RNG_CPU, _RNG_CUDA = "__rng__::torch_cpu", "__rng__::torch_cuda"
-_DTYPES = {v: k for k, v in sts.DTYPE_NAMES.items()}
 
 
 def rank_file(rank: int, world: int) -> str:
@@ -126,10 +125,11 @@ def _check_json(client_state: dict[str, Any]) -> None:
                               "JSON-serializable; checkpoints store JSON only, never pickle")
 
 
-def _state(sp: Any) -> list[tuple[str, Any]]:
+def _state(engine: Any, sp: Any) -> list[tuple[str, Any]]:
     """(key suffix, Stored) saved for one parameter: master + optimizer states, or values."""
+    state = engine.optimizer.state.get(sp)
     if sp.trainable and sp.master is not None:
-        return [("master", sp.master), *sp.optim.items()]
+        return [("master", sp.master), *(state.moments.items() if state else ())]
     return [("values", sp.master if sp.master is not None else sp.compute)]
 
 
@@ -154,7 +154,7 @@ def _write_rank_file(engine: Any, folder: Path) -> FileInfo:
     if rank == 0:
         extra.update({f"__buffer__::{k}": v for k, v in _buffers(engine.module).items()})
     specs = [TensorSpec(f"{sp.name}::{kind}", st.dtype, (sp.layout.valid_numel,))
-             for sp in engine.params for kind, st in _state(sp)]
+             for sp in engine.params for kind, st in _state(engine, sp)]
     specs += [TensorSpec(k, t.dtype, tuple(t.shape)) for k, t in extra.items()]
     meta = {"format": "pt", "outcore": FORMAT, "rank": str(rank), "world_size": str(world)}
     need, free = sum(s.nbytes for s in specs), shutil.disk_usage(folder).free
@@ -164,7 +164,7 @@ def _write_rank_file(engine: Any, folder: Path) -> FileInfo:
     with torch.no_grad(), StreamWriter(folder / rank_file(rank, world), specs, meta) as w:
         for sp in engine.params:
             n = sp.layout.valid_numel
-            for kind, st in _state(sp):
+            for kind, st in _state(engine, sp):
                 w.write(f"{sp.name}::{kind}", load_now(st)[:n])
         for k, t in extra.items():
             w.write(k, t)
@@ -179,7 +179,7 @@ def _manifest(engine: Any, client_state: dict[str, Any], files: dict[str, dict])
     for sp in engine.params:
         names = aliases.get(id(sp.param), [sp.name])
         params[sp.name] = {"shape": list(sp.shape), "numel": sp.numel, "trainable": sp.trainable,
-                           "step": int(getattr(sp, "step", 0)),
+                           "step": engine.optimizer.step_of(sp),
                            "aliases": [n for n in names if n != sp.name]}
     groups = [{k: v for k, v in hp.items() if _jsonable(v)} for hp in engine.param_groups]
     man = {"format": FORMAT, "version": VERSION, "world_size": engine.rt.world_size,
@@ -289,8 +289,9 @@ def read_manifest(folder: Path) -> dict[str, Any]:
     return man
 
 
-def _check_file(folder: Path, man: dict, name: str, full: bool = True) -> None:
-    """Size always; with ``full`` also the checksum (reads the whole file once)."""
+def check_file(folder: Path, man: dict, name: str, full: bool = True) -> None:
+    """Check checkpoint file ``name`` against the manifest ``man``: its size always, with
+    ``full`` also its checksum (reads the whole file once). ``StorageError`` names the file."""
     rec, path = man["files"].get(name), folder / name
     if rec is None or not path.is_file():
         raise StorageError(f"checkpoint file {path} is missing")
@@ -318,7 +319,7 @@ def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
         try:
             man = read_manifest(child)
             for r in range(man["world_size"]):
-                _check_file(child, man, rank_file(r, man["world_size"]), full=False)
+                check_file(child, man, rank_file(r, man["world_size"]), full=False)
             key = (int(man["global_steps"]), child.name)
         except (StorageError, KeyError, TypeError, ValueError):
             continue
@@ -345,7 +346,7 @@ def _load(engine: Any, path: Path) -> dict[str, Any]:
         man = read_manifest(folder)
         plan = _plan(engine, man)
         for r in sorted(plan["ranks"]):
-            _check_file(folder, man, rank_file(r, man["world_size"]))
+            check_file(folder, man, rank_file(r, man["world_size"]))
     except OutcoreError as e:
         err = e
     _agree(engine, err, f"checking checkpoint {folder}")
@@ -360,7 +361,7 @@ def _load(engine: Any, path: Path) -> dict[str, Any]:
                 g.reshard()
             engine.schedule.end_iteration()
             for sp in engine.params:
-                _load_param(sp, plan["entries"][sp.name], man, handles)
+                _load_param(engine.optimizer, sp, plan["entries"][sp.name], man, handles)
             for name, buf in _buffers(engine.module).items():
                 buf.copy_(handles[0].get_tensor(f"__buffer__::{name}"))
             rng = handles[plan["rng_rank"]]
@@ -420,7 +421,8 @@ def _plan(engine: Any, man: dict) -> dict[str, Any]:
             "rng_rank": rng_rank}
 
 
-def _load_param(sp: Any, found: tuple[str, dict], man: dict, handles: dict[int, Any]) -> None:
+def _load_param(optimizer: Any, sp: Any, found: tuple[str, dict], man: dict,
+                handles: dict[int, Any]) -> None:
     """Re-cut one parameter's saved state into this rank's shard and write it to its tiers."""
     canon, entry = found
     lay, old = sp.layout, man["world_size"]
@@ -439,8 +441,10 @@ def _load_param(sp: Any, found: tuple[str, dict], man: dict, handles: dict[int, 
             sp.compute.save(master.to(sp.compute.dtype)).result()
     else:
         sp.compute.save(read(src, sp.compute.dtype)).result()
-    for kind, stored in sp.optim.items():
+    state = optimizer.state.get(sp)
+    if state is None:
+        return
+    for kind, stored in state.moments.items():
         stored.save(read(kind, torch.float32) if entry["trainable"]
                     else torch.zeros(lay.shard_numel)).result()
-    if sp.trainable:
-        sp.step = int(entry["step"]) if entry["trainable"] else 0
+    optimizer.restore_step(sp, int(entry["step"]) if entry["trainable"] else 0)

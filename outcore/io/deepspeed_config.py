@@ -20,8 +20,9 @@ import json
 import os
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
+from outcore.config import Placement
 from outcore.errors import ConfigError
 
 # key -> why it has no meaning in outcore
@@ -163,9 +164,9 @@ def _optimizer(opt: dict[str, Any]) -> dict[str, Any]:
 def _placement(section: dict[str, Any], name: str, out: dict[str, Any], ignore) -> int:
     """Map offload_param / offload_optimizer; return its buffer pool size in bytes."""
     dev = section.get("device", "none")
-    if dev not in ("none", "cpu", "nvme"):
+    if dev not in get_args(Placement):
         raise ConfigError(f"zero_optimization.offload_{name}.device: {dev!r}; "
-                          "allowed: none, cpu, nvme")
+                          f"allowed: {', '.join(get_args(Placement))}")
     off = out.setdefault("offload", {})
     off["params" if name == "param" else "optimizer"] = dev
     if section.get("nvme_path"):

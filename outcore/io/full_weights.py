@@ -18,7 +18,7 @@ import torch
 from safetensors import safe_open
 
 from outcore.io import safetensors_stream as sts
-from outcore.io.checkpoint import _DTYPES, _check_file, rank_file, read_manifest
+from outcore.io.checkpoint import check_file, rank_file, read_manifest
 from outcore.io.safetensors_stream import StreamWriter, TensorSpec
 
 
@@ -41,7 +41,7 @@ def consolidate(ckpt: str | os.PathLike[str], out: str | os.PathLike[str]) -> Pa
     man = read_manifest(folder)
     old = man["world_size"]
     for r in range(old):
-        _check_file(folder, man, rank_file(r, old))
+        check_file(folder, man, rank_file(r, old))
     out.parent.mkdir(parents=True, exist_ok=True)
     with contextlib.ExitStack() as stack:
         handles = {r: stack.enter_context(safe_open(folder / rank_file(r, old), "pt"))
@@ -50,7 +50,7 @@ def consolidate(ckpt: str | os.PathLike[str], out: str | os.PathLike[str]) -> Pa
                  for canon, e in man["params"].items() for n in (canon, *e["aliases"])]
         buf_dtypes = {}
         for name in man["buffers"]:
-            dtype = _DTYPES[handles[0].get_slice(f"__buffer__::{name}").get_dtype()]
+            dtype = sts.DTYPES_BY_NAME[handles[0].get_slice(f"__buffer__::{name}").get_dtype()]
             buf_dtypes[name] = torch.float32 if dtype.is_floating_point else dtype
             shape = handles[0].get_slice(f"__buffer__::{name}").get_shape()
             specs.append(TensorSpec(name, buf_dtypes[name], tuple(shape)))

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from safetensors import safe_open
 from torch import nn
 
 from outcore.errors import ConfigError
+from outcore.io.safetensors_stream import read_flat_range
 from outcore.zero.registry import managed
 
 _INDEX = "model.safetensors.index.json"
@@ -117,25 +117,13 @@ def _load_one(h, key: str, p: nn.Parameter) -> None:
     lay = sp.layout
     shard = torch.zeros(lay.shard_numel, dtype=torch.float32)
     if lay.valid_numel:
-        piece = read_flat_range(h, key, tuple(sp.shape), lay.start, lay.start + lay.valid_numel)
-        shard[: lay.valid_numel].copy_(piece)
+        read_flat_range({0: h}, 1, key, sp.numel, lay.start, lay.start + lay.valid_numel, shard)
     if sp.group is not None:
         sp.group.await_update()  # a step that returned early may still be writing the shard
         sp.group.reshard()  # waits for reads of the old shard still in flight
     sp.write_shard(shard.to(sp.rt.device))
     if sp.group is not None:
         sp.group.refresh_after_step()
-
-
-def read_flat_range(h, key: str, shape: tuple[int, ...], start: int, stop: int) -> torch.Tensor:
-    """Elements ``[start, stop)`` of the flattened tensor ``key``, reading only their rows."""
-    if len(shape) <= 1:
-        t = h.get_tensor(key) if not shape else h.get_slice(key)[start:stop]
-        return t.reshape(-1)[: stop - start] if not shape else t
-    row = math.prod(shape[1:])
-    first, last = start // row, -(-stop // row)
-    rows = h.get_slice(key)[first:last].reshape(-1)
-    return rows[start - first * row : stop - first * row]
 
 
 def _persistent_buffers(model: nn.Module):

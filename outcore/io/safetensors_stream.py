@@ -19,6 +19,7 @@ https://github.com/huggingface/safetensors#format.
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 import sys
@@ -35,16 +36,18 @@ DTYPE_NAMES: dict[torch.dtype, str] = {
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
     torch.uint8: "U8", torch.bool: "BOOL",
 }
+DTYPES_BY_NAME: dict[str, torch.dtype] = {v: k for k, v in DTYPE_NAMES.items()}
+"""The inverse of ``DTYPE_NAMES``: a header's dtype name (``get_slice(...).get_dtype()``)."""
 
 CHECKSUM = "crc32"
 _CHUNK = 8 << 20
 
 # [Note: checksum cost]
-# zlib.crc32 hashes about 2.0 GB/s on the test machine (256 MiB of random bytes), about the
-# disk's own write rate, so hashing while writing adds at most ~1x the write time in the worst
-# case and in practice overlaps little; verifying on load reads the file once more (~2 GB/s
-# disk + ~2 GB/s hash: ~1 s per GB). xxhash (xxh3, ~10+ GB/s) is not installed here and would
-# be a new dependency, so the manifest records the algorithm name for a later switch.
+# zlib.crc32 hashes at roughly a disk's own write rate, so hashing while writing can at worst
+# double the write time, and in practice overlaps little; verifying on load reads the file once
+# more and hashes it, a second pass of about the same cost. xxh3 (which the swap store already
+# uses) is several times faster; the manifest records the algorithm name, so checkpoints can
+# switch to it later.
 
 
 def checksum_update(value: int, data: bytes | memoryview) -> int:
@@ -210,7 +213,7 @@ def write_json_durably(path: Path, data: object) -> None:
     os.replace(tmp, path)
 
 
-# -- reading a flat tensor stored as consecutive pieces in several files ------------------------
+# -- reading part of a flattened tensor, from one file or from consecutive pieces in several ----
 def pieces_overlapping(numel: int, pieces: int, start: int, count: int) -> range:
     """Which of ``pieces`` equal cuts (``ceil(numel / pieces)`` each, the last short) of a flat
     tensor hold any of elements ``[start, start + count)``."""
@@ -223,10 +226,24 @@ def read_flat_range(handles: dict[int, Any], pieces: int, key: str, numel: int, 
     """Fill ``out[:b-a]`` with elements ``[a, b)`` of a flat tensor cut into ``pieces``.
 
     Piece k is tensor ``key`` in ``handles[k]`` (a ``safe_open`` handle) and holds elements
-    ``[k*s, min((k+1)*s, numel))``; only the overlapping slices are read (``get_slice``), and
-    ``out.copy_`` casts them to ``out``'s dtype.
+    ``[k*s, min((k+1)*s, numel))`` of the flat tensor, in row-major order whatever its shape;
+    one piece (``{0: handle}``, ``pieces=1``) is a whole tensor read in part. Only the rows of
+    each piece that hold wanted elements are read (``get_slice``), and ``out.copy_`` casts them
+    to ``out``'s dtype.
     """
     s = -(-numel // pieces)
     for k in pieces_overlapping(numel, pieces, a, b - a) if b > a else ():
         lo, hi = max(a, k * s), min(b, (k + 1) * s)
-        out[lo - a : hi - a].copy_(handles[k].get_slice(key)[lo - k * s : hi - k * s])
+        out[lo - a : hi - a].copy_(_read_rows(handles[k], key, lo - k * s, hi - k * s))
+
+
+def _read_rows(h: Any, key: str, start: int, stop: int) -> torch.Tensor:
+    """Elements ``[start, stop)`` of tensor ``key`` flattened, reading only the rows (slices
+    along the first dimension) that hold them."""
+    shape = h.get_slice(key).get_shape()
+    if not shape:  # a scalar has no rows to slice
+        return h.get_tensor(key).reshape(-1)[start:stop]
+    row = math.prod(shape[1:])
+    first, last = start // row, -(-stop // row)
+    rows = h.get_slice(key)[first:last].reshape(-1)
+    return rows[start - first * row : stop - first * row]

@@ -55,7 +55,7 @@ import contextlib
 import threading
 import weakref
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, get_args
 
 import torch
 from torch import nn
@@ -63,6 +63,7 @@ from torch.autograd.graph import saved_tensors_hooks
 from torch.overrides import _get_current_function_mode_stack
 from torch.utils.checkpoint import checkpoint
 
+from outcore.config import Placement
 from outcore.offload.buffers import aligned_empty
 from outcore.offload.storage import Tier
 from outcore.overlap.hooks import ParamAccessMode
@@ -72,7 +73,7 @@ if TYPE_CHECKING:
     from outcore.engine import Engine
     from outcore.runtime import Runtime
 
-Offload = Literal["none", "cpu", "nvme"]
+Offload = Placement  # the same three places as the offload config
 BlockSpec = type[nn.Module] | tuple[type[nn.Module], ...] | Callable[[str, nn.Module], bool]
 
 
@@ -89,7 +90,7 @@ def checkpoint_activations(model: nn.Module, blocks: BlockSpec, offload: Offload
     model without checkpointing; a block must compute the same way when re-run (dropout is
     fine: the RNG state is restored), so a block that updates a cache must run without it.
     """
-    if offload not in ("none", "cpu", "nvme"):
+    if offload not in get_args(Placement):
         raise ValueError(f"offload must be 'none', 'cpu' or 'nvme', got {offload!r}")
     match = _matcher(blocks)
     place = _Place.create(offload, model, engine_or_runtime)

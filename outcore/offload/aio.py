@@ -9,14 +9,15 @@ cost per request is a few microseconds of Python, negligible against a 4 MiB tra
 ``bench/io.py`` checks that this reaches fio's bandwidth on the same folder.
 
 [Note: default block size and thread count]
-Measured on the test machine (2 cores, virtio disk on ext4, O_DIRECT, 1 GiB sequential
-passes, 1-16 threads x 1-16 MiB blocks, interleaved with fio). Two things matter:
-- bytes in flight: one thread with 1 MiB blocks gets 1.5 GB/s write / 1.35 read; 16 MiB
-  or more in flight (16 x 1 MiB, 8 x 2 MiB, ...) reaches fio's best here (2.3-2.8 / 1.7);
+Two things decide the bandwidth a pool of threads gets from the disk (threads x block
+sizes swept against fio: bench/RESULTS.md, 'I/O engine vs fio'):
+- bytes in flight: one thread with one small block at a time leaves the device's queue
+  mostly empty; with enough bytes in flight (more threads, or larger blocks) the engine
+  reaches what fio reaches on the same folder;
 - GIL hand-offs: each finished block needs the GIL before its thread can start the next,
   and a main thread running Python keeps the GIL for up to ``sys.getswitchinterval()``
-  (5 ms). With such a thread busy, 16 x 1 MiB fell to 0.8 GB/s write, while blocks of
-  4 MiB or more lost under 10% (8 x 4 MiB: 2.2 -> 2.0 write, 1.57 -> 1.48 read).
+  (5 ms by default). Small blocks need many hand-offs per byte and lose much of their
+  bandwidth while the main thread computes; blocks of 4 MiB or more lose little.
 Hence 8 threads x 4 MiB: 32 MiB in flight, few hand-offs per byte, and 4 MiB is the
 largest request the device takes whole (``max_sectors_kb``). A transfer smaller than
 4 MiB is one request; the engine gets its parallelism from many shards in flight.
@@ -43,6 +44,7 @@ from types import TracebackType
 import torch
 
 from outcore.errors import StorageError
+from outcore.profiling import NVME_READ, NVME_WRITE, record_function
 
 log = logging.getLogger(__name__)
 
@@ -239,7 +241,7 @@ class _Request:
 
 
 def transfer(op: str, fd: int, view: memoryview, offset: int, path: str) -> int:
-    """Move all of ``view`` to or from ``fd`` at ``offset``, synchronously; see [Note: errors]."""
+    """Move all of ``view`` to or from ``fd`` at ``offset``, synchronously ([Note: errors ...])."""
     total = len(view)
     done = 0
     while done < total:
@@ -280,7 +282,8 @@ def _worker(tasks: queue.SimpleQueue) -> None:
             return
         op, fd, view, offset, path, request = task
         try:
-            moved = transfer(op, fd, view, offset, path)
+            with record_function(NVME_READ if op == "read" else NVME_WRITE):
+                moved = transfer(op, fd, view, offset, path)
         except BaseException as e:  # handed to the future, never lost
             request.block_done(offset, 0, e)
         else:

@@ -19,20 +19,18 @@ asynchronously. It is the only CUDA-specific thing in the tiers and lives behind
 
 [Note: huge pages under I/O buffers]
 For O_DIRECT the kernel pins the buffer's pages and builds the request from them, page by
-page; physically contiguous 2 MiB pages make that cheaper and the requests larger. Measured
-on this project's test machine (a VM with one virtio disk), alternating runs: through our
-I/O engine (4 threads, 8 MiB requests; ``bench/io.py --small-pages`` against without),
-reads 1.47 -> 1.66 GB/s, writes 1.9 -> 2.1 GB/s, and the kernel's CPU time per GB moved
-halved (0.028 -> 0.011-0.018 s read); one thread reading 64 MiB at a time went 0.9 -> 1.7
-GB/s. On 2 cores that also compute, the CPU time is what counts. So every large unpinned
-buffer that I/O lands in is its own anonymous mapping, aligned to 2 MiB and advised
-``MADV_HUGEPAGE``: that works whether the system's THP mode is ``always`` or ``madvise``, and
-where THP is off it is plain page-aligned memory. Only the whole huge pages inside the
-buffer are advised for them and the rest of the mapping against them, so a buffer never
-holds memory beyond its length, whatever the mode. The kernel's THP ``defrag`` setting decides
-whether a fault may compact memory to find a huge page (``madvise``, the usual default,
-lets it for advised mappings); without one it falls back to small pages.
-Pinned (CUDA) buffers come from torch's pinned allocator instead.
+page; physically contiguous 2 MiB pages make that cheaper and the requests larger: both
+reads and writes get faster, and the kernel spends less CPU time per byte moved (measured
+with ``bench/io.py`` against ``--small-pages``: bench/RESULTS.md, 'I/O engine vs fio',
+huge-page buffers). On a host whose few cores also compute, the CPU time is what counts.
+So every large unpinned buffer that I/O lands in is its own anonymous mapping, aligned to
+2 MiB and advised ``MADV_HUGEPAGE``: that works whether the system's THP mode is ``always``
+or ``madvise``, and where THP is off it is plain page-aligned memory. Only the whole huge
+pages inside the buffer are advised for them and the rest of the mapping against them, so
+a buffer never holds memory beyond its length, whatever the mode. The kernel's THP
+``defrag`` setting decides whether a fault may compact memory to find a huge page
+(``madvise``, the usual default, lets it for advised mappings); without one it falls back
+to small pages. Pinned (CUDA) buffers come from torch's pinned allocator instead.
 """
 
 from __future__ import annotations
@@ -247,7 +245,7 @@ class BufferPool:
         self.count = max(1, budget_bytes // self.buffer_bytes)
         self.capacity_bytes = self.count * self.buffer_bytes
         self.pinned = pin and torch.cuda.is_available()
-        # zero_() touches every page now: first-touch faults cost seconds per GiB on a VM
+        # zero_() touches every page now: first-touch faults are slow (the kernel zeroes pages)
         # and would otherwise land in the first transfers; the memory is resident from here
         # until ``release_idle`` (see its note).
         self._buffers = [
@@ -284,15 +282,14 @@ class BufferPool:
         Building a model stages every initial shard through the pool (torch allocates them
         64-byte aligned), but in training the hot transfers land in page-aligned memory of
         their own (optimizer slots, full-tensor regions), so the pool may never be borrowed
-        again: with gpt-335m's params and optimizer state on NVMe, 0 bytes per step went
-        through it, while its 128 MiB (the default budget's share) stayed resident. The
-        engine calls this once the model is built and after each checkpoint save or load,
-        which stage every shard through the pool again. The buffers stay valid and the pool
-        keeps its count and budget: a released page comes back, zeroed, on its next touch (a
-        first-touch fault, once). Measured side by side, alternating (bench/RESULTS.md,
-        2026-11-22 17:39 UTC): that run's peak RSS 1.27 -> 1.18 GiB in every run, step time
-        unchanged within noise. Pinned buffers are never released (page-locked memory is
-        what makes them pinned); elsewhere than Linux nothing is.
+        again, even with params and optimizer state on NVMe, while its share of the budget would
+        stay resident for the whole run. The engine calls this once the model is built and after
+        each checkpoint save or load, which stage every shard through the pool again. The buffers
+        stay valid and the pool keeps its count and budget: a released page comes back, zeroed, on
+        its next touch (a first-touch fault, once). So peak RSS drops by the idle pool's pages and
+        the step time does not change (measured side by side: bench/RESULTS.md, 'the I/O pool's idle
+        pages given back'). Pinned buffers are never released (page-locked memory is what makes them
+        pinned); elsewhere than Linux nothing is.
         """
         if self.pinned or not _LINUX:
             return 0

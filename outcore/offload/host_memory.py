@@ -7,47 +7,45 @@ groups, gradient shards waiting for their update, staging buffers. All of these 
 with ``mmap`` and everything below from its heap; each time a large block is freed the
 threshold rises to that block's size (up to 32 MiB). After the first few frees, most
 shard-sized blocks come from the heap, and a heap returns memory to the system only from
-its top: measured on a 335M-parameter model, peak RSS was 2.6 GiB with the dynamic
-threshold and 1.4 GiB with a fixed one, at the same step time. Fixing the threshold at
-1 MiB (what ``MALLOC_MMAP_THRESHOLD_`` does from the environment) keeps every large block
-in its own mapping, returned to the system by ``free``. Small objects (Python's, torch's
-metadata) are unaffected.
+its top, so freed shards stay resident below live blocks and peak RSS grows well past what
+is in flight, for no gain in step time (measured: bench/RESULTS.md, 'mmap thresholds').
+Fixing the threshold at 1 MiB (what ``MALLOC_MMAP_THRESHOLD_`` does from the environment)
+keeps every large block in its own mapping, returned to the system by ``free``. Small
+objects (Python's, torch's metadata) are unaffected.
 
 [Note: page faults are the other cost]
 Memory given back to the system comes back as fresh pages: every first touch of each 4 KiB
 page is a page fault that the kernel serves by zeroing the page. Activations and autograd's
 gradients are allocated and freed every step, so a process that gives them back pays this
-again each step. Measured on a 335M-parameter GPT with everything in memory (2 cores):
-150k faults and 0.8 s of system time per step, and a step 0.4 s longer than plain PyTorch's.
-Plain PyTorch pays it or not by accident: in some processes its heap happens to hold freed
-blocks big enough for the largest tensors (0 faults in forward and backward), in others not
-(150k per step); the logits, over glibc's 32 MiB ceiling for the dynamic threshold, are
-otherwise always mapped fresh. Where the optimizer state is in memory the
-host is sized for the whole model anyway, so outcore makes the reuse deliberate: no
-``mmap`` for blocks (``M_MMAP_MAX`` 0) and no trimming of the heap's top, so each step's
-tensors reuse the last step's pages. This covers the main heap, where torch's CPU compute
-allocates (forward and CPU backward run on the calling thread); glibc still maps blocks over
-64 MiB fresh for other threads' heaps. With the state in GPU memory the host is not sized for
-the model, so the setting is only applied where the state lives in host memory. Measured:
-0 to a few hundred faults per step, 0.01 s of system time, and the step as fast as plain
-PyTorch (bench/RESULTS.md, 06:08 UTC).
+again each step: with everything in memory, that system time alone makes a step slower
+than plain PyTorch's. Plain PyTorch pays it or not by accident: in some processes its heap
+happens to hold freed blocks big enough for the largest tensors (no faults in forward and
+backward), in others not (a fault per page of every activation); the logits, over glibc's
+32 MiB ceiling for the dynamic threshold, are otherwise always mapped fresh. Where the
+optimizer state is in memory the host is sized for the whole model anyway, so outcore makes
+the reuse deliberate: no ``mmap`` for blocks (``M_MMAP_MAX`` 0) and no trimming of the
+heap's top, so each step's tensors reuse the last step's pages. This covers the main heap,
+where torch's CPU compute allocates (forward and CPU backward run on the calling thread);
+glibc still maps blocks over 64 MiB fresh for other threads' heaps. With the state in GPU
+memory the host is not sized for the model, so the setting is only applied where the state
+lives in host memory. With it a step takes almost no page faults and runs as fast as plain
+PyTorch's (measured: bench/RESULTS.md, 'in-memory page reuse').
 
 [Note: reuse on a small host, when asked]
 With the optimizer state on NVMe the first setting costs time in proportion to the
-activations: at 2048 tokens per step on the same GPT (params and optimizer on NVMe), 1.8M
-faults and 5 s of system time per 13 s step, on 2 cores where that time is taken from
-compute. ``offload.reuse_freed_memory: true`` serves every block from the heap there too (and
-where the state is in device memory, for which nothing is set by default), so most of a
-step's pages are reused. Measured side by side (bench/RESULTS.md, 10:30 UTC): steps 9-18%
-shorter at 128 to 2048 tokens (faults per step 1.79M -> 213k at 2048, 750k -> 90k at 512),
-peak RSS 0.4 GiB higher at 512 tokens (1.24 -> 1.67) and 1.05 GiB at 2048. A free heap top
-beyond ``REUSE_TRIM_BYTES`` still goes back to the system, so one huge transient at the top
-(an evaluation batch, say) is not kept for good; but blocks freed below a live one (torch
-allocates small blocks after large ones) stay, so this bounds the top, not the RSS. It is
-not the default because RSS is what a small host is short of. It starts once the engine is
-built (``Runtime.begin_training``): building the model allocates and frees every full tensor
-once, and a heap serving that would keep holding it (measured: peak RSS 3.13 GiB instead of
-1.67 at 512 tokens). ``false`` gives large frees back wherever the state is.
+activations: at large batches the kernel's page zeroing becomes a large share of each step,
+and on a host with few cores that time is taken from compute.
+``offload.reuse_freed_memory: true`` serves every block from the heap there too (and where
+the state is in device memory, for which nothing is set by default), so most of a step's
+pages are reused: steps get shorter at every batch size, and peak RSS higher, the more so
+the larger the batch (measured side by side: bench/RESULTS.md, 'reuse_freed_memory'). A
+free heap top beyond ``REUSE_TRIM_BYTES`` still goes back to the system, so one huge
+transient at the top (an evaluation batch, say) is not kept for good; but blocks freed
+below a live one (torch allocates small blocks after large ones) stay, so this bounds the
+top, not the RSS. It is not the default because RSS is what a small host is short of. It
+starts once the engine is built (``Runtime.begin_training``): building the model allocates
+and frees every full tensor once, and a heap serving that would keep holding it for the
+whole run. ``false`` gives large frees back wherever the state is.
 
 Every setting is process-wide, and the last engine built decides, with one exception: an
 engine with the key unset and its state in host or device memory does not undo another

@@ -22,6 +22,15 @@ from outcore.errors import StorageError
 
 
 class Tier(str, Enum):
+    """A place bytes live, fastest first: iterating ``Tier`` gives the order reports use.
+
+    [Note: two spellings of a tier]
+    The config names where state is offloaded *to* (``offload.params: none | cpu | nvme``,
+    DeepSpeed's spelling, ``none`` for not offloaded); the ledger, ``memory_report()`` and the
+    metrics name the tier itself (``device | host | nvme``). ``for_placement`` is the one
+    mapping from the first to the second; nothing else spells it out.
+    """
+
     DEVICE = "device"
     HOST = "host"
     NVME = "nvme"
@@ -29,7 +38,10 @@ class Tier(str, Enum):
     @classmethod
     def for_placement(cls, placement: str) -> Tier:
         """Map a config value (``none | cpu | nvme``) to the tier it names."""
-        return {"none": cls.DEVICE, "cpu": cls.HOST, "nvme": cls.NVME}[placement]
+        return _BY_PLACEMENT[placement]
+
+
+_BY_PLACEMENT = {"none": Tier.DEVICE, "cpu": Tier.HOST, "nvme": Tier.NVME}
 
 
 class Ledger:
@@ -162,7 +174,7 @@ class MemoryStored(Stored):
 
 
 def digest(t: torch.Tensor) -> int:
-    """xxh3-64 of a contiguous CPU tensor's bytes (about 8 GiB/s here, against crc32's 2)."""
+    """xxh3-64 of a contiguous CPU tensor's bytes (several times as fast as crc32)."""
     from outcore.offload.aio import byte_view
 
     flat = t.detach().reshape(-1).view(torch.uint8)
@@ -179,10 +191,11 @@ class NvmeStored(Stored):
     or a torn write surfaces as a ``StorageError`` naming the swap file and offset, never as
     silently wrong weights. Ranges
     are tracked because the optimizer writes slices: a later load of any range that the saved
-    pieces tile exactly is verified piece by piece. Hashing runs at ~8 GiB/s, four times the
-    disk's read bandwidth, so it costs about a quarter of the I/O time on one core (measured:
-    bench/RESULTS.md). On a host with few cores and a trusted disk that core may be worth
-    more than the check: ``offload.verify_swap: false`` neither hashes nor verifies.
+    pieces tile exactly is verified piece by piece. Hashing runs several times faster than
+    the disk reads, so it costs a fraction of the I/O time, but that time is a core's
+    (measured: bench/RESULTS.md, 'xxh3 digests'). On a host with few cores and a trusted
+    disk that core may be worth more than the check: ``offload.verify_swap: false`` neither
+    hashes nor verifies.
     """
 
     def __init__(self, store, numel: int, dtype: torch.dtype, kind: str, ledger: Ledger,
@@ -206,7 +219,7 @@ class NvmeStored(Stored):
     def _sub_extent(self, start: int, numel: int):
         """The part of the extent holding elements ``[start, start + numel)``.
 
-        Callers cut ranges at 4 KiB boundaries (optim.py), as O_DIRECT needs aligned offsets.
+        Callers cut ranges at 4 KiB boundaries (optimizer.py), as O_DIRECT needs aligned offsets.
         """
         esize = self.nbytes // max(self.numel, 1)
         offset = self.extent.offset + start * esize

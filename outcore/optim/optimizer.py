@@ -25,18 +25,34 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 from torch.optim.adamw import adamw
 from torch.optim.sgd import sgd
 
 from outcore.config import OptimizerConfig
-from outcore.offload.storage import Tier
+from outcore.offload.storage import Stored, Tier
 from outcore.optim.work import ALIGN_ELEMS, Feed, Job, Slice, Slot, Work, first_error, settle
+from outcore.profiling import OPTIM_READ, OPTIM_UPDATE, OPTIM_WRITE, record_function
 from outcore.runtime import Runtime
 from outcore.zero.param import ShardedParam
 
-_STATE_KINDS = {"adamw": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",)}
+
+@dataclass(eq=False)
+class ParamState:
+    """What the optimizer keeps for one parameter shard, as ``torch.optim`` keeps it in
+    ``optimizer.state[p]``: its step count and moment tensors (each in the state tier), plus
+    the round (optimizer step) that last updated it, so no shard is updated twice a step."""
+
+    moments: dict[str, Stored]
+    step: int = 0
+    round: int = -1
+
+    def free(self) -> None:
+        for stored in self.moments.values():
+            stored.free()
+        self.moments = {}
 
 
 class ShardedOptimizer:
@@ -65,24 +81,22 @@ class ShardedOptimizer:
             self._members.append(sps)
             for sp in sps:
                 self._hp_index[id(sp)] = i
-        kinds = _STATE_KINDS[cfg.type] if (cfg.type == "adamw" or cfg.momentum) else ()
-        for sp in self.params:
-            sp.optim = {k: rt.store(torch.zeros(sp.shard_numel, dtype=torch.float32,
-                                                device=rt.device), rt.state_tier, "optimizer")
-                        for k in kinds}
-            sp.step = 0
-        self.state_kinds = kinds
-        # what a slice stages in host memory per element (optim_work.py's [Note: staging
-        # without copies])
-        self._staged_kinds = (("master", *kinds) if rt.state_tier is Tier.NVME else ())
-        staged_cast = rt.param_tier is Tier.NVME and not rt.compute_is_master
-        self._cast_dtype = rt.compute_dtype if staged_cast else None
-        # only a gradient held in a 16-bit training dtype needs a cast for the update
-        self._grad_slot = (bool(self._staged_kinds) and rt.holds_raw_grads
-                           and rt.compute_dtype != torch.float32)
+        plan = rt.plan
+        self.state_kinds = plan.state_kinds
+        self.state: dict[ShardedParam, ParamState] = {
+            sp: ParamState({k: rt.store(torch.zeros(sp.shard_numel, dtype=torch.float32,
+                                                    device=rt.device), rt.state_tier, "optimizer")
+                            for k in self.state_kinds})
+            for sp in self.params}
+        # what a slice stages in host memory per element (work.py's [Note: staging without
+        # copies]); the plan says which tensors that is
+        self._staged_kinds = plan.staged_kinds
+        self._cast_dtype = rt.compute_dtype if plan.staged_cast else None
+        self._grad_slot = plan.grad_slot
+        self._slot_count = plan.staging_slots
         self._stage_elem_bytes = 4 * (len(self._staged_kinds) + self._grad_slot) + (
-            rt.compute_dtype.itemsize if staged_cast else 0)
-        per_slot = rt.staging_bytes // 3 // max(self._stage_elem_bytes, 1)
+            rt.compute_dtype.itemsize if plan.staged_cast else 0)
+        per_slot = rt.staging_bytes // self._slot_count // max(self._stage_elem_bytes, 1)
         self._subgroup_elems = max(ALIGN_ELEMS, per_slot // ALIGN_ELEMS * ALIGN_ELEMS)
         self._slot_list: list[Slot] = []
         self._fused = rt.device.type in ("cpu", "cuda")
@@ -94,7 +108,7 @@ class ShardedOptimizer:
         # backward that submits more waits for the oldest update (see the note above)
         self.pending_grad_limit = 2 * rt.cfg.offload.host_buffer_bytes
         self._dropped_sq = 0.0  # squared norm of gradients already consumed and freed
-        self._round = 0  # optimizer steps taken; see ShardedParam.updated_round
+        self._round = 0  # optimizer steps taken; see ParamState.round
         self.stats = {"updates_during_backward": 0, "updates_at_step": 0, "updates_after_step": 0}
 
     @property
@@ -111,14 +125,14 @@ class ShardedOptimizer:
 
     def submit(self, sps: list[ShardedParam]) -> None:
         """Update ``sps`` (gradients final) in the background; see the note above."""
-        todo = [sp for sp in sps if sp.has_grad and sp.updated_round != self._round
-                and id(sp) in self._hp_index]
+        todo = [sp for sp in sps if sp.has_grad and id(sp) in self._hp_index
+                and self.state[sp].round != self._round]
         if not todo:
             return
         if self._broken is not None:
             raise RuntimeError("the optimizer's update thread failed") from self._broken
         for sp in todo:
-            sp.updated_round = self._round
+            self.state[sp].round = self._round
         self.stats["updates_during_backward"] += len(todo)
         if self._worker is None:
             self._feed = Feed(self._subgroups)
@@ -142,11 +156,11 @@ class ShardedOptimizer:
         round. Submitted updates are waited for, unless ``defer``: then the unfinished ones
         are returned, re-ordered for the next forward (engine.py's [Note: the step's tail runs
         into the next forward])."""
-        rest = [sp for sp in self.params if sp.has_grad and sp.updated_round != self._round]
+        rest = [sp for sp in self.params if sp.has_grad and self.state[sp].round != self._round]
         if rest or not defer:  # the rest goes through the worker's three slots: let it finish
             self.wait()
         for sp in rest:
-            sp.updated_round = self._round
+            self.state[sp].round = self._round
         self.stats["updates_at_step"] += len(rest)
         self._round += 1
         if rest:
@@ -177,7 +191,17 @@ class ShardedOptimizer:
         sq, self._dropped_sq = self._dropped_sq, 0.0
         return sq
 
+    def step_of(self, sp: ShardedParam) -> int:
+        """How many updates ``sp`` has had (AdamW's bias correction counts them)."""
+        state = self.state.get(sp)
+        return state.step if state is not None else 0
+
+    def restore_step(self, sp: ShardedParam, step: int) -> None:
+        """Set ``sp``'s update count from a checkpoint (its moments are loaded in place)."""
+        self.state[sp].step = step
+
     def close(self) -> None:
+        """Stop the worker and give back the staging buffers and every moment's storage."""
         if self._worker is not None:
             self._feed.jobs.put(None)
             self._worker.join()
@@ -185,7 +209,9 @@ class ShardedOptimizer:
         if self._slot_list:  # no update runs any more: give the staging buffers back
             self._slot_list = []
             self.rt.ledger.add(Tier.HOST.value, "io_buffers",
-                               -3 * self._subgroup_elems * self._stage_elem_bytes)
+                               -self._slot_count * self._subgroup_elems * self._stage_elem_bytes)
+        for state in self.state.values():
+            state.free()
 
     def _by_group(self, sps: list[ShardedParam]) -> dict[int, list[ShardedParam]]:
         by_group: dict[int, list[ShardedParam]] = {}
@@ -213,15 +239,16 @@ class ShardedOptimizer:
         [Note: one pipeline across submissions]
         Sub-group k + 1 is read while k is updated and k - 1 written, and the pipeline does not
         drain between jobs: the worker's jobs are single modules, a sub-group or two each, and
-        draining after each left the disk idle through every update and every digest of the
-        writes (gpt-335m with its state on NVMe: 0.8-1.1 s of a 3.2-3.8 s tail after
-        backward; the tail fell to 2.2-2.6 s and the step by 10%, bench/RESULTS.md, 14:48
-        UTC). Only when no job is queued does it wait for all of its writes, so a job is done,
+        draining after each leaves the disk idle through every update and every digest of the
+        writes, a large part of the step's tail after backward with the state on NVMe; one
+        pipeline shortens that tail and the step (measured: bench/RESULTS.md, 'update
+        pipeline'). Only when no job is queued does it wait for all of its writes, so a job is done,
         and ``wait()`` returns, once its bytes are on disk. A failed sub-group fails its job;
         the pipeline goes on with the others.
         """
-        slots: list[Slot | None] = self._slots() if self._stages else [None, None, None]
-        owners: list[Work | None] = [None, None, None]  # whose writes may still use a slot
+        count = self._slot_count
+        slots: list[Slot | None] = self._slots() if self._stages else [None] * count
+        owners: list[Work | None] = [None] * count  # whose writes may still use a slot
         turn = 0
         ahead: Work | None = None
 
@@ -229,12 +256,13 @@ class ShardedOptimizer:
             nonlocal turn
             job, chunk, last = item
             work = Work(chunk, job=job, last=last, turn=turn)
-            slot = turn % 3
+            slot = turn % count
             turn += 1
             settle(owners[slot])
             owners[slot] = None
             try:
-                self._load(work, slots[slot])
+                with record_function(OPTIM_READ):
+                    self._load(work, slots[slot])
             except BaseException as e:  # noqa: BLE001 - fails the job, after its reads end
                 settle(work, e)
                 return None
@@ -245,7 +273,7 @@ class ShardedOptimizer:
                 if ahead is None:
                     item = feed.next(block=False)
                     if item is None:  # idle: let every write land so waiters see their jobs done
-                        for slot in range(3):
+                        for slot in range(count):
                             settle(owners[slot])
                             owners[slot] = None
                         item = feed.next(block=True)
@@ -258,16 +286,19 @@ class ShardedOptimizer:
                 if item is not None:
                     ahead = start(item)
                 try:
-                    work.wait()  # its reads
+                    with record_function(OPTIM_READ):
+                        work.wait()  # its reads
                     if work.job.error is None:
-                        self._update(work, work.job.hp)
-                        if work.last:
-                            self._updated(work.job)
-                        self._store(work)
+                        with record_function(OPTIM_UPDATE):
+                            self._update(work, work.job.hp)
+                            if work.last:
+                                self._updated(work.job)
+                        with record_function(OPTIM_WRITE):
+                            self._store(work)
                 except BaseException as e:  # noqa: BLE001 - fails the job, after its writes end
                     settle(work, e)
                     continue
-                owners[work.turn % 3] = work
+                owners[work.turn % count] = work
         finally:
             for work in (ahead, *owners):
                 settle(work)
@@ -275,7 +306,7 @@ class ShardedOptimizer:
     def _updated(self, job: Job) -> None:
         """Every sub-group of ``job`` was updated: count its step, free background gradients."""
         for sp in job.sps:
-            sp.step += 1
+            self.state[sp].step += 1
         if not job.background:
             return
         if self.rt.cfg.track_grad_norm:  # the sum is only read by Engine._global_norm
@@ -294,8 +325,9 @@ class ShardedOptimizer:
             elems = self._subgroup_elems
             kinds = (*self._staged_kinds, "grad") if self._grad_slot else self._staged_kinds
             self._slot_list = [Slot(elems, kinds, self._cast_dtype)
-                               for _ in range(3)]
-            self.rt.ledger.add(Tier.HOST.value, "io_buffers", 3 * elems * self._stage_elem_bytes)
+                               for _ in range(self._slot_count)]
+            self.rt.ledger.add(Tier.HOST.value, "io_buffers",
+                               self._slot_count * elems * self._stage_elem_bytes)
         return self._slot_list
 
     def _subgroups(self, sps: list[ShardedParam]) -> Iterator[list[Slice]]:
@@ -323,13 +355,13 @@ class ShardedOptimizer:
 
     def _load(self, work: Work, slot: Slot | None) -> None:
         """Start reading a sub-group; each slice gets an aligned place in ``slot``'s buffers
-        (see optim_work.py's [Note: staging without copies]) unless its state is resident."""
+        (see work.py's [Note: staging without copies]) unless its state is resident."""
         work.states, work.slot = {k: [] for k in self.state_kinds}, slot
         pos = 0
         for sl in work.params:
             sp, n = sl.sp, sl.hi - sl.lo
             for kind, dst, stored in [("master", work.master, sp.master)] + [
-                (k, work.states[k], sp.optim[k]) for k in self.state_kinds
+                (k, work.states[k], self.state[sp].moments[k]) for k in self.state_kinds
             ]:
                 t = stored.resident()
                 if t is None:
@@ -349,7 +381,8 @@ class ShardedOptimizer:
         if self.kind == "adamw":
             # each slice gets its own copy of the parameter's step count: the kernel
             # increments it, and a parameter cut in several slices must advance only once
-            steps = [torch.tensor(float(sl.sp.step), dtype=torch.float32) for sl in work.params]
+            steps = [torch.tensor(float(self.state[sl.sp].step), dtype=torch.float32)
+                     for sl in work.params]
             adamw(
                 work.master, grads, work.states["exp_avg"], work.states["exp_avg_sq"], [], steps,
                 fused=self._fused, foreach=False if self._fused else None, amsgrad=False,
@@ -383,7 +416,8 @@ class ShardedOptimizer:
             if sp.master.resident() is None:
                 work.pending.append(sp.master.save_range(sl.lo, work.master[i]))
                 for k in self.state_kinds:
-                    work.pending.append(sp.optim[k].save_range(sl.lo, work.states[k][i]))
+                    work.pending.append(
+                        self.state[sp].moments[k].save_range(sl.lo, work.states[k][i]))
             if sp.compute is sp.master:
                 continue
             resident = sp.compute.resident()

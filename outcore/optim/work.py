@@ -1,6 +1,6 @@
 """The optimizer's units of work in flight: slices, sub-groups, jobs, and the feed that orders them.
 
-optim.py's pipeline moves these between disk, host buffers and the update kernel; this module
+optimizer.py's pipeline moves these between disk, host buffers and the update kernel; this module
 holds only their book-keeping, so each piece can be read on its own.
 """
 
@@ -23,7 +23,7 @@ ALIGN_ELEMS = 2048  # 8 KiB of fp32, 4 KiB of bf16/fp16: slices start on 4 KiB b
 @dataclass
 class Slice:
     """Elements ``[lo, hi)`` of one parameter's shard: the update is elementwise, so a large
-    shard is streamed in pieces (optim.py's [Note: streamed sub-groups])."""
+    shard is streamed in pieces (optimizer.py's [Note: streamed sub-groups])."""
 
     sp: ShardedParam
     lo: int
@@ -40,8 +40,8 @@ class Job:
     group: int  # index into ``param_groups``
     hp: dict  # its hyper-parameters as they were when the job was made
     sps: list[ShardedParam]
-    background: bool  # its gradients are freed once applied (optim.py's [Note: updating during
-    # backward])
+    background: bool  # its gradients are freed once applied (optimizer.py's [Note: updating
+    # during backward])
     done: Future = field(default_factory=Future)
     unsettled: int = 0  # sub-groups whose writes have not been waited for
     error: BaseException | None = None
@@ -68,7 +68,7 @@ class Work:
     params: list[Slice]
     job: Job | None = None
     last: bool = False  # the job's last sub-group: its update completes the job's updates
-    turn: int = 0  # which of the three slots it uses: ``turn % 3``
+    turn: int = 0  # which staging slot it uses: ``turn % plan.staging_slots``
     master: list[torch.Tensor] = field(default_factory=list)
     states: dict[str, list[torch.Tensor]] = field(default_factory=dict)
     pending: list = field(default_factory=list)
@@ -158,7 +158,7 @@ class Slot:
     A staged slice is placed at a multiple of ``ALIGN_ELEMS`` elements in every buffer, so
     its bytes start on a 4 KiB boundary in memory as they do in the swap file, and O_DIRECT
     moves them straight between disk and buffer: no bounce through the I/O pool and no fresh
-    allocation (each of which page-faults on first touch, seconds per GiB on a VM). Three
+    allocation (each of which page-faults on first touch, and the kernel zeroes every page). Three
     slots serve the pipeline: one being read, one being updated, one being written.
     """
 

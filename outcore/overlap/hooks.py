@@ -91,10 +91,10 @@ class Hooks:
         self.groups = groups
         self.schedule = schedule
         self.frames: list[list[ParamGroup]] = []
-        self.in_backward = False
+        self._in_backward = False
         self.pending: deque[PendingReduce] = deque()
         # called with each group whose gradients for this backward are reduced (or None)
-        self.on_reduced: Callable[[ParamGroup], None] | None = None
+        self._on_reduced: Callable[[ParamGroup], None] | None = None
         self.mode = ParamAccessMode(self._on_access)
         # see [Note: frozen groups in backward]: (group, node that last unpacked it, thread)
         self._frozen_held: list[tuple[ParamGroup, object, int | None]] = []
@@ -122,11 +122,9 @@ class Hooks:
         self.frames.append([])
         # a recomputation inside backward continues its iteration; after a step the
         # schedule already began this one (schedule.py's [Note: prefetch across the step])
-        if not self.in_backward and not self.schedule.started_early:
+        if not self._in_backward:
             with self.mode.suspended():
-                self.schedule.end_iteration(carry=True)
-                self.schedule.begin_iteration()
-        self.schedule.started_early = False
+                self.schedule.begin_forward()
         if not self.schedule.movable:
             # Nothing is ever released (one rank, every shard resident on the device): every
             # parameter is always present, so the per-op checks would find nothing to fetch.
@@ -145,7 +143,7 @@ class Hooks:
     def _pre_forward(self, module: nn.Module, args: tuple) -> None:
         with self.mode.suspended():
             groups = self.module_groups[module]
-            if self.in_backward:  # a recomputation: see [Note: frozen groups in backward]
+            if self._in_backward:  # a recomputation: see [Note: frozen groups in backward]
                 self._pinned.update(g.index for g in groups)
             # push the frame before fetching: if the fetch raises, the post-forward hook (which
             # always runs) must pop this frame, not its parent's
@@ -160,7 +158,7 @@ class Hooks:
 
     def _on_access(self, sp: ShardedParam, func: object) -> None:
         g = sp.group
-        if g is not None and self.in_backward:  # a recomputation reads it: see the note
+        if g is not None and self._in_backward:  # a recomputation reads it: see the note
             self._pinned.add(g.index)
         if g is None or g.state is GroupState.UNSHARDED:
             return
@@ -171,7 +169,7 @@ class Hooks:
     def _release(self, groups: list[ParamGroup]) -> None:
         for g in groups:
             g.holds -= 1
-            if g.holds == 0 and not self.in_backward:
+            if g.holds == 0 and not self._in_backward:
                 self.schedule.done(g)
 
     # -- backward ------------------------------------------------------------------------------
@@ -234,8 +232,30 @@ class Hooks:
             self._reduced(self.pending.popleft().finish())
 
     def _reduced(self, g: ParamGroup) -> None:
-        if self.on_reduced is not None:
-            self.on_reduced(g)
+        if self._on_reduced is not None:
+            self._on_reduced(g)
+
+    @contextlib.contextmanager
+    def backward(self, on_reduced: Callable[[ParamGroup], None] | None = None,
+                 before_abort: Callable[[], None] | None = None) -> Iterator[None]:
+        """Active around ``loss.backward()``: fetches become recomputations' (see [Note:
+        frozen groups in backward]), ``on_reduced(group)`` is called as each group's gradients
+        are reduced, and on exit every reduction is finished (``finish_backward``). If the
+        body or the finish raises, ``before_abort`` runs, then the partial backward is
+        dropped (``abort_backward``), and the error goes on."""
+        self._in_backward, self._on_reduced = True, on_reduced
+        try:
+            yield
+            with self.mode.suspended():
+                self.finish_backward()
+        except BaseException:
+            if before_abort is not None:
+                before_abort()
+            with self.mode.suspended():
+                self.abort_backward()
+            raise
+        finally:
+            self._in_backward, self._on_reduced = False, None
 
     def abort_backward(self) -> None:
         """Backward raised: forget its partial reductions so the next one starts clean."""

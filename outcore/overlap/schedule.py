@@ -42,6 +42,7 @@ from __future__ import annotations
 import itertools
 import logging
 import warnings
+from enum import Enum
 
 from outcore.zero.group import GroupState, ParamGroup
 
@@ -50,22 +51,32 @@ log = logging.getLogger("outcore")
 LOOKAHEAD = 16  # trace entries searched for a needed group before calling it a divergence
 
 
+class Mode(str, Enum):
+    """What the schedule does with the order groups are needed in (see [Note: trace, follow,
+    re-trace])."""
+
+    TRACING = "tracing"  # no trace yet: record the order, fetch on demand
+    FOLLOWING = "following"  # follow the trace with a cursor and prefetch along it
+    DIVERGED = "diverged"  # left the trace this iteration: fetch on demand, record anew
+
+
 class Schedule:
     """Fetch and release groups; prefetch along the recorded trace; count what happened."""
 
-    def __init__(self, prefetch_bytes: int, groups: list[ParamGroup] | None = None) -> None:
+    def __init__(self, prefetch_bytes: int, groups: list[ParamGroup] | None = None,
+                 carry: bool = False) -> None:
         self.prefetch_bytes = prefetch_bytes
         self.groups = groups or []
+        self.mode = Mode.TRACING
         self.trace: list[int] | None = None
         self.recording: list[int] = []
         self.cursor = 0
-        self.diverged = False
         self.ahead: dict[int, int] = {}  # group index -> full bytes fetched ahead of use
         self.peak_ahead_bytes = 0
         # with nothing ever released (one rank, states resident) there is nothing to prefetch
         self.movable = any(not g.zero_copy for g in self.groups)
-        self.started_early = False  # see [Note: prefetch across the step]
-        self.carry = False  # see [Note: carrying the head across iterations]
+        self._started_early = False  # see [Note: prefetch across the step]
+        self.carry = carry  # see [Note: carrying the head across iterations]
         self._carried: set[int] = set()  # carried groups not yet used by this iteration
         self._warned_small_budget = False
         self._warned_divergence = False
@@ -77,14 +88,22 @@ class Schedule:
     def begin_iteration(self) -> None:
         """A new forward starts: adopt a new trace if the last one diverged (or none exists)."""
         if self.recording:
-            if self.trace is None or self.diverged:
-                if self.trace is not None:
+            if self.mode is not Mode.FOLLOWING:
+                if self.mode is Mode.DIVERGED:
                     self.counts["retraces"] += 1
                 self.trace = self.recording
             self.counts["iterations"] += 1
         self.recording = []
         self.cursor = 0
-        self.diverged = False
+        self.mode = Mode.TRACING if self.trace is None else Mode.FOLLOWING
+
+    def begin_forward(self) -> None:
+        """A forward starts (not a recomputation inside backward): end the last iteration and
+        begin the next, unless the step already did (see [Note: prefetch across the step])."""
+        if not self._started_early:
+            self.end_iteration(carry=True)
+            self.begin_iteration()
+        self._started_early = False
 
     def start_next_iteration(self) -> None:
         """The optimizer step is done: begin the next iteration now and start reading the
@@ -101,12 +120,12 @@ class Schedule:
         self.end_iteration(carry=True)
         self.begin_iteration()
         self._prefetch()
-        self.started_early = True
+        self._started_early = True
 
     def end_iteration(self, carry: bool = False) -> None:
         """An iteration is over: drop everything fetched or kept ahead that was not used,
         except, with ``carry``, what the next iteration's head needs (see the note)."""
-        self.started_early = False
+        self._started_early = False
         keep = self._next_head() if carry and self.carry else set()
         self.ahead.clear()
         self._carried.clear()
@@ -122,7 +141,7 @@ class Schedule:
 
     def _next_head(self) -> set[int]:
         """Indices of the groups that start the next iteration, within the budget."""
-        trace = self.recording if (self.trace is None or self.diverged) else self.trace
+        trace = self.trace if self.mode is Mode.FOLLOWING else self.recording
         head: set[int] = set()
         budget = self.prefetch_bytes
         for index in trace:
@@ -178,13 +197,13 @@ class Schedule:
     # -- following the trace -------------------------------------------------------------------
     def _follow(self, g: ParamGroup) -> None:
         self.recording.append(g.index)
-        if self.trace is None or self.diverged:
+        if self.mode is not Mode.FOLLOWING:
             return
         window = self.trace[self.cursor : self.cursor + LOOKAHEAD]
         if g.index in window:
             self.cursor += window.index(g.index) + 1
             return
-        self.diverged = True
+        self.mode = Mode.DIVERGED
         self.counts["divergences"] += 1
         if not self._warned_divergence:
             self._warned_divergence = True
@@ -195,7 +214,7 @@ class Schedule:
     def _upcoming(self, cycle: bool = False):
         """Groups in the order the trace will need them; with ``cycle``, followed by the next
         iteration's (see [Note: carrying the head across iterations])."""
-        if self.trace is None or self.diverged or not self.movable:
+        if self.mode is not Mode.FOLLOWING or not self.movable:
             return
         seen: set[int] = set()
         rest = itertools.islice(self.trace, self.cursor, None)  # no copy: called per release

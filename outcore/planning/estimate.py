@@ -43,17 +43,31 @@ Offloaded strategies keep activation checkpoints in host memory, as the paper do
 checkpointing the full activations stay on the device under every strategy.
 
 [Note: usable fraction of each tier]
-``max_model`` counts only part of each tier as usable: 90% of device memory (allocator
-fragmentation, the framework's context and kernel workspaces), 80% of host memory (operating
-system, page cache, pinned staging buffers, data loading) and 95% of NVMe (filesystem reserve,
-alignment padding of the swap files). Host memory and NVMe are given per node and shared by
-the node's devices. ``Overheads`` changes these.
+This is outcore's one model of how much of each tier training may use; ``max_model`` and
+``Config.auto`` (placement.py) both apply it.
+* ``USABLE``: 90% of device memory, 80% of host memory and 95% of NVMe. The rest is lost to
+  what is not training state: allocator fragmentation, the framework's context and kernel
+  workspaces (device); the operating system, page cache, pinned staging buffers and data
+  loading (host); the filesystem reserve and the swap files' alignment padding (NVMe).
+  ``max_model`` counts every byte training needs (model states, activations, working memory)
+  against these fractions of each capacity. Host memory and NVMe are given per node and
+  shared by the node's devices. ``Overheads`` changes the fractions.
+* ``STATES_SHARE``, for a planner that counts model states alone: ``Config.auto`` knows the
+  parameter count, but not the batch, sequence length or layer shapes that activations and
+  working memory depend on. It lets model states take three quarters of each tier's usable
+  part and keeps the other quarter as a margin for what it cannot count: activations and their
+  checkpoints (``checkpoint_activations`` may put these on any tier), gathered layers and the
+  prefetch budget on the device, the host I/O buffers.
+These fractions are rules of thumb, not measurements. The share is set so that model states get
+60% of free host memory (0.8 x 3/4), the figure ``Config.auto`` was built and tested with; on a
+CPU-only machine, where the device is host memory, that is all it plans with.
 """
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import asdict, astuple, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,14 +75,16 @@ from typing import Any
 from outcore.errors import ConfigError
 
 __all__ = [
-    "STRATEGIES", "TIERS", "Efficiency", "MaxModel", "MemoryEstimate", "ModelShape",
-    "Overheads", "StateBytes", "TierBytes", "efficiency", "efficiency_from_probe",
+    "STATES_SHARE", "STRATEGIES", "TIERS", "USABLE", "Efficiency", "MaxModel", "MemoryEstimate",
+    "ModelShape", "Overheads", "StateBytes", "TierBytes", "efficiency", "efficiency_from_probe",
     "max_model", "memory_estimate", "predict_efficiency", "required_bandwidth",
-    "resolve_model", "shape_from_hf_config", "shape_from_params", "shape_from_preset",
+    "resolve_model", "shape_from_hf_config", "shape_from_params",
 ]
 
 STRATEGIES = ("data_parallel", "zero3", "zero3_cpu", "zero3_nvme")
 TIERS = ("device", "host", "nvme")
+"""``Tier``'s values in its order (storage.py; a test pins that they agree), spelled out so
+that this module imports no torch."""
 _GATED_TYPES = {"llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma", "gemma2", "phi3",
                 "olmo", "olmo2", "granite"}
 _LEARNED_POSITION_TYPES = {"gpt2", "gpt_bigcode", "opt", "gpt_neo", "biogpt"}
@@ -167,6 +183,18 @@ class Overheads:
     device: float = 0.90
     host: float = 0.80
     nvme: float = 0.95
+
+    def states_only(self) -> Overheads:
+        """These fractions times ``STATES_SHARE``: what model states may take of each tier
+        when nothing else is counted (``Config.auto``)."""
+        return Overheads(*(f * STATES_SHARE for f in astuple(self)))
+
+
+USABLE = Overheads()
+"""The usable fraction of each tier; see [Note: usable fraction of each tier]."""
+STATES_SHARE = 3 / 4
+"""Of each tier's usable part, what a count of model states alone may fill; the rest is the
+margin for activations, working memory and buffers (see [Note: usable fraction of each tier])."""
 
 
 class _Json:
@@ -319,30 +347,18 @@ def shape_from_hf_config(config: dict[str, Any] | str | Path) -> ModelShape:
         name=kind or name)
 
 
-def shape_from_preset(name: str) -> ModelShape:
-    """The shape of an ``outcore.app.models`` preset (imported only when asked for)."""
-    try:
-        from outcore.app.models import PRESETS
-    except ImportError:
-        raise ConfigError(f"no model presets in this build, so {name!r} is not "
-                          "a model; give --params, --layers/--hidden or a config.json") from None
-    if name not in PRESETS:
-        raise ConfigError(f"unknown model {name!r}; give a preset "
-                          f"({', '.join(PRESETS)}), a config.json or a Hugging Face model folder")
-    cfg = PRESETS[name]
-    return ModelShape(layers=cfg.layers, hidden=cfg.hidden, heads=cfg.heads, vocab=cfg.vocab,
-                      seq_len=cfg.seq_len, ffn=getattr(cfg, "mlp_ratio", 4) * cfg.hidden,
-                      tie_embeddings=getattr(cfg, "tie_embeddings", True), name=name)
-
-
-def resolve_model(spec: str) -> ModelShape:
-    """A preset name, a ``config.json`` path, or a Hugging Face model folder."""
+def resolve_model(spec: str, preset: Callable[[str], ModelShape] | None = None) -> ModelShape:
+    """A ``config.json`` path, a Hugging Face model folder, or a name that ``preset`` maps to a
+    shape (model presets belong to the application, which passes its lookup; none here)."""
     path = Path(spec)
     if path.is_file() or (path.is_dir() and (path / "config.json").is_file()):
         return shape_from_hf_config(path)
     if path.is_dir() or spec.endswith(".json"):
         raise ConfigError(f"{spec} is neither a config.json nor a folder holding one")
-    return shape_from_preset(spec)
+    if preset is None:
+        raise ConfigError(f"unknown model {spec!r}; give a config.json or a Hugging Face "
+                          "model folder")
+    return preset(spec)
 
 
 @dataclass(frozen=True)
@@ -371,7 +387,7 @@ def max_model(gpus: int, gpu_memory: int, host_memory: int, nvme: int, *, nodes:
     for name, value in (("gpu_memory", gpu_memory), ("host_memory", host_memory), ("nvme", nvme)):
         if value < 0:
             raise ConfigError(f"{name} must be >= 0, got {value}")
-    sb, oh = state_bytes or StateBytes(), overheads or Overheads()
+    sb, oh = state_bytes or StateBytes(), overheads or USABLE
     per_node = gpus // nodes
     usable = {"device": gpu_memory * oh.device, "host": host_memory * oh.host / per_node,
               "nvme": nvme * oh.nvme / per_node}

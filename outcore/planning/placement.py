@@ -12,10 +12,12 @@ NVMe. Optimizer state moves first because its traffic per step (read and write o
 per byte than the parameters' (read in forward and again in backward), which is the paper's
 arithmetic-intensity argument: optimizer ait is tokens/4, parameters' is tokens.
 
-A tier counts as holding a kind of state when that state uses at most ``usable`` of the free
-memory measured now (default 60%: activations, gathered layers, the allocator and the rest of
-the process need the remainder). On a CPU-only machine the device *is* host memory, so device
-and host share one free-memory figure and the two tiers are never both counted. Budgets follow:
+A tier counts as holding a kind of state when that state uses at most its usable fraction of
+what is free now: estimate.py's one model of the tiers, taken for model states alone
+(``USABLE.states_only()``: 67.5% of device memory, 60% of host memory, 71% of the disk; the
+reasons are in estimate.py's [Note: usable fraction of each tier]). On a CPU-only machine the
+device *is* host memory, so device and host share one free-memory figure and host memory's
+fraction, and the two tiers are never both counted. Budgets follow:
 host I/O buffers get 2% of free host memory (64 MiB to 1 GiB), prefetch gets 5% of free device
 memory (64 MiB to 2 GiB).
 """
@@ -30,11 +32,15 @@ from typing import Any
 import psutil
 import torch
 
+from outcore.config import Config
 from outcore.device.compute_dtype import planned
 from outcore.errors import ConfigError
+from outcore.offload.storage import Tier
+from outcore.plan import ExecutionPlan
+from outcore.planning.estimate import USABLE, Overheads
 
 _MiB = 1 << 20
-PARAM_BYTES, STATE_BYTES, GRAD_BYTES = 2, 12, 4
+STATE_BYTES, GRAD_BYTES = 12, 4  # fp32 master + two Adam moments; an fp32 gradient
 _ORDER = [("none", "none"), ("none", "cpu"), ("cpu", "cpu"), ("cpu", "nvme"), ("nvme", "nvme")]
 
 
@@ -66,14 +72,19 @@ def free_memory() -> tuple[int, int]:
 
 def plan(num_params: int, world_size: int = 1, *, nvme_path: str | None = None,
          device_free: int | None = None, host_free: int | None = None,
-         disk_free: int | None = None, usable: float = 0.6,
-         grads_resident: bool = True, param_bytes: int = PARAM_BYTES) -> Plan:
+         disk_free: int | None = None, usable: Overheads | None = None,
+         settings: Config | None = None, device: str | None = None) -> Plan:
     """Pick the fastest placement that fits (see the note above).
 
-    ``grads_resident``: whether a whole step's fp32 gradients live at once. With the optimizer
-    overlapped with backward (no clipping, not fp16) each group's gradient is freed after its
-    update, so gradients need no room of their own beyond the host buffer budget.
-    ``param_bytes``: bytes per element of the compute dtype (4 where ``auto`` chose fp32).
+    Each candidate is priced by the execution plan it would run with (plan.py), for
+    ``settings`` (dtype, optimizer, clipping, overlap; default ``Config()``) on ``device``
+    (``"cuda"`` where torch sees a GPU, else ``"cpu"``): parameter shards cost the resolved
+    dtype's bytes unless they are the fp32 masters (``compute_is_master``), and a whole
+    step's fp32 gradients need room beside the optimizer state unless the optimizer runs
+    during backward (``overlaps_optimizer``): then each group's gradient is freed after its
+    update and needs no room beyond the host buffer budget.
+    ``usable``: the fraction of each tier's free bytes model states may take (default
+    ``USABLE.states_only()``, see the note above).
     """
     if num_params <= 0:
         raise ConfigError(f"auto placement needs a positive parameter count, got {num_params}")
@@ -81,39 +92,44 @@ def plan(num_params: int, world_size: int = 1, *, nvme_path: str | None = None,
     dev = measured_dev if device_free is None else device_free
     host = measured_host if host_free is None else host_free
     shared = not torch.cuda.is_available() and device_free is None
+    frac = usable or USABLE.states_only()
+    dev_frac = frac.host if shared else frac.device  # the device's memory is host memory
     if disk_free is None:
         disk_free = shutil.disk_usage(_existing(nvme_path)).free if nvme_path else 0
     per_rank = -(-num_params // world_size)
-    grad_bytes = GRAD_BYTES if grads_resident else 0
-    need = {"params": per_rank * param_bytes, "optimizer": per_rank * (STATE_BYTES + grad_bytes)}
-    reasons = [f"{num_params:,} parameters over {world_size} rank(s): "
-               f"{need['params'] / 2**30:.2f} GiB of parameter shards and "
-               f"{need['optimizer'] / 2**30:.2f} GiB of fp32 optimizer state + gradients "
-               "per rank"]
+    settings = settings or Config()
+    dtype = planned(settings.dtype)
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    reasons = [f"{num_params:,} parameters over {world_size} rank(s), {dtype.name}: "
+               f"{per_rank * dtype.torch_dtype.itemsize / 2**30:.2f} GiB of parameter shards "
+               f"and {per_rank * STATE_BYTES / 2**30:.2f} GiB of fp32 optimizer state per rank, "
+               f"{per_rank * GRAD_BYTES / 2**30:.2f} GiB of fp32 gradients where they are all "
+               "held at once"]
     for params, optimizer in _ORDER:
-        use = {"device": 0, "host": 0, "nvme": 0}
-        for kind, where in (("params", params), ("optimizer", optimizer)):
-            if kind == "params" and param_bytes == 4 and params == optimizer:
-                continue  # fp32 shards beside their masters are the masters (runtime.py)
-            use[{"none": "device", "cpu": "host", "nvme": "nvme"}[where]] += need[kind]
-        if optimizer == "nvme":  # gradients stay in host memory until their update
-            use["host"] += per_rank * grad_bytes
-            use["nvme"] -= per_rank * grad_bytes
+        ex = ExecutionPlan.for_config(settings, world_size, device, dtype=dtype.name,
+                                      params=params, optimizer=optimizer)
+        use = {t.value: 0 for t in Tier}
+        if not ex.compute_is_master:  # else the parameter shards are the masters
+            use[ex.inputs.params.value] += per_rank * dtype.torch_dtype.itemsize
+        use[ex.inputs.optimizer.value] += per_rank * STATE_BYTES
+        if not ex.overlaps_optimizer:  # every gradient is held until the step
+            use[ex.grad_tier.value] += per_rank * GRAD_BYTES
         mem_used = use["device"] + use["host"] if shared else max(use["device"], 0)
-        fits = (mem_used <= usable * dev and (shared or use["host"] <= usable * host)
-                and use["nvme"] <= usable * disk_free)
+        fits = (mem_used <= dev_frac * dev and (shared or use["host"] <= frac.host * host)
+                and use["nvme"] <= frac.nvme * disk_free)
         label = f"params={params}, optimizer={optimizer}"
         if fits:
             reasons.append(f"{label}: fits ({_gib(use)})")
             break
-        reasons.append(f"{label}: does not fit ({_gib(use)}; free device {dev / 2**30:.1f} GiB, "
-                       f"host {host / 2**30:.1f} GiB, disk {disk_free / 2**30:.1f} GiB, "
-                       f"{usable:.0%} usable)")
+        reasons.append(f"{label}: does not fit ({_gib(use)}; free device {dev / 2**30:.1f} GiB "
+                       f"({dev_frac:.0%} usable), host {host / 2**30:.1f} GiB "
+                       f"({frac.host:.0%} usable), disk {disk_free / 2**30:.1f} GiB "
+                       f"({frac.nvme:.0%} usable))")
     else:
         where = f"{disk_free:,} bytes free at {nvme_path}" if nvme_path else "no nvme_path given"
         raise ConfigError(
             f"the model does not fit this machine even with everything on NVMe: "
-            f"{need['params'] + need['optimizer']:,} bytes per rank, {where}")
+            f"{sum(use.values()):,} bytes per rank, {where}")
     host_buffers = int(min(max(0.02 * host, 64 * _MiB), 1024 * _MiB)) // 4096 * 4096
     prefetch = int(min(max(0.05 * dev, 64 * _MiB), 2048 * _MiB))
     return Plan(params, optimizer, host_buffers, prefetch, reasons)
@@ -122,17 +138,10 @@ def plan(num_params: int, world_size: int = 1, *, nvme_path: str | None = None,
 def auto_config(num_params: int | torch.nn.Module, base: dict[str, Any] | None = None, *,
                 world_size: int = 1, nvme_path: str | None = None, **measured: Any):
     """An ``outcore.Config`` with the planned placement merged into ``base``; prints the plan."""
-    from outcore.config import Config
-
     if isinstance(num_params, torch.nn.Module):
         num_params = sum(p.numel() for p in num_params.parameters())
     cfg = Config.load(base)
-    dtype = planned(cfg.dtype)
-    overlapped = (cfg.zero.overlap_optimizer and cfg.gradient_clipping == 0
-                  and dtype.name != "fp16")
-    measured.setdefault("grads_resident", not overlapped)
-    measured.setdefault("param_bytes", dtype.torch_dtype.itemsize)
-    chosen = plan(int(num_params), world_size, nvme_path=nvme_path, **measured)
+    chosen = plan(int(num_params), world_size, nvme_path=nvme_path, settings=cfg, **measured)
     print(chosen.explain(), flush=True)
     offload = {"params": chosen.params, "optimizer": chosen.optimizer,
                "host_buffer_bytes": chosen.host_buffer_bytes}

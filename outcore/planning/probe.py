@@ -10,8 +10,8 @@ neighbour only ever makes a round slower. The data is read back and compared, so
 a broken disk or filesystem fails instead of reporting a speed.
 
 [Note: sized by time, so it ends on any machine]
-A fixed size cannot fit every machine: a 4096-square bf16 product takes 0.1 s where AMX
-multiplies bf16 and over a minute where torch emulates it, and 512 MiB is a blink for an
+A fixed size cannot fit every machine: a 4096-square bf16 product is quick where AMX
+multiplies bf16 and orders of magnitude slower where torch emulates it; 512 MiB is a blink for an
 NVMe drive and seconds for a network disk. So every measurement grows its size until one
 operation takes a set time (or a cap is reached), then takes the best of a few rounds at
 that size: fast devices get large, accurate measurements and slow ones end in seconds. Each

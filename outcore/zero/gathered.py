@@ -14,7 +14,6 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
-from outcore.zero.group import GroupState
 from outcore.zero.registry import managed
 
 
@@ -49,8 +48,4 @@ def gathered_parameters(params: Iterable[nn.Parameter] | nn.Module,
             for sp in sps:
                 sp.show_placeholder()
             for g in groups:
-                if g.zero_copy:
-                    g.state = GroupState.SHARDED
-                    g.wait_unshard()
-                else:
-                    g.state = GroupState.SHARDED
+                g.shown_elsewhere()

@@ -30,6 +30,7 @@ import torch
 
 from outcore.offload.buffers import ALIGN, aligned_empty, round_up
 from outcore.offload.storage import Tier
+from outcore.profiling import ALL_GATHER, FETCH, REDUCE_SCATTER, UNSHARD, record_function
 from outcore.runtime import Runtime
 from outcore.zero.param import ShardedParam
 
@@ -49,7 +50,7 @@ class ParamGroup:
         esize = rt.compute_dtype.itemsize
         # Shards read from disk into the packed buffer start on page boundaries of it, so
         # O_DIRECT reads land in place instead of passing through the I/O pool.
-        self._aligned = rt.world_size > 1 and rt.param_tier is Tier.NVME
+        self._aligned = rt.plan.aligned_gather
         align = ALIGN // esize if self._aligned else 1
         self.offsets: list[int] = []
         total = 0
@@ -60,9 +61,7 @@ class ParamGroup:
             sp.group = self
         self.shard_numel = round_up(total, align)  # padding is never read
         self.full_bytes = sum(sp.numel for sp in params) * esize
-        self.zero_copy = rt.world_size == 1 and (
-            rt.param_tier is Tier.DEVICE or (rt.param_tier is Tier.HOST and not rt.accel.is_cuda)
-        )
+        self.zero_copy = rt.plan.zero_copy
         self.persistent = self.zero_copy or self.full_bytes <= persistence_threshold_bytes
         self.state = GroupState.SHARDED
         self.holds = 0
@@ -96,6 +95,10 @@ class ParamGroup:
         self.state = GroupState.FETCHING
         if self.zero_copy:
             return
+        with record_function(UNSHARD):
+            self._issue_reads()
+
+    def _issue_reads(self) -> None:
         # counted from the moment memory is committed to this fetch, prefetches included
         self.rt.ledger.add(Tier.DEVICE.value, "unsharded", self.full_bytes)
         if self.rt.world_size == 1:
@@ -121,11 +124,12 @@ class ParamGroup:
             for sp in self.params:
                 sp.show_full(sp.compute.resident()[: sp.numel].view(sp.shape))
         else:
-            for fut in self._reads:
-                fut.result()
-            self._reads = []
-            if self._send is not None:
-                self._gather()
+            with record_function(FETCH):
+                for fut in self._reads:
+                    fut.result()
+                self._reads = []
+                if self._send is not None:
+                    self._gather()
         self.state = GroupState.UNSHARDED
 
     def _gather(self) -> None:
@@ -133,7 +137,8 @@ class ParamGroup:
         self._send = None
         w = rt.world_size
         out = torch.empty(w * self.shard_numel, dtype=send.dtype, device=send.device)
-        rt.comm.all_gather(out, send).wait()
+        with record_function(ALL_GATHER):
+            rt.comm.all_gather(out, send).wait()
         blocks = out.view(w, self.shard_numel)
         for sp, off in zip(self.params, self.offsets, strict=True):
             flat, s = sp.alloc_full().view(-1), sp.shard_numel
@@ -163,6 +168,14 @@ class ParamGroup:
         self.state = GroupState.SHARDED
         self.rt.ledger.add(Tier.DEVICE.value, "unsharded", -self.full_bytes)
 
+    def shown_elsewhere(self) -> None:
+        """Its parameters showed other tensors for a while (``gathered_parameters``) and now
+        show placeholders: the group is SHARDED again, and a zero-copy group shows its shards
+        at once, as it always does."""
+        self.state = GroupState.SHARDED
+        if self.zero_copy:
+            self.wait_unshard()
+
     def refresh_after_step(self, updates: list[Future] | None = None) -> None:
         """Kept-gathered groups hold stale full tensors once their shards are updated.
 
@@ -177,7 +190,7 @@ class ParamGroup:
             self._updates = list(updates)
             self.reshard()
             return
-        if self.state is GroupState.UNSHARDED and self.rt.refreshes_full_in_place:
+        if self.state is GroupState.UNSHARDED and self.rt.plan.carries_head:
             # carried into the next iteration (schedule.py's [Note: carrying the head
             # across iterations]): the new values come from the masters, not the disk
             for sp in self.params:
@@ -232,7 +245,8 @@ class ParamGroup:
                     send[r, off : off + n].copy_(flat[r * s : r * s + n])
             sp.param.grad = None
         out = torch.empty(self.shard_numel, dtype=torch.float32, device=rt.device)
-        work = rt.comm.reduce_scatter_sum(out, send.view(-1), async_op=True)
+        with record_function(REDUCE_SCATTER):
+            work = rt.comm.reduce_scatter_sum(out, send.view(-1), async_op=True)
         return PendingReduce(self, live, out, send, work)
 
 
@@ -244,7 +258,8 @@ class PendingReduce:
         self.group, self._live, self._out, self._send, self._work = group, live, out, send, work
 
     def finish(self) -> ParamGroup:
-        self._work.wait()
+        with record_function(REDUCE_SCATTER):
+            self._work.wait()
         self._send = None
         self._out.div_(self.group.rt.world_size)
         for sp, off in self._live:

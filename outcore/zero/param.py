@@ -51,9 +51,6 @@ class ShardedParam:
         self.grad: torch.Tensor | None = None
         self._grad_buffer: torch.Tensor | None = None  # see [Note: gradient buffers]
         self.has_grad = False  # a gradient arrived since the last step
-        self.updated_round = -1  # the optimizer round (one per step) that last updated it
-        self.step = 0
-        self.optim: dict[str, Stored] = {}
         self.group = None  # the ParamGroup that gathers this parameter (set by the engine)
         self.full = self._new_full(self.dtype)
         self.show_placeholder()
@@ -138,7 +135,7 @@ class ShardedParam:
         """
         rt = self.rt
         assert self.master is not None
-        if rt.compute_is_master:
+        if rt.plan.compute_is_master:
             self.compute = self.master
         else:
             values = load_now(self.master, rt.device).to(rt.compute_dtype)
@@ -159,7 +156,7 @@ class ShardedParam:
         [Note: gradient buffers]
         Where the optimizer state is in memory the step needs every gradient shard at once
         anyway, so the fp32 buffer is allocated by the first backward and kept: later steps
-        overwrite it instead of page-faulting a fresh one in (seconds per GiB on a VM). With
+        overwrite it instead of page-faulting a fresh one in, every page zeroed anew. With
         the optimizer on NVMe the shard is allocated when the first gradient arrives and freed
         as soon as the update consumed it (``drop_grad``), which bounds host memory.
 
@@ -167,9 +164,9 @@ class ShardedParam:
         With the optimizer on NVMe an owned gradient is not copied at all: the shard *is*
         that tensor until the update reads it. At one rank on the host that is autograd's
         own gradient, in backward's dtype, which the update casts slice by slice into a
-        reused staging buffer (optim.py); copying it into a fresh fp32 tensor instead costs
-        twice its bytes in new memory each step, every page of it a page fault (1.3 GB and
-        330k faults per step on a 335M-parameter model). The values the update sees are the
+        reused staging buffer (optimizer.py); copying it into a fresh fp32 tensor instead costs
+        twice its bytes in new memory each step, every page of it a page fault (measured:
+        bench/RESULTS.md, 'gradients held, not copied'). The values the update sees are the
         same (a bf16 to fp32 cast is exact). At more ranks it is the parameter's slice of
         the reduce-scatter's fp32 output (where the state is in memory, that slice becomes
         the kept buffer of the note above). A second gradient (accumulation) first turns
@@ -181,25 +178,25 @@ class ShardedParam:
             self.grad = self._grad_buffer.copy_(shard_grad)
         elif self.grad is None:
             if owned and shard_grad.device == self.rt.grad_device and (
-                    shard_grad.dtype == torch.float32 or self.rt.holds_raw_grads):
+                    shard_grad.dtype == torch.float32 or self.rt.plan.holds_raw_grads):
                 self.grad = shard_grad
             else:
                 self.grad = shard_grad.to(self.rt.grad_device, torch.float32, copy=True)
-            self.rt.ledger.add(self.rt.grad_tier.value, "grads", self.grad.nbytes)
-            if self.rt.keeps_grad_buffers:
+            self.rt.ledger.add(self.rt.plan.grad_tier.value, "grads", self.grad.nbytes)
+            if self.rt.plan.keeps_grad_buffers:
                 self._grad_buffer = self.grad
         else:
             if self.grad.dtype != torch.float32:  # accumulation always runs in fp32
                 held = self.grad
                 self.grad = held.to(torch.float32)
-                self.rt.ledger.add(self.rt.grad_tier.value, "grads",
+                self.rt.ledger.add(self.rt.plan.grad_tier.value, "grads",
                                    self.grad.nbytes - held.nbytes)
             self.grad.add_(shard_grad)
         self.has_grad = True
 
     def drop_grad(self) -> None:
         if self.grad is not None and self._grad_buffer is None:
-            self.rt.ledger.add(self.rt.grad_tier.value, "grads", -self.grad.nbytes)
+            self.rt.ledger.add(self.rt.plan.grad_tier.value, "grads", -self.grad.nbytes)
         self.grad = None
         self.has_grad = False
 
@@ -207,13 +204,11 @@ class ShardedParam:
         """Give back every shard's bytes (the parameter is gone)."""
         self.drop_grad()
         if self._grad_buffer is not None:
-            self.rt.ledger.add(self.rt.grad_tier.value, "grads", -self._grad_buffer.nbytes)
+            self.rt.ledger.add(self.rt.plan.grad_tier.value, "grads", -self._grad_buffer.nbytes)
             self._grad_buffer = None
-        for stored in {id(s): s for s in (self.master, self.compute, *self.optim.values())
-                       if s is not None}.values():
+        for stored in {id(s): s for s in (self.master, self.compute) if s is not None}.values():
             stored.free()
         self.master = self.compute = None
-        self.optim = {}
 
     def values_shard(self) -> torch.Tensor:
         """This rank's shard of the parameter's exact values (fp32 master when there is one)."""

@@ -149,7 +149,7 @@ class Hooks:
             # always runs) must pop this frame, not its parent's
             self.frames.append(list(groups))
             for g in groups:
-                g.holds += 1
+                g.hold()
             self.schedule.need(groups)
 
     def _post_forward(self, module: nn.Module, args: tuple, output: object) -> None:
@@ -162,14 +162,13 @@ class Hooks:
             self._pinned.add(g.index)
         if g is None or g.state is GroupState.UNSHARDED:
             return
-        g.holds += 1
+        g.hold()
         self.schedule.need([g], on_demand=True)
         self.frames[-1].append(g)  # forward_context always pushed one
 
     def _release(self, groups: list[ParamGroup]) -> None:
         for g in groups:
-            g.holds -= 1
-            if g.holds == 0 and not self._in_backward:
+            if g.unhold() and not self._in_backward:
                 self.schedule.done(g)
 
     # -- backward ------------------------------------------------------------------------------

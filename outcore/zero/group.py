@@ -64,7 +64,7 @@ class ParamGroup:
         self.zero_copy = rt.plan.zero_copy
         self.persistent = self.zero_copy or self.full_bytes <= persistence_threshold_bytes
         self.state = GroupState.SHARDED
-        self.holds = 0
+        self.holds = 0  # running modules using it now (hooks.py); see hold()/unhold()
         self._send: torch.Tensor | None = None
         self._reads: list = []
         self._grads_seen: set[int] = set()
@@ -84,6 +84,16 @@ class ParamGroup:
         for fut in self._updates:
             fut.result()
         self._updates = []
+
+    # -- use by running modules ------------------------------------------------------------------
+    def hold(self) -> None:
+        """A module that uses this group starts running (it must not be released meanwhile)."""
+        self.holds += 1
+
+    def unhold(self) -> bool:
+        """That module finished; True when no running module holds the group any more."""
+        self.holds -= 1
+        return self.holds == 0
 
     # -- gather -----------------------------------------------------------------------------
     def unshard(self) -> None:

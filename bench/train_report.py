@@ -30,6 +30,9 @@ LABEL = {
     "nvme+opt": "outcore, params+optimizer on NVMe",
     "nvme+opt-reuse": "outcore, params+optimizer on NVMe, reuse_freed_memory",
     "nvme+opt-early": "outcore, params+optimizer on NVMe, step returns before its updates",
+    # bench/gpu.py's rows (params in device memory there unless offloaded)
+    "opt-cpu": "outcore, optimizer on host", "cpu+opt": "outcore, params+optimizer on host",
+    "nvme+opt-cpu": "outcore, params on NVMe, optimizer on host",
     "deepspeed": "DeepSpeed ZeRO-3, params+optimizer on NVMe",
 }
 

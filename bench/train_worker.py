@@ -5,7 +5,9 @@ the driver resolved (``--dtype``, default ``auto``), with AdamW and seed 0, and 
 steps with ``timed_steps``: medians after warm-up, bytes moved, CPU seconds of the process
 (``getrusage``, all threads) and the CPU other processes took meanwhile. ``ds_contender.py``
 imports ``timed_steps``, ``engine_step`` and ``make_batch`` from here so DeepSpeed's row is timed
-the same way.
+the same way, and ``gpu.py`` builds its rows with ``outcore_engine`` and ``run_plain``. On a GPU
+the batch is on the device, every timestamp follows a device synchronize, and the result
+carries the device memory peaks.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ PLACEMENT = {  # row -> (offload.params, offload.optimizer, prefetch on)
     "nvme-p0": ("nvme", "none", False), "nvme": ("nvme", "none", True),
     "nvme+opt-p0": ("nvme", "nvme", False), "nvme+opt": ("nvme", "nvme", True),
     "nvme+opt-reuse": ("nvme", "nvme", True), "nvme+opt-early": ("nvme", "nvme", True),
+    "opt-cpu": ("none", "cpu", True), "cpu+opt": ("cpu", "cpu", True),
+    "nvme+opt-cpu": ("nvme", "cpu", True),
 }
 # a row's own overrides, applied after --set (so --set cannot turn a row into another)
 ROW_SET = {"nvme+opt-reuse": {"offload": {"reuse_freed_memory": True}},
@@ -106,12 +110,34 @@ def timed_steps(step_fn, steps: int, warmup: int, counters=None, profile: str | 
     }
 
 
-def make_batch(vocab: int, batch: int, seq: int):
+def make_batch(vocab: int, batch: int, seq: int, device=None):
+    """A fixed random (inputs, targets) batch, drawn on the CPU, on ``device`` (default CPU)."""
     import torch
 
     g = torch.Generator().manual_seed(1234)
     tokens = torch.randint(0, vocab, (batch, seq + 1), generator=g)
-    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    return tokens[:, :-1].contiguous().to(device), tokens[:, 1:].contiguous().to(device)
+
+
+def now() -> float:
+    """``perf_counter`` once the device has finished the work queued so far (CUDA runs
+    asynchronously: a timestamp without this would time the launches)."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+def device_peaks() -> dict:
+    """Peak device memory of this process so far (allocated by tensors, and reserved by the
+    caching allocator); empty without CUDA."""
+    import torch
+
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return {}
+    return {"peak_device_allocated": torch.cuda.max_memory_allocated(),
+            "peak_device_reserved": torch.cuda.max_memory_reserved()}
 
 
 def engine_step(engine, x, y):
@@ -120,11 +146,13 @@ def engine_step(engine, x, y):
 
     def step():
         loss = engine(x, y)
-        t1 = time.perf_counter()
+        t1 = now()
         engine.backward(loss)
-        t2 = time.perf_counter()
+        t2 = now()
         engine.step()
-        return float(loss.float()), t1, t2
+        out = float(loss.detach().float())
+        now()  # the step's last kernels are part of it
+        return out, t1, t2
 
     return step
 
@@ -133,23 +161,25 @@ def run_plain(spec: dict) -> dict:
     import torch
 
     from outcore.app.models import build_model, num_params, resolve_config
+    from outcore.device.accel import default_device
     from outcore.device.compute_dtype import DTYPES
 
     torch.manual_seed(0)
-    model = build_model(spec["model"]).to(DTYPES[spec["dtype"]])
+    device = default_device()
+    model = build_model(spec["model"]).to(DTYPES[spec["dtype"]]).to(device)
     params = list(model.parameters())
     # plain-master keeps fp32 masters beside the bf16 model, as outcore does
     masters = [p.detach().float() for p in params] if spec["row"] == "plain-master" else None
     opt = torch.optim.AdamW(masters or params, lr=HP["lr"], betas=tuple(HP["betas"]),
                             eps=HP["eps"], weight_decay=HP["weight_decay"], fused=True)
-    x, y = make_batch(resolve_config(spec["model"]).vocab, spec["batch"], spec["seq"])
+    x, y = make_batch(resolve_config(spec["model"]).vocab, spec["batch"], spec["seq"], device)
     clip = spec["clip"]
 
     def step():
         loss = model(x, y)
-        t1 = time.perf_counter()
+        t1 = now()
         loss.backward()
-        t2 = time.perf_counter()
+        t2 = now()
         if masters:
             for m, p in zip(masters, params, strict=True):
                 m.grad, p.grad = p.grad.float(), None
@@ -161,20 +191,23 @@ def run_plain(spec: dict) -> dict:
             with torch.no_grad():
                 for m, p in zip(masters, params, strict=True):
                     p.copy_(m)
-        return float(loss.float()), t1, t2
+        out = float(loss.detach().float())
+        now()
+        return out, t1, t2
 
     res = timed_steps(step, spec["steps"], spec["warmup"])
     res["params"] = num_params(resolve_config(spec["model"]))
+    res.update(device_peaks())
     return res
 
 
-def run_outcore(spec: dict) -> dict:
+def outcore_engine(spec: dict):
+    """The row's engine, built under ``outcore.init``; returns (engine, seconds it took)."""
     import torch
 
     import outcore
-    from outcore.app.models import build_model, num_params, resolve_config
+    from outcore.app.models import build_model
     from outcore.config import merge_mappings
-    from outcore.offload.storage import Tier
 
     params, optim, prefetch = PLACEMENT[spec["row"]]
     zero: dict = {"prefetch_bytes": spec["prefetch_bytes"] if prefetch else 0}
@@ -192,19 +225,34 @@ def run_outcore(spec: dict) -> dict:
     with outcore.init(cfg):
         model = build_model(spec["model"])
     engine = outcore.initialize(model, cfg)
-    init_s = time.perf_counter() - t0
-    x, y = make_batch(resolve_config(spec["model"]).vocab, spec["batch"], spec["seq"])
-    step = engine_step(engine, x, y)
+    return engine, now() - t0
+
+
+def store_counters(engine):
+    """() -> (bytes read, bytes written) of the engine's NVMe store (0, 0 without one)."""
 
     def counters():
         store = engine.rt._nvme  # only NVMe placements create the store
         return (store.bytes_read, store.bytes_written) if store is not None else (0, 0)
 
-    res = timed_steps(step, spec["steps"], spec["warmup"], counters, spec.get("profile"))
+    return counters
+
+
+def run_outcore(spec: dict) -> dict:
+    from outcore.app.models import num_params, resolve_config
+    from outcore.offload.storage import Tier
+
+    engine, init_s = outcore_engine(spec)
+    x, y = make_batch(resolve_config(spec["model"]).vocab, spec["batch"], spec["seq"],
+                      engine.device)
+    step = engine_step(engine, x, y)
+
+    res = timed_steps(step, spec["steps"], spec["warmup"], store_counters(engine),
+                      spec.get("profile"))
     report = engine.memory_report()
     res.update(init_s=round(init_s, 1), params=num_params(resolve_config(spec["model"])),
                memory_report={k: report[k] for k in (*(t.value for t in Tier), "rss")},
-               schedule=engine.schedule_stats())
+               schedule=engine.schedule_stats(), **device_peaks())
     engine.close()
     return res
 
@@ -212,7 +260,7 @@ def run_outcore(spec: dict) -> dict:
 def run_probe(spec: dict) -> dict:
     from outcore.planning.probe import measure
 
-    return measure(spec["nvme_path"]).to_json()
+    return measure(spec["nvme_path"], **spec.get("probe_kwargs", {})).to_json()
 
 
 def worker(spec: dict) -> None:

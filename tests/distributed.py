@@ -1,4 +1,4 @@
-"""Run a function on W gloo ranks in fresh processes and collect what each returns.
+"""Run a function on W ranks (gloo on the CPU) in fresh processes and collect what each returns.
 
 Each rank is a spawned process with the environment ``torchrun`` would give it, so outcore
 joins the process group exactly as in a real run. A rank that raises fails the test with its
@@ -11,8 +11,24 @@ import multiprocessing as mp
 import os
 import socket
 import traceback
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
+
+WORLDS: Counter[tuple[str, int, str]] = Counter()
+"""(test id, world size, device) of every world started: conftest.py's summary reads it."""
+
+
+def rank_device(world: int) -> str:
+    """The compute device ranks of a ``world`` use: the switch's (conftest.py), except that
+    a multi-rank world without a GPU per rank runs on the CPU (gloo), as one GPU cannot hold
+    two NCCL ranks."""
+    chosen = os.environ.get("OUTCORE_DEVICE", "cpu")
+    if chosen == "cuda" and world > 1:
+        import torch
+
+        return "cuda" if torch.cuda.device_count() >= world else "cpu"
+    return chosen
 
 
 def _free_port() -> int:
@@ -27,7 +43,7 @@ def _plain(value: Any) -> Any:
     import torch
 
     if isinstance(value, torch.Tensor):
-        return value.detach().float().numpy().copy()
+        return value.detach().float().cpu().numpy().copy()
     if isinstance(value, dict):
         return {k: _plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -36,13 +52,16 @@ def _plain(value: Any) -> Any:
 
 
 def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, queue: mp.Queue,
-           args: tuple) -> None:
+           args: tuple, device: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
+                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world), OMP_NUM_THREADS="1",
+                      OUTCORE_DEVICE=device)
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    if device == "cuda":  # as in this process (conftest.py's note)
+        torch.use_deterministic_algorithms(True, warn_only=True)
     try:
         queue.put((rank, True, _plain(fn(*args))))
     except BaseException:
@@ -57,8 +76,18 @@ def run_world(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 1
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, queue, args), daemon=True)
-             for r in range(world)]
+    device = rank_device(world)
+    test = os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" ", 1)[0]
+    if (device != os.environ.get("OUTCORE_DEVICE", "cpu")
+            and os.environ.get("OUTCORE_TEST_CPU_WORLDS") == "skip"):
+        import pytest
+
+        WORLDS[(test, world, "skipped")] += 1
+        pytest.skip(f"world {world} would run on gloo/CPU under --device cuda; the CPU suite "
+                    "runs it (OUTCORE_TEST_CPU_WORLDS=skip)")
+    WORLDS[(test, world, device)] += 1
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, queue, args, device),
+                         daemon=True) for r in range(world)]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}

@@ -66,7 +66,7 @@ class Net(nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         h = self.emb(idx)
-        bias = torch.linspace(-0.01, 0.01, DIM)
+        bias = torch.linspace(-0.01, 0.01, DIM, device=h.device)
         for b in self.blocks:
             h = b(h, self.scale, bias=bias)
         return F.cross_entropy(self.head(h).reshape(-1, VOCAB), idx.roll(-1, 1).reshape(-1))
@@ -97,7 +97,7 @@ def _run(params: str, swap: str, steps: int) -> dict:
         losses, grads, disk = [], [], []
         for _ in range(steps):
             idx = torch.randint(0, VOCAB, (BATCH * engine.world_size, SEQ), generator=gen)
-            mine = idx[engine.rank * BATCH : (engine.rank + 1) * BATCH]
+            mine = idx[engine.rank * BATCH : (engine.rank + 1) * BATCH].to(engine.device)
             store = engine.rt.nvme if mode == "nvme" else None
             before = (store.bytes_written, store.bytes_allocated) if store else (0, 0)
             loss = engine(mine)
@@ -219,7 +219,7 @@ def _gpt2(checkpointing: str, swap: str, steps: int) -> dict:
     if checkpointing != "off":
         wrapped = checkpoint_activations(model, GPT2Block, checkpointing, engine)
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
-    losses = []
+    ids, losses = ids.to(engine.device), []
     for _ in range(steps):
         # a KV cache would be updated again by the recomputation: train without one
         loss = engine(input_ids=ids, labels=ids, use_cache=False).loss

@@ -77,7 +77,7 @@ def _train(engine, steps: range) -> list[float]:
 
     losses = []
     for step in steps:
-        x, y = _batch(step, engine.rank, engine.world_size)
+        x, y = (t.to(engine.device) for t in _batch(step, engine.rank, engine.world_size))
         loss = engine(x, y, step % 2 == 0)
         engine.backward(loss)
         engine.step()
@@ -168,7 +168,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
 def _equal(a: dict, b: dict) -> None:
     assert a.keys() == b.keys()
     for name in a:
-        assert torch.equal(torch.as_tensor(a[name]), torch.as_tensor(b[name])), name
+        assert torch.equal(torch.as_tensor(a[name]).cpu(), torch.as_tensor(b[name]).cpu()), name
 
 
 def test_resume_at_same_world_size_is_exact(saved) -> None:
@@ -232,7 +232,8 @@ def test_consolidate_loads_strictly_into_a_plain_model(saved, tmp_path: Path,
     plain.load_state_dict(state, strict=True)
     model, eng = _engine(BASE, 1)
     eng.load_checkpoint(ckpt)
-    x, y = _batch(7, 0, 1)
+    plain.to(eng.device)
+    x, y = (t.to(eng.device) for t in _batch(7, 0, 1))
     with torch.no_grad():
         assert torch.allclose(eng(x, y), plain(x, y), rtol=1e-6, atol=0)
     eng.close()

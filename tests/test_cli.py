@@ -200,11 +200,11 @@ def test_consolidate_writes_weights_that_load_strictly(capsys: pytest.CaptureFix
     model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.LayerNorm(7))
     plain = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.LayerNorm(7))
     engine = outcore.initialize(model, {"dtype": "fp32"})
-    engine.backward(engine(torch.randn(3, 5)).sum())
+    engine.backward(engine(torch.randn(3, 5).to(engine.device)).sum())
     engine.step()
     engine.save_checkpoint(tmp_path / "ckpt")
     with engine.gathered_parameters():
-        expected = {n: p.data.clone() for n, p in model.named_parameters()}
+        expected = {n: p.data.cpu().clone() for n, p in model.named_parameters()}
     engine.close()
     out_file = tmp_path / "model.safetensors"
     code, out, _ = run(capsys, "consolidate", str(tmp_path / "ckpt"), str(out_file))

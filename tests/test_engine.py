@@ -49,7 +49,7 @@ def _init_equals_plain() -> dict:
         with outcore.gathered_parameters(sharded):
             for (n, p), (_, q) in zip(sharded.named_parameters(), plain.named_parameters(),
                                       strict=True):
-                out[f"{cls.__name__}.{n}"] = bool(torch.equal(p.data, q.data))
+                out[f"{cls.__name__}.{n}"] = bool(torch.equal(p.data.cpu(), q.data))
         # sharded construction drew exactly the random numbers plain construction drew
         torch.manual_seed(7)
         cls()
@@ -88,7 +88,7 @@ def _release_frees_storage() -> dict:
         seen["full_during"] = engine.memory_report()["by_kind"].get("device.unsharded", 0)
 
     fc1.register_forward_hook(spy, prepend=True)
-    idx = torch.randint(0, VOCAB, (2, 8))
+    idx = torch.randint(0, VOCAB, (2, 8)).to(engine.device)
     loss = engine(idx, idx)
     storage = seen["storage"]
     out = {
@@ -131,7 +131,7 @@ def _fp16_overflow() -> dict:
     with outcore.init(cfg):
         model = Quirky()
     engine = outcore.initialize(model, cfg)
-    idx = torch.randint(0, VOCAB, (2, 8))
+    idx = torch.randint(0, VOCAB, (2, 8)).to(engine.device)
 
     def weights() -> torch.Tensor:
         with engine.gathered_parameters():
@@ -172,7 +172,7 @@ def _gather_modify_and_eval() -> dict:
     torch.manual_seed(0)
     model = Quirky()  # built in plain PyTorch: initialize shards it
     engine = outcore.initialize(model, cfg)
-    idx = torch.randint(0, VOCAB, (2, 8))
+    idx = torch.randint(0, VOCAB, (2, 8)).to(engine.device)
     with engine.gathered_parameters([model.gate.weight, model.scale], modify=True):
         model.gate.weight.data.zero_()
         model.scale.data.fill_(2.0)
@@ -197,7 +197,7 @@ def _gather_modify_and_eval() -> dict:
     states = sorted({g.state.value for g in engine.groups})
     # the reference: the same modification applied to a plain model
     torch.manual_seed(0)
-    ref = Quirky()
+    ref = Quirky().to(engine.device)
     with torch.no_grad():
         ref.gate.weight.zero_()
         ref.scale.fill_(2.0)
@@ -225,7 +225,7 @@ def test_parameters_keep_shape_and_count_under_init() -> None:
     assert sum(p.numel() for p in model.parameters()) == 100 * 200 + 200 + 200 * 3 + 3
     assert model[0].weight.shape == (200, 100)
     engine = outcore.initialize(model, cfg)
-    out = engine(torch.randn(4, 100))
+    out = engine(torch.randn(4, 100).to(engine.device))
     assert out.dtype == torch.bfloat16 and out.shape == (4, 3)
     engine.close()
 
@@ -245,10 +245,10 @@ def test_step_between_accumulation_boundaries_is_a_no_op() -> None:
     torch.manual_seed(0)
     model = nn.Linear(3, 1)
     engine = outcore.initialize(model, cfg)
-    x = torch.randn(5, 3)
+    x = torch.randn(5, 3).to(engine.device)
     results = []
     for _ in range(3):
-        engine.backward(F.mse_loss(engine(x), torch.zeros(5, 1)))
+        engine.backward(F.mse_loss(engine(x), torch.zeros(5, 1, device=engine.device)))
         results.append(engine.step())
     assert results == [False, False, True]
     engine.close()

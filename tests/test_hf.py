@@ -47,10 +47,11 @@ def _train(name: str, steps: int) -> dict:
         model = build(name)
     engine = outcore.initialize(model, cfg)
     rank, world = engine.rank, engine.world_size
+    ref.to(engine.device)  # plain PyTorch on the same compute device
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-6, weight_decay=0.0)
     gen = torch.Generator().manual_seed(1)
     losses, ref_losses = [], []
-    ids = torch.randint(0, 128, (2 * world, 16), generator=gen)  # one batch, learned
+    ids = torch.randint(0, 128, (2 * world, 16), generator=gen).to(engine.device)  # learned
     for _ in range(steps):
         loss = engine(input_ids=ids[2 * rank : 2 * rank + 2],
                       labels=ids[2 * rank : 2 * rank + 2]).loss

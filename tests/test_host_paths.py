@@ -35,7 +35,7 @@ def _mlp() -> nn.Module:
 def _train(engine: outcore.Engine, steps: int, x: torch.Tensor | None = None) -> list[float]:
     if x is None:
         x = torch.randn(16, 512, generator=torch.Generator().manual_seed(1))
-    losses = []
+    x, losses = x.to(engine.device), []
     for _ in range(steps):
         loss = engine(x).float().pow(2).mean()
         engine.backward(loss)
@@ -44,6 +44,8 @@ def _train(engine: outcore.Engine, steps: int, x: torch.Tensor | None = None) ->
     return losses
 
 
+@pytest.mark.cpu_only("NVMe reads land in page-aligned full tensors on a CPU device only "
+                      "(plan.aligned_full)")
 def test_nvme_transfers_need_no_staging_copies(tmp_path: Path) -> None:
     """Full tensors (one rank) and optimizer sub-groups are page-aligned, so O_DIRECT reads
     and writes go straight to them; only ragged tails pass through the I/O pool."""
@@ -115,7 +117,7 @@ def test_gradient_buffers_reused_in_memory_freed_after_nvme_updates(optimizer: s
                                                 "nvme_path": str(tmp_path),
                                                 "host_buffer_bytes": 1 << 20})
     with outcore.initialize(_mlp(), cfg) as engine:
-        x = torch.randn(16, 512)
+        x = torch.randn(16, 512).to(engine.device)
         grads, after_step = [], []
         for _ in range(2):
             engine.backward(engine(x).float().pow(2).mean())
@@ -136,6 +138,8 @@ def test_gradient_buffers_reused_in_memory_freed_after_nvme_updates(optimizer: s
         assert 0 < by_kind["peak.host.grads"] <= max(2 << 20, first) + second < trainable
 
 
+@pytest.mark.cpu_only("gradients are held as backward made them on a CPU device only "
+                      "(plan.holds_raw_grads)")
 @pytest.mark.parametrize("accumulate", [1, 2])
 def test_nvme_optimizer_holds_bf16_gradients_without_copying(accumulate: int,
                                                               tmp_path: Path) -> None:
@@ -309,6 +313,7 @@ def _settled(faults: list[int]) -> int:
 
 
 @glibc_only
+@pytest.mark.cpu_only("counts the page faults of steps computed in host memory")
 def test_in_memory_steps_reuse_pages_instead_of_faulting_them_in() -> None:
     """With the optimizer state in memory, a step's activations and gradients reuse the last
     step's pages (host_memory.py's [Note: page faults are the other cost]); a config that
@@ -322,6 +327,7 @@ def test_in_memory_steps_reuse_pages_instead_of_faulting_them_in() -> None:
 
 
 @glibc_only
+@pytest.mark.cpu_only("counts the page faults of steps computed in host memory")
 def test_small_host_reuses_pages_only_when_asked(tmp_path: Path) -> None:
     """With the optimizer state on NVMe large frees go back to the system by default, and
     ``offload.reuse_freed_memory: true`` reuses them instead (host_memory.py's [Note: reuse
@@ -393,6 +399,8 @@ def test_slots_rotate_over_many_sub_groups_of_many_slices(opt: dict, tmp_path: P
     assert run("nvme") == run("none")
 
 
+@pytest.mark.cpu_only("the table is the CPU device's: on CUDA the default state is in "
+                      "device memory, not host memory")
 @pytest.mark.parametrize("offload, at_build, at_training", [
     ({}, ["keep force=False"], []),
     ({"reuse_freed_memory": True}, ["keep force=True"], []),

@@ -44,6 +44,7 @@ def test_preset_sizes_are_what_their_names_say() -> None:
     assert 320e6 <= num_params(PRESETS["gpt-335m"]) <= 350e6
     assert 1.2e9 <= num_params(PRESETS["gpt-1.3b"]) <= 1.4e9
     assert num_params(PRESETS["gpt-3b"]) >= 3e9
+    assert num_params(PRESETS["gpt-6b"]) * 16 >= 96e9  # model states beyond an 80 GB GPU
     assert PRESETS["tiny"].vocab == PRESETS["small"].vocab == 256  # byte-level
 
 

@@ -34,7 +34,7 @@ def _losses(params: str, optimizer: str, swap: str, dtype: str, steps: int) -> d
     gen = torch.Generator().manual_seed(5)
     losses = []
     for step in range(steps):
-        idx = torch.randint(0, VOCAB, (2, 8), generator=gen)
+        idx = torch.randint(0, VOCAB, (2, 8), generator=gen).to(engine.device)
         loss = engine(idx, idx.roll(1, 1), step % 2 == 0)
         engine.backward(loss)
         engine.step()
@@ -96,7 +96,7 @@ def test_swap_file_holds_the_shards(tmp_path: Path) -> None:
         raw = f.read(sp.master.nbytes)
     on_disk = torch.frombuffer(bytearray(raw), dtype=torch.float32)
     with engine.gathered_parameters([model.blocks[0].fc1.weight]):
-        expected = model.blocks[0].fc1.weight.data.reshape(-1)
+        expected = model.blocks[0].fc1.weight.data.reshape(-1).cpu()
     assert torch.equal(on_disk, expected)
     # and the bf16 training copy sits in its own extent
     with open(swap, "rb") as f:
@@ -109,6 +109,7 @@ def test_swap_file_holds_the_shards(tmp_path: Path) -> None:
     assert tmp_path.exists()
 
 
+@pytest.mark.cpu_only("a CUDA run's pool is pinned, and pinned pages are never given back")
 def test_io_pool_keeps_no_pages_once_the_engine_is_built(tmp_path: Path) -> None:
     """Building the model, and each checkpoint, stage every shard through the I/O pool;
     after them its pages are given back, and a later transfer borrows a buffer as before
@@ -127,6 +128,7 @@ def test_io_pool_keeps_no_pages_once_the_engine_is_built(tmp_path: Path) -> None
     engine = outcore.initialize(model, cfg)
     assert sum(resident_bytes(b) for b in pool._buffers) == 0
     idx = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(5))
+    idx = idx.to(engine.device)
     staged, pool.peak_in_use = engine.rt.nvme.bytes_staged, 0
     losses = []
     for _ in range(3):
@@ -154,7 +156,8 @@ def test_swap_files_removed_when_training_raises(tmp_path: Path) -> None:
     cfg = outcore.Config(dtype="fp32", offload={"params": "nvme", "optimizer": "nvme",
                                                 "nvme_path": str(tmp_path)})
     with pytest.raises(ZeroDivisionError), outcore.initialize(Quirky(), cfg) as engine:
-        engine(torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long))
+        zeros = torch.zeros(1, 4, dtype=torch.long, device=engine.device)
+        engine(zeros, zeros)
         raise ZeroDivisionError
     assert sorted(os.listdir(tmp_path)) == ["keep.txt"]
 
@@ -184,7 +187,7 @@ def test_streamed_optimizer_slices_large_shards_exactly(opt: dict, tmp_path: Pat
         model = torch.nn.Sequential(torch.nn.Linear(100, 100), torch.nn.Tanh(),
                                     torch.nn.Linear(100, 3))
         engine = outcore.initialize(model, cfg)
-        x = torch.randn(8, 100)
+        x = torch.randn(8, 100).to(engine.device)
         losses = []
         for _ in range(4):
             loss = engine(x).float().pow(2).mean()

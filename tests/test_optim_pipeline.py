@@ -70,7 +70,7 @@ def test_the_next_job_is_read_before_the_last_one_is_written(
     masters = {id(outcore.zero.registry.managed(m.weight).master): i for i, m in enumerate(layers)}
     events: list[tuple[str, int]] = []
     _record(monkeypatch, events)
-    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(1)).to(engine.device)
     engine.backward(engine(x).pow(2).mean())
     assert engine.step()
     order = [(op, masters[key]) for op, key in events if key in masters]
@@ -85,7 +85,7 @@ def _losses(swap: str, steps: int, **zero: object) -> list[float]:
                          offload={"params": "nvme", "optimizer": "nvme", "nvme_path": swap,
                                   "host_buffer_bytes": 1 << 20})
     engine = outcore.initialize(_model(), cfg)
-    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(1)).to(engine.device)
     losses = []
     for _ in range(steps):
         loss = engine(x).pow(2).mean()
@@ -96,11 +96,11 @@ def _losses(swap: str, steps: int, **zero: object) -> list[float]:
     return losses
 
 
-def test_updates_equal_torch_adamw(tmp_path: Path) -> None:
+def test_updates_equal_torch_adamw(tmp_path: Path, device: torch.device) -> None:
     """Whatever the order of transfers, each step is torch's AdamW on fp32 weights."""
-    model = _model()
+    model = _model().to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0, fused=True)
-    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(1)).to(device)
     want = []
     for _ in range(4):
         loss = model(x).pow(2).mean()
@@ -132,7 +132,7 @@ def test_backward_waits_when_pending_gradients_pass_their_limit(
         queued.append(sum(not job.done.done() for job, _ in self._submitted))
 
     monkeypatch.setattr(ShardedOptimizer, "submit", counted)
-    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(1)).to(engine.device)
     engine.backward(engine(x).pow(2).mean())
     engine.step()
     assert len(queued) == 3 and engine.schedule_stats()["updates_during_backward"] == 6
@@ -159,6 +159,7 @@ def _deferred(swap: str, defer: bool) -> dict:
         losses, weights = [], []
         for i in range(8):
             x = torch.randn(8, 64, generator=gen)[engine.rank * 4 : engine.rank * 4 + 4]
+            x = x.to(engine.device)
             loss = engine(x).pow(2).mean()
             engine.backward(loss)
             if engine.step():
@@ -210,13 +211,13 @@ def test_weights_loaded_right_after_a_step_are_not_overwritten_by_its_updates(
                                   "nvme_path": str(tmp_path / "swap"),
                                   "host_buffer_bytes": 1 << 20})
     with outcore.initialize(_model(), cfg) as engine:
-        engine.backward(engine(torch.randn(8, 64)).pow(2).mean())
+        engine.backward(engine(torch.randn(8, 64).to(engine.device)).pow(2).mean())
         assert engine.step()
         assert engine.schedule_stats()["updates_after_step"] > 0
         outcore.load_pretrained(engine.module, tmp_path / "w.safetensors")
         with engine.gathered_parameters():
             for p, q in zip(engine.module.parameters(), other.parameters(), strict=True):
-                assert torch.equal(p.data, q.data)
+                assert torch.equal(p.data, q.data.to(p.device))
 
 
 def test_an_update_failing_after_the_step_raises_from_every_later_fetch(
@@ -235,7 +236,7 @@ def test_an_update_failing_after_the_step_raises_from_every_later_fetch(
                                   "nvme_path": str(tmp_path), "host_buffer_bytes": 1 << 20})
     engine = outcore.initialize(model, cfg)
     target = outcore.zero.registry.managed(model[0].weight).master
-    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(1)).to(engine.device)
     engine.backward(engine(x).pow(2).mean())
     engine.step()
     engine.synchronize()  # that step's updates all land before the failure is armed
@@ -261,16 +262,18 @@ def test_an_update_failing_after_the_step_raises_from_every_later_fetch(
 @pytest.mark.parametrize(("params", "zero", "track", "expect"), [
     ("nvme", {"overlap_step_with_forward": True}, False, True),
     ("nvme", {}, False, False),  # off unless asked
-    ("cpu", {"overlap_step_with_forward": True}, False, False),  # one rank, CPU: a host
-    # shard is the full tensor
+    ("cpu", {"overlap_step_with_forward": True}, False, "cuda"),  # one rank, CPU: a host
+    # shard is the full tensor (not on CUDA: it is copied to the device)
     ("nvme", {"overlap_step_with_forward": True}, True, False),  # the norm sums gradients
     # the updates free
     ("nvme", {"overlap_step_with_forward": True, "overlap_optimizer": False}, False, False),
 ])
-def test_when_the_step_may_return_early(params: str, zero: dict, track: bool, expect: bool,
-                                        tmp_path: Path) -> None:
+def test_when_the_step_may_return_early(params: str, zero: dict, track: bool,
+                                        expect: bool | str, tmp_path: Path) -> None:
     cfg = outcore.Config(dtype="fp32", zero=zero, track_grad_norm=track,
                          offload={"params": params, "optimizer": "nvme",
                                   "nvme_path": str(tmp_path)})
     with outcore.initialize(_model(), cfg) as engine:
+        if isinstance(expect, str):  # true on that device only
+            expect = engine.device.type == expect
         assert engine.defers_updates is expect

@@ -84,7 +84,8 @@ def _train(cfg_dict: dict, steps: int, use_groups: bool) -> dict:
     o = cfg.optimizer
     engine = outcore.initialize(model, cfg, _param_groups(model, o.weight_decay)
                                 if use_groups else None)
-    rank, world = engine.rank, engine.world_size
+    rank, world, dev = engine.rank, engine.world_size, engine.device
+    ref.to(dev)  # plain PyTorch on the same compute device (conftest.py's switch)
     ref_groups = _param_groups(ref, o.weight_decay) if use_groups else ref.parameters()
     if o.type == "adamw":
         ref_opt = torch.optim.AdamW(ref_groups, lr=o.lr, betas=o.betas, eps=o.eps,
@@ -98,8 +99,8 @@ def _train(cfg_dict: dict, steps: int, use_groups: bool) -> dict:
     for step in range(steps):
         use_optional = step % 2 == 0
         for _ in range(gas):
-            idx = torch.randint(0, VOCAB, (BATCH * world, SEQ), generator=gen)
-            tgt = torch.randint(0, VOCAB, (BATCH * world, SEQ), generator=gen)
+            idx = torch.randint(0, VOCAB, (BATCH * world, SEQ), generator=gen).to(dev)
+            tgt = torch.randint(0, VOCAB, (BATCH * world, SEQ), generator=gen).to(dev)
             mine = slice(rank * BATCH, (rank + 1) * BATCH)
             loss = engine(idx[mine], tgt[mine], use_optional)
             engine.backward(loss)
@@ -134,7 +135,7 @@ def _max_rel(a, b) -> float:
     can turn it into a visible update of that one element. A norm-wise measure judges the
     whole tensor, which is what "equal weights" means here.
     """
-    a, b = torch.as_tensor(a), torch.as_tensor(b)
+    a, b = torch.as_tensor(a).cpu(), torch.as_tensor(b).cpu()
     return float((a - b).norm() / b.norm().clamp_min(1e-12))
 
 

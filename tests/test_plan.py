@@ -113,7 +113,7 @@ def test_engine_components_follow_the_plan(tmp_path) -> None:
         assert engine.schedule.carry is plan.carries_head
         assert engine.scaler.enabled is plan.loss_scaling
         assert engine.optimizer.state_kinds == plan.state_kinds == AW
-        loss = engine(torch.randn(8, 32)).float().pow(2).mean()
+        loss = engine(torch.randn(8, 32).to(engine.device)).float().pow(2).mean()
         engine.backward(loss)
         engine.step()
         # every trainable shard stepped once, counted by the optimizer that owns the count

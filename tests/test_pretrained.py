@@ -34,7 +34,7 @@ def _load_and_finetune(folder: str, swap: str, out: str) -> dict:
     engine = outcore.initialize(model, cfg)
     with engine.gathered_parameters():
         loaded = {n: p.data.clone() for n, p in model.named_parameters()}
-    ids = torch.arange(32).reshape(2, 16) % 96
+    ids = (torch.arange(32).reshape(2, 16) % 96).to(engine.device)
     losses = []
     for _ in range(3):
         loss = engine(input_ids=ids, labels=ids).loss

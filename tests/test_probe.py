@@ -23,7 +23,8 @@ KEYS = {
 ADDED = {"direct_io", "native", "matmul_n", "auto_dtype", "disk_bytes", "device", "machine"}
 
 
-def test_probe_measures_positive_rates_and_cleans_up(tmp_path: Path) -> None:
+def test_probe_measures_positive_rates_and_cleans_up(tmp_path: Path,
+                                                     device: torch.device) -> None:
     (tmp_path / "keep.txt").write_text("x")
     result = measure(
         tmp_path,
@@ -42,7 +43,8 @@ def test_probe_measures_positive_rates_and_cleans_up(tmp_path: Path) -> None:
     assert json.loads(json.dumps(out)) == out
     assert [p.name for p in tmp_path.iterdir()] == ["keep.txt"]
     # what this machine multiplies natively, and what auto picks from it, as the engine would
-    caps = capabilities(torch.device("cpu"))
+    caps = capabilities(device)
+    assert out["device"] == str(device)
     assert out["native"] == {"bf16": caps.bf16, "fp16": caps.fp16, "fp32": True}
     assert out["auto_dtype"] == choose("auto", caps).name
     assert out["machine"]["cpu"] and out["machine"]["dtype"] == out["auto_dtype"]

@@ -19,7 +19,7 @@ def test_trace_of_an_offloaded_step_shows_every_phase_and_thread(tmp_path) -> No
     with outcore.initialize(model, cfg) as engine:
         for _ in range(2):  # the second step follows the trace and prefetches
             with profiling.profile(activities=[ProfilerActivity.CPU]) as prof:
-                engine.backward(engine(torch.randn(4, 64)).pow(2).mean())
+                engine.backward(engine(torch.randn(4, 64).to(engine.device)).pow(2).mean())
                 engine.step()
     threads: dict[str, set[int]] = {}
     for e in prof.events():

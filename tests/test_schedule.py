@@ -70,7 +70,7 @@ def _run(model_name: str, prefetch: int, params: str, swap: str, steps: int) -> 
         warnings.simplefilter("always")
         for step in range(steps):
             x = torch.randn(4 * engine.world_size, 8, generator=gen)
-            x = x[rank * 4 : (rank + 1) * 4] if model_name == "path" else x
+            x = (x[rank * 4 : (rank + 1) * 4] if model_name == "path" else x).to(engine.device)
             if model_name == "path":
                 # the same order on every rank (ZeRO-3 needs that), a different one per step
                 order = torch.randperm(6, generator=gen)[: 3 + step % 3].tolist()
@@ -116,7 +116,7 @@ def _run_fixed(swap: str) -> dict:
     torch.manual_seed(0)
     engine = outcore.initialize(Path_(), cfg)
     for _ in range(4):
-        engine.backward(engine(torch.randn(4, 8), [0, 1, 2, 3, 4, 5]))
+        engine.backward(engine(torch.randn(4, 8).to(engine.device), [0, 1, 2, 3, 4, 5]))
         engine.step()
     stats = engine.schedule_stats()
     engine.close()
@@ -156,7 +156,7 @@ def _overlap(swap: str, overlap: bool, clip: float) -> dict:
     gen = torch.Generator().manual_seed(1)
     losses, norms = [], []
     for _ in range(6):
-        x = torch.randn(4, 8, generator=gen)
+        x = torch.randn(4, 8, generator=gen).to(engine.device)
         loss = engine(x[engine.rank * 2 : engine.rank * 2 + 2], [0, 1, 2, 3])
         engine.backward(loss)
         if engine.step():
@@ -217,7 +217,7 @@ def test_failed_boundary_backward_leaves_a_consistent_engine(tmp_path: Path) -> 
     torch.manual_seed(0)
     a, b = nn.Linear(8, 8), nn.Linear(8, 1)
     engine = outcore.initialize(nn.ModuleList([a, b]), cfg)
-    x = torch.randn(4, 8)
+    x = torch.randn(4, 8).to(engine.device)
 
     def loss() -> torch.Tensor:
         with engine.hooks.forward_context():
@@ -257,7 +257,7 @@ def _lonely_release(swap: str) -> dict:
         g.reshard()
     losses = []
     for _ in range(2):
-        loss = engine(torch.ones(2, 8), [0, 1])
+        loss = engine(torch.ones(2, 8, device=engine.device), [0, 1])
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
@@ -305,7 +305,7 @@ def test_frozen_groups_are_released_during_backward(tmp_path: Path) -> None:
         losses, peaks = [], []
         with outcore.initialize(_MostlyFrozen(), cfg) as engine:
             for _ in range(4):
-                loss = engine(x)
+                loss = engine(x.to(engine.device))
                 engine.rt.ledger.reset_peaks()  # what backward adds on top of forward's end
                 engine.backward(loss)
                 peaks.append(engine.memory_report()["by_kind"].get("peak.device.unsharded", 0))
@@ -344,7 +344,7 @@ def test_frozen_groups_with_checkpointed_blocks_keep_exact_losses(tmp_path: Path
 
 
 def _train_steps(engine: outcore.Engine, x: torch.Tensor, steps: int) -> list[float]:
-    losses = []
+    losses, x = [], x.to(engine.device)
     for _ in range(steps):
         loss = engine(x)
         engine.backward(loss)
@@ -368,7 +368,7 @@ def test_groups_released_outside_the_schedule_stop_counting_against_its_budget(
 
     def step(engine: outcore.Engine) -> dict:
         before = engine.schedule_stats()
-        engine.backward(engine(x, [0, 1, 2, 3, 4, 5]))
+        engine.backward(engine(x.to(engine.device), [0, 1, 2, 3, 4, 5]))
         engine.step()
         return {k: v - before[k] for k, v in engine.schedule_stats().items()}
 
@@ -414,7 +414,7 @@ def test_frozen_group_used_by_consecutive_nodes_is_fetched_once_per_backward(
     x = torch.randn(16, 64, generator=torch.Generator().manual_seed(3))
     with outcore.initialize(_FusedFrozen(), cfg) as engine:
         for _ in range(3):
-            loss = engine(x)
+            loss = engine(x.to(engine.device))
             before = engine.schedule_stats()["on_demand_fetches"]
             engine.backward(loss)
             # the head's weight (for the input's gradient) and the frozen projection, once
@@ -458,6 +458,7 @@ def _tied_run(tmp_path: Path, prefetch: int, steps: int = 5) -> tuple[list[float
             read()
 
         emb.unshard = counting_unshard
+        ids = ids.to(engine.device)
         for _ in range(steps):
             count[0] = 0
             loss = engine(ids)

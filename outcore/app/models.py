@@ -67,6 +67,9 @@ class GPTConfig:
 #   visibly in 300 steps (measured: bench/RESULTS.md, '`outcore train`, the default job').
 # gpt-125m / gpt-335m / gpt-1.3b / gpt-3b: GPT-2 / GPT-3 shaped models for benchmarks and the
 #   scale demo; 32000-token vocabularies (Llama-sized) so the head is not the whole model.
+# gpt-6b: GPT-3 6.7B's width with 30 layers: 6.2B parameters, 99 GB of mixed-precision model
+#   states, more than an 80 GB GPU holds, while fp32 states and gradients on the host (16
+#   bytes per parameter) still fit a 128 GiB machine (bench/gpu.py).
 PRESETS: dict[str, GPTConfig] = {
     "tiny": GPTConfig(layers=2, hidden=256, heads=4, vocab=256, seq_len=128),
     "small": GPTConfig(layers=4, hidden=384, heads=6, vocab=256, seq_len=256),
@@ -74,6 +77,7 @@ PRESETS: dict[str, GPTConfig] = {
     "gpt-335m": GPTConfig(layers=24, hidden=1024, heads=16, vocab=32000, seq_len=1024),
     "gpt-1.3b": GPTConfig(layers=24, hidden=2048, heads=16, vocab=32000, seq_len=2048),
     "gpt-3b": GPTConfig(layers=40, hidden=2560, heads=20, vocab=32000, seq_len=2048),
+    "gpt-6b": GPTConfig(layers=30, hidden=4096, heads=32, vocab=32000, seq_len=2048),
 }
 
 

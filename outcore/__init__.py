@@ -10,7 +10,15 @@ from pathlib import Path
 
 from outcore.config import Config
 from outcore.engine import Engine, initialize
-from outcore.errors import CommError, ConfigError, DataError, OutcoreError, StorageError
+from outcore.errors import (
+    CommError,
+    ConfigError,
+    DataError,
+    FolderInUseError,
+    OutcoreError,
+    StorageError,
+)
+from outcore.guard.preemption import Preemption, preemption
 from outcore.io.pretrained import load_pretrained
 from outcore.memory.activations import checkpoint_activations
 from outcore.memory.tiling import TiledLinear, tile_linears
@@ -39,7 +47,9 @@ __all__ = [
     "ConfigError",
     "DataError",
     "Engine",
+    "FolderInUseError",
     "OutcoreError",
+    "Preemption",
     "StorageError",
     "TiledLinear",
     "checkpoint_activations",
@@ -49,5 +59,6 @@ __all__ = [
     "initialize",
     "latest_checkpoint",
     "load_pretrained",
+    "preemption",
     "tile_linears",
 ]

@@ -28,6 +28,7 @@ from torch import nn
 from outcore.config import Config
 from outcore.device.compute_dtype import DtypeChoice
 from outcore.errors import ConfigError, StorageError
+from outcore.guard.lock import HeldFolders
 from outcore.offload.storage import Tier
 from outcore.optim.optimizer import ShardedOptimizer
 from outcore.optim.precision import LossScaler
@@ -91,6 +92,7 @@ class Engine:
         self.global_steps = 0
         self.last_grad_norm: float | None = None
         self._closed = False
+        self._folders = HeldFolders()  # checkpoint roots: guard/lock.py's notes
         self.rt.begin_training()
 
     # -- construction ------------------------------------------------------------------------
@@ -381,18 +383,30 @@ class Engine:
     # -- checkpoints -------------------------------------------------------------------------
     def save_checkpoint(self, path: str | os.PathLike[str],
                         client_state: dict[str, Any] | None = None) -> Path:
-        """Write a complete checkpoint folder atomically (a collective: every rank calls)."""
+        """Write a complete checkpoint folder atomically (a collective: every rank calls).
+
+        From the first save into a folder's parent (the checkpoint root) until ``close()``,
+        another process's engine saving into or loading from that root is refused with
+        ``FolderInUseError`` (guard/lock.py's [Note: two runs, one folder])."""
         from outcore.io import checkpoint
 
+        self._check_open()
+        path, client_state = Path(path), client_state or {}
+        checkpoint.check_client_state(client_state)  # a mistake here creates no folder
+        self._folders.hold(path.parent, self.rt.comm, self.rt.accel, create=True)
         try:
-            return checkpoint.save(self, Path(path), client_state or {})
+            return checkpoint.save(self, path, client_state)
         finally:  # saving read every shard through the I/O pool
             self.rt.release_idle_io_buffers()
 
     def load_checkpoint(self, path: str | os.PathLike[str]) -> dict[str, Any]:
-        """Restore weights, optimizer state, step, scaler and RNG; return the client state."""
+        """Restore weights, optimizer state, step, scaler and RNG; return the client state.
+
+        The checkpoint root (``path``'s parent) is held from here on, as after a save."""
         from outcore.io import checkpoint
 
+        self._check_open()
+        self._folders.hold(Path(path).parent, self.rt.comm, self.rt.accel, create=False)
         try:
             return checkpoint.load(self, Path(path))
         finally:  # loading wrote every shard through the I/O pool
@@ -415,6 +429,7 @@ class Engine:
         self.optimizer.close()
         self.hooks.remove()
         self.rt.close()
+        self._folders.release_all()
         if error is not None:
             raise error
 

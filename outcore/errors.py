@@ -26,5 +26,9 @@ class StorageError(OutcoreError, OSError):
     """A swap or checkpoint path cannot be used: missing, read-only, full, or corrupt."""
 
 
+class FolderInUseError(StorageError):
+    """Another live run holds the folder (``--out``, a checkpoint root): guard/lock.py."""
+
+
 class CommError(OutcoreError, RuntimeError):
     """A collective failed: another rank died, or did not answer within ``comm.timeout_s``."""

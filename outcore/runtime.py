@@ -171,9 +171,12 @@ class Runtime:
         return cfg
 
     def close(self) -> None:
-        """Release the swap store (its files are deleted); safe to call twice."""
+        """Release the swap store (its files are deleted) and stop its I/O threads; safe to
+        call twice. The threads end here, not when the last shard that points at the store is
+        collected: a run that failed on its disk leaves no thread behind."""
         if self._nvme is not None:
             self._nvme.close()
+            self._nvme.engine.close()
             self.ledger.add(Tier.HOST.value, "io_buffers", -self._nvme.pool.capacity_bytes)
             self._nvme = None
         self.closed = True

@@ -195,6 +195,24 @@ def test_resume_reproduces_the_uninterrupted_losses(tmp_path: Path, text_file: P
 
 
 @needs_engine
+def test_a_fresh_run_into_an_earlier_runs_folder_is_refused(tmp_path: Path,
+                                                             text_file: Path) -> None:
+    """Without ``--resume`` its checkpoints would mix with the earlier run's, and a later
+    resume would continue the wrong run; the refusal names the folder and the checkpoint, and
+    gives the folder back (a second attempt meets the same refusal, not a lock)."""
+    out = tmp_path / "run"
+    argv = _job(out, text_file, "--steps", "2", "--save-every", "2", "--dtype", "fp32")
+    assert train.run(_parse(*argv)) == 0
+    for _ in range(2):
+        with pytest.raises(ConfigError, match=r"holds the checkpoints of an earlier run "
+                                               r"\(latest: step-00000002\); add --resume"):
+            train.run(_parse(*argv, "--steps", "4"))
+    assert train.run(_parse(*argv, "--steps", "3", "--resume")) == 0
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [1, 2, 3]
+    assert not (out / ".outcore-lock").exists()
+
+
+@needs_engine
 def test_resume_without_a_checkpoint_starts_fresh(tmp_path: Path, text_file: Path,
                                                   capsys: pytest.CaptureFixture) -> None:
     out = tmp_path / "run"

@@ -15,7 +15,10 @@ and applies the error policy.
   data file): also exit 2 and one line; they are the same kind of mistake, found later.
 * ``StorageError`` and every other ``OutcoreError`` (disk full, corrupt checkpoint, a part of
   outcore missing from this build): exit 1 and one line.
-* Ctrl-C: exit 130, the shell's code for SIGINT.
+* Ctrl-C: exit 130, the shell's code for SIGINT. During ``outcore train`` the first Ctrl-C
+  finishes the step and saves first (a second one stops at once), and SIGTERM does the same
+  with exit 75, ``EX_TEMPFAIL`` (guard/preemption.py's [Note: a signal is a request,
+  answered at the step boundary]).
 * Any other exception is a bug and keeps its traceback.
 """
 

@@ -39,7 +39,10 @@ from outcore.app import models
 from outcore.app.report import MetricsWriter, read_metrics, write_report
 from outcore.config import merge_mappings, read_mapping
 from outcore.errors import ConfigError
+from outcore.guard.lock import lock_run_folder
+from outcore.guard.preemption import EXIT_PREEMPTED, Preemption
 from outcore.offload.storage import Tier
+from outcore.planning.placement import check_fits
 from outcore.units import format_bytes, format_count
 
 if TYPE_CHECKING:
@@ -218,17 +221,16 @@ def _say(text: str) -> None:
         print(text, file=sys.stderr, flush=True)
 
 
-def _global_mean(value: float, world_size: int) -> float:
-    if world_size == 1 or not dist.is_initialized():
+def _global_mean(engine: Any, value: float) -> float:
+    """The mean of ``value`` over ranks (each rank's loss, for the log)."""
+    if engine.world_size == 1:
         return value
     t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t)
-    return float(t) / world_size
+    return float(engine.rt.comm.all_reduce_sum(t)) / engine.world_size
 
 
 def run(args: argparse.Namespace) -> int:
     """Train as ``args`` say; returns the exit code. User mistakes raise ConfigError/DataError."""
-    import outcore
 
     file_cfg = _read_config_file(args.config)
     job = _job_settings(args, file_cfg.pop("train", None) or {})
@@ -237,9 +239,27 @@ def run(args: argparse.Namespace) -> int:
     if seq > max_seq:
         raise ConfigError(f"--seq: {seq} exceeds the model's longest sequence {max_seq}")
     cfg = _engine_config(args, file_cfg, job, n_params)
+    caution = check_fits(cfg, n_params, int(os.environ.get("WORLD_SIZE", "1")))  # before the build
+    if caution:
+        _say(caution)
+    # a second run on OUT stops here (guard/lock.py's [Note: two runs, one folder]); whatever
+    # ends the run below, the folder is given back
+    with lock_run_folder(job["out"], cfg.comm.timeout_s):
+        return _run_holding_out(args, job, cfg, n_params, vocab, seq)
+
+
+def _run_holding_out(args: argparse.Namespace, job: dict[str, Any], cfg: Config, n_params: int,
+                     vocab: int, seq: int) -> int:
+    """The run itself, with ``--out`` held: data, model, training, the report."""
+    import outcore
+
     out: Path = job["out"]
     ckpt_root = out / "checkpoints"
-    latest = outcore.latest_checkpoint(ckpt_root) if args.resume else None
+    latest = outcore.latest_checkpoint(ckpt_root)
+    if latest is not None and not args.resume:
+        # its checkpoints would mix with this run's, and a later --resume pick the wrong one
+        raise ConfigError(f"--out {out} holds the checkpoints of an earlier run (latest: "
+                          f"{latest.name}); add --resume to continue it, or give another --out")
     if args.resume and latest is None:
         _say(f"--resume: no complete checkpoint in {ckpt_root}; starting from step 0")
 
@@ -254,7 +274,8 @@ def run(args: argparse.Namespace) -> int:
     if is_hf and latest is None and models.hf_has_weights(job["model"]):
         _say(f"fine-tuning: loading the weights in {job['model']}")
         outcore.load_pretrained(model, job["model"])  # shard by shard, straight into the tiers
-    with outcore.initialize(model, cfg) as engine:
+    # SIGTERM or Ctrl-C: finish the step, save, close (swap removed), then exit 75 or 130
+    with outcore.preemption() as stop, outcore.initialize(model, cfg) as engine:
         rank, world = engine.rank, engine.world_size
         client: dict[str, Any] = {}
         if latest is not None:
@@ -279,18 +300,22 @@ def run(args: argparse.Namespace) -> int:
              + (f" (resuming at step {start})" if start else ""))
         metrics = MetricsWriter(out / "metrics.jsonl", resume_step=start) if rank == 0 else None
         try:
-            _loop(engine, sampler, job, seq, start, state, metrics, is_hf)
+            stopped_at = _loop(engine, sampler, job, seq, start, state, metrics, is_hf, stop)
         finally:
             if metrics is not None:
                 metrics.close()
-        if rank == 0:
+        if rank == 0 and stopped_at is None:
             _finish(out, job, n_params, start)
+    if stopped_at is not None:
+        return _stopped(stop, stopped_at, ckpt_root)
     return 0
 
 
 def _loop(engine: Any, sampler: datamod.BatchSampler, job: dict[str, Any], seq: int, start: int,
-          state: dict[str, Any], metrics: MetricsWriter | None, is_hf: bool) -> None:
-    """Optimizer steps ``start+1 .. steps``, with metrics, progress and checkpoints."""
+          state: dict[str, Any], metrics: MetricsWriter | None, is_hf: bool,
+          stop: Preemption) -> int | None:
+    """Optimizer steps ``start+1 .. steps``, with metrics, progress and checkpoints; returns
+    None, or the last step done when ``stop`` asked to stop (saved, unless step ``start``)."""
     from tqdm import tqdm
 
     steps, accum, world = job["steps"], engine.cfg.gradient_accumulation_steps, engine.world_size
@@ -301,6 +326,10 @@ def _loop(engine: Any, sampler: datamod.BatchSampler, job: dict[str, Any], seq: 
                mininterval=0.5, disable=engine.rank != 0, file=sys.stderr)
     try:
         for step in range(start + 1, steps + 1):
+            if stop.stop_requested(engine):  # every rank, at the same step boundary
+                if step - 1 > start and (step - 1) % job["save_every"]:
+                    _save(engine, sampler, job, step - 1, state)
+                return step - 1
             lr = _lr_at(step, steps, peak_lr, job["lr_schedule"])
             for group in engine.param_groups:
                 group["lr"] = lr
@@ -314,7 +343,7 @@ def _loop(engine: Any, sampler: datamod.BatchSampler, job: dict[str, Any], seq: 
                 engine.backward(loss)
                 total += float(loss.detach().float())
             engine.step()
-            loss_value = _global_mean(total / accum, world)
+            loss_value = _global_mean(engine, total / accum)
             dt = time.perf_counter() - t0
             state["elapsed"] += dt
             mem = engine.memory_report()
@@ -332,6 +361,19 @@ def _loop(engine: Any, sampler: datamod.BatchSampler, job: dict[str, Any], seq: 
                 _save(engine, sampler, job, step, state)
     finally:
         bar.close()
+    return None
+
+
+def _stopped(stop: Preemption, step: int, ckpt_root: Path) -> int:
+    """Say where a stopped run can go on from (rank 0) and return its exit code."""
+    import outcore
+
+    name = stop.signal.name if stop.signal else "a signal"
+    what = "preempted" if stop.exit_code == EXIT_PREEMPTED else "interrupted"
+    latest = outcore.latest_checkpoint(ckpt_root)
+    _say(f"outcore train: {what} ({name}) after step {step}; checkpoint: "
+         f"{latest or 'none yet'}; run the same command with --resume to continue")
+    return stop.exit_code
 
 
 def _save(engine: Any, sampler: datamod.BatchSampler, job: dict[str, Any], step: int,

@@ -74,7 +74,7 @@ def _save(engine: Any, path: Path, client_state: dict[str, Any]) -> Path:
     recorded. Save at an accumulation boundary: gradients of unfinished micro-steps are not kept.
     """
     comm, path = engine.rt.comm, Path(path)
-    _check_json(client_state)
+    check_client_state(client_state)
     partial = path.with_name(path.name + _PARTIAL)
     err: OutcoreError | OSError | None = None
     if comm.rank == 0:
@@ -113,7 +113,7 @@ def _save(engine: Any, path: Path, client_state: dict[str, Any]) -> Path:
     return path
 
 
-def _check_json(client_state: dict[str, Any]) -> None:
+def check_client_state(client_state: dict[str, Any]) -> None:
     """Checkpoints hold JSON, never pickle: reject what JSON cannot carry, naming the key."""
     if not isinstance(client_state, dict):
         raise ConfigError(f"client_state must be a dict, got {type(client_state).__name__}")

@@ -25,8 +25,9 @@ largest request the device takes whole (``max_sectors_kb``). A transfer smaller 
 [Note: errors are never silent]
 A request that moves fewer bytes than asked is retried from where it stopped; if the file
 ends (read returns 0) or the system call fails, the future raises ``AioError`` naming the
-operation, the file and the byte offset. A caller never sees a buffer that is partly
-stale without an exception.
+operation, the file, the byte offset and the errno (number and name: ``errno 5, EIO``), with a
+hint for the errors a failing disk gives (EIO; EROFS once ext4 remounts itself read-only).
+A caller never sees a buffer that is partly stale without an exception.
 """
 
 from __future__ import annotations
@@ -240,6 +241,20 @@ class _Request:
                 self.future.set_result(self._nbytes)
 
 
+_HINTS = {
+    errno.EINVAL: "O_DIRECT needs 4 KiB-aligned memory, offsets and lengths",
+    errno.EIO: "the device under this file failed; see the kernel log",
+    errno.EROFS: "the filesystem is read-only, as ext4 makes itself after disk errors",
+}
+
+
+def describe_os_error(e: OSError) -> str:
+    """``strerror (errno N, NAME; hint)``: what failed, in words and as a searchable errno."""
+    name = errno.errorcode.get(e.errno, "?") if e.errno is not None else "?"
+    hint = _HINTS.get(e.errno) if e.errno is not None else None
+    return f"{e.strerror or e} (errno {e.errno}, {name}" + (f"; {hint})" if hint else ")")
+
+
 def transfer(op: str, fd: int, view: memoryview, offset: int, path: str) -> int:
     """Move all of ``view`` to or from ``fd`` at ``offset``, synchronously ([Note: errors ...])."""
     total = len(view)
@@ -251,12 +266,9 @@ def transfer(op: str, fd: int, view: memoryview, offset: int, path: str) -> int:
             else:
                 moved = os.pwritev(fd, [view[done:]], offset + done)
         except OSError as e:
-            hint = ""
-            if e.errno == errno.EINVAL:
-                hint = " (O_DIRECT needs 4 KiB-aligned memory, offsets and lengths)"
             raise AioError(
                 f"{op} of {total - done} bytes at offset {offset + done} in {path} failed: "
-                f"{e.strerror}{hint}",
+                f"{describe_os_error(e)}",
                 op=op,
                 path=path,
                 offset=offset + done,

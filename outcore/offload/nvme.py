@@ -30,6 +30,8 @@ from __future__ import annotations
 import bisect
 import contextlib
 import errno
+import fcntl
+import logging
 import os
 import secrets
 import shutil
@@ -46,6 +48,7 @@ from outcore.errors import StorageError
 from outcore.offload.aio import AioEngine, IOFuture, transfer
 from outcore.offload.buffers import ALIGN, BufferPool, aligned_empty, is_aligned, round_up
 
+log = logging.getLogger(__name__)
 _BUFFERED_WARNED = threading.Event()  # the fallback warning is printed once per process
 
 
@@ -169,8 +172,11 @@ class _SwapFile:
                 remove(target)
             except FileNotFoundError:
                 pass
-            except OSError as e:
-                warnings.warn(f"outcore could not remove {target}: {e.strerror}", stacklevel=2)
+            except OSError as e:  # e.g. EROFS: ext4 made itself read-only after disk errors
+                log.warning("outcore: could not remove %s: %s; the next run on %s removes "
+                            "this swap once that filesystem is writable again",
+                            target, e.strerror, self.folder.parent)
+                return  # the folder still holds the file: one message, not two
 
 
 def _open_swap(path: Path, direct: bool) -> tuple[int, bool]:
@@ -268,6 +274,8 @@ class NvmeStore:
             os.chmod(self.folder, 0o700)
             self._fd, self.direct = _open_swap(self.path, direct)
             self._swap.fd = self._fd
+            with contextlib.suppress(OSError):  # says "live" to stale.py's sweep (its note)
+                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             os.fchmod(self._fd, 0o600)
         except OSError as e:
             self._closer()

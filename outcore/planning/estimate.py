@@ -44,7 +44,7 @@ checkpointing the full activations stay on the device under every strategy.
 
 [Note: usable fraction of each tier]
 This is outcore's one model of how much of each tier training may use; ``max_model`` and
-``Config.auto`` (placement.py) both apply it.
+``Config.auto`` (placement.py) both apply it, and ``check_fits`` cautions above it.
 * ``USABLE``: 90% of device memory, 80% of host memory and 95% of NVMe. The rest is lost to
   what is not training state: allocator fragmentation, the framework's context and kernel
   workspaces (device); the operating system, page cache, pinned staging buffers and data

@@ -19,7 +19,23 @@ reasons are in estimate.py's [Note: usable fraction of each tier]). On a CPU-onl
 device *is* host memory, so device and host share one free-memory figure and host memory's
 fraction, and the two tiers are never both counted. Budgets follow:
 host I/O buffers get 2% of free host memory (64 MiB to 1 GiB), prefetch gets 5% of free device
-memory (64 MiB to 2 GiB).
+memory (64 MiB to 2 GiB). Free host memory is what this process may still use, its cgroup's
+limit included (guard/memory.py).
+
+[Note: cannot fit means the states alone exceed what is free]
+``check_fits`` prices the placement a run asks for with ``state_bytes``, the model ``plan``
+prices its candidates with, against the same free figures, and ``outcore train`` calls it
+before it reads the data or builds the model. It refuses only when the model states alone
+exceed what is free in a memory tier: then no batch, sequence length or allocator makes the
+run fit, and the kernel would kill it once the states were built. Between ``USABLE``'s
+fraction (80% of host memory, 90% of device memory) and all of it the run starts with a
+one-line caution, because whether it fits then depends on what model states do not count
+(activations, the optimizer's temporaries, the allocator), and a refusal must never reject a
+run that trains. Measured under cgroup limits with gpt-335m in fp32, everything in host
+memory, batch 1 x 32 tokens: states at 86% of the free memory trained; at 89% the kernel
+killed the run. A refusal at 80% would have rejected the first. ``Config.auto`` plans with
+60%, which leaves room for a real batch. NVMe is not checked here: the swap fills only as
+shards are written, and a full disk ends the run with a ``StorageError`` naming the path.
 """
 
 from __future__ import annotations
@@ -29,15 +45,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import psutil
 import torch
 
 from outcore.config import Config
 from outcore.device.compute_dtype import planned
 from outcore.errors import ConfigError
+from outcore.guard.memory import Available, available_memory
 from outcore.offload.storage import Tier
 from outcore.plan import ExecutionPlan
 from outcore.planning.estimate import USABLE, Overheads
+from outcore.units import format_bytes, format_count
 
 _MiB = 1 << 20
 STATE_BYTES, GRAD_BYTES = 12, 4  # fp32 master + two Adam moments; an fp32 gradient
@@ -62,12 +79,32 @@ class Plan:
 
 
 def free_memory() -> tuple[int, int]:
-    """Free (device, host) bytes now; on a CPU-only machine both are host memory."""
-    host = psutil.virtual_memory().available
+    """Free (device, host) bytes now; on a CPU-only machine both are host memory. Host memory
+    is what this process may still use: the machine's available memory capped by its cgroup's
+    limit (guard/memory.py)."""
+    host = available_memory().bytes
     if torch.cuda.is_available():
         free, _ = torch.cuda.mem_get_info()
         return free, host
     return host, host
+
+
+def state_bytes(num_params: int, world_size: int, settings: Config, device: str,
+                params: str, optimizer: str) -> dict[str, int]:
+    """Bytes of model states per rank in each tier (``Tier`` values) when ``settings`` run
+    with this placement on ``device``, priced by the execution plan they would run with (see
+    ``plan``): the one memory model of ``Config.auto`` and ``check_fits``."""
+    dtype = planned(settings.dtype)
+    per_rank = -(-num_params // world_size)
+    ex = ExecutionPlan.for_config(settings, world_size, device, dtype=dtype.name,
+                                  params=params, optimizer=optimizer)
+    use = {t.value: 0 for t in Tier}
+    if not ex.compute_is_master:  # else the parameter shards are the masters
+        use[ex.inputs.params.value] += per_rank * dtype.torch_dtype.itemsize
+    use[ex.inputs.optimizer.value] += per_rank * STATE_BYTES
+    if not ex.overlaps_optimizer:  # every gradient is held until the step
+        use[ex.grad_tier.value] += per_rank * GRAD_BYTES
+    return use
 
 
 def plan(num_params: int, world_size: int = 1, *, nvme_path: str | None = None,
@@ -88,10 +125,7 @@ def plan(num_params: int, world_size: int = 1, *, nvme_path: str | None = None,
     """
     if num_params <= 0:
         raise ConfigError(f"auto placement needs a positive parameter count, got {num_params}")
-    measured_dev, measured_host = free_memory()
-    dev = measured_dev if device_free is None else device_free
-    host = measured_host if host_free is None else host_free
-    shared = not torch.cuda.is_available() and device_free is None
+    dev, host, shared = _memory(device_free, host_free)
     frac = usable or USABLE.states_only()
     dev_frac = frac.host if shared else frac.device  # the device's memory is host memory
     if disk_free is None:
@@ -106,14 +140,7 @@ def plan(num_params: int, world_size: int = 1, *, nvme_path: str | None = None,
                f"{per_rank * GRAD_BYTES / 2**30:.2f} GiB of fp32 gradients where they are all "
                "held at once"]
     for params, optimizer in _ORDER:
-        ex = ExecutionPlan.for_config(settings, world_size, device, dtype=dtype.name,
-                                      params=params, optimizer=optimizer)
-        use = {t.value: 0 for t in Tier}
-        if not ex.compute_is_master:  # else the parameter shards are the masters
-            use[ex.inputs.params.value] += per_rank * dtype.torch_dtype.itemsize
-        use[ex.inputs.optimizer.value] += per_rank * STATE_BYTES
-        if not ex.overlaps_optimizer:  # every gradient is held until the step
-            use[ex.grad_tier.value] += per_rank * GRAD_BYTES
+        use = state_bytes(num_params, world_size, settings, device, params, optimizer)
         mem_used = use["device"] + use["host"] if shared else max(use["device"], 0)
         fits = (mem_used <= dev_frac * dev and (shared or use["host"] <= frac.host * host)
                 and use["nvme"] <= frac.nvme * disk_free)
@@ -135,6 +162,51 @@ def plan(num_params: int, world_size: int = 1, *, nvme_path: str | None = None,
     return Plan(params, optimizer, host_buffers, prefetch, reasons)
 
 
+def check_fits(cfg: Config, num_params: int, world_size: int = 1, *,
+               device_free: int | None = None, host_free: int | None = None,
+               device: str | None = None) -> str | None:
+    """Refuse ``cfg``'s placement when its model states cannot fit in memory, before anything
+    is built (see [Note: cannot fit means the states alone exceed what is free]).
+
+    Raises ``ConfigError`` naming the bytes needed, the bytes free and the placement ``plan``
+    picks for the same settings; returns a one-line caution when the states fit but leave less
+    than ``USABLE``'s margin; else None. ``device_free``/``host_free`` replace the measured
+    figures, as in ``plan``.
+    """
+    room = available_memory() if host_free is None else Available(host_free, None)
+    dev, host, shared = _memory(device_free, room.bytes)
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    placed = (cfg.offload.params, cfg.offload.optimizer)
+    use = state_bytes(num_params, world_size, cfg, device, *placed)
+    if shared:  # the device's memory is host memory: one figure for both
+        tiers = [("memory", use["device"] + use["host"], room.bytes, USABLE.host, str(room))]
+    else:
+        tiers = [("device memory", use["device"], dev, USABLE.device,
+                  f"{format_bytes(dev)} is free on the device"),
+                 ("host memory", use["host"], host, USABLE.host, str(room))]
+    over = [t for t in tiers if t[1] > t[2]]
+    tight = [t for t in tiers if t[1] > t[3] * t[2]]
+    if not tight:
+        return None
+    what, need, free, frac, free_text = (over or tight)[0]
+    head = (f"offload params={placed[0]}, optimizer={placed[1]}: "
+            f"{format_count(num_params)} parameters in {planned(cfg.dtype).name} need "
+            f"{format_bytes(need)} of model states in {what}"
+            + (f" per rank ({world_size} ranks)" if world_size > 1 else ""))
+    try:
+        fit = plan(num_params, world_size, nvme_path=cfg.offload.nvme_path,
+                   device_free=device_free, host_free=room.bytes, settings=cfg, device=device)
+        advice = (f"a placement that fits: params={fit.params}, optimizer={fit.optimizer} "
+                  "(what offload 'auto' picks)")
+    except ConfigError as e:
+        advice = f"no placement fits: {e}"
+    if over:
+        raise ConfigError(f"{head}, but only {free_text}; {advice}")
+    return (f"{head}, {need / free:.0%} of the {format_bytes(free)} free: more than the "
+            f"{frac:.0%} training can count on, so activations may not fit and the kernel may "
+            f"kill the run; {advice}")
+
+
 def auto_config(num_params: int | torch.nn.Module, base: dict[str, Any] | None = None, *,
                 world_size: int = 1, nvme_path: str | None = None, **measured: Any):
     """An ``outcore.Config`` with the planned placement merged into ``base``; prints the plan."""
@@ -149,6 +221,16 @@ def auto_config(num_params: int | torch.nn.Module, base: dict[str, Any] | None =
         offload["nvme_path"] = nvme_path
     return cfg.with_overrides({"offload": offload,
                                "zero": {"prefetch_bytes": chosen.prefetch_bytes}})
+
+
+def _memory(device_free: int | None, host_free: int | None) -> tuple[int, int, bool]:
+    """Free (device, host) bytes, measured where not given, and whether they are one pool
+    (a CPU-only machine, where the device's memory is host memory)."""
+    measured_dev, measured_host = free_memory()
+    host = measured_host if host_free is None else host_free
+    shared = not torch.cuda.is_available() and device_free is None
+    dev = (host if shared else measured_dev) if device_free is None else device_free
+    return dev, host, shared
 
 
 def _existing(path: str) -> str:

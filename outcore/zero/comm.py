@@ -100,15 +100,25 @@ class Comm:
         return _Work(self, work, "reduce-scatter") if async_op else _Done()
 
     def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
-        if self.world_size > 1:
-            with _Failed(self, "all-reduce"):
-                dist.all_reduce(t, op=dist.ReduceOp.SUM)
-        return t
+        """Sum ``t`` over ranks in place (a host tensor travels through the device on NCCL)."""
+        return self._all_reduce(t, dist.ReduceOp.SUM)
 
     def all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
-        if self.world_size > 1:
-            with _Failed(self, "all-reduce"):
-                dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        """Maximum of ``t`` over ranks in place, as ``all_reduce_sum``."""
+        return self._all_reduce(t, dist.ReduceOp.MAX)
+
+    def _all_reduce(self, t: torch.Tensor, op) -> torch.Tensor:
+        if self.world_size == 1:
+            return t
+        # NCCL reduces device memory only; the small host flags and norms outcore reduces
+        # (overflow, gradient norm, loss for the log) take a round trip through the device
+        wire = t
+        if t.device.type == "cpu" and dist.get_backend() == "nccl":
+            wire = t.to(torch.device("cuda", torch.cuda.current_device()))
+        with _Failed(self, "all-reduce"):
+            dist.all_reduce(wire, op=op)
+        if wire is not t:
+            t.copy_(wire)
         return t
 
     def barrier(self) -> None:

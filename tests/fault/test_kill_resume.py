@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -14,6 +13,7 @@ import pytest
 
 import outcore
 from outcore.offload.stale import remove_stale_swap
+from tests.fault.processes import kill_job
 
 STEPS = 8
 
@@ -46,12 +46,11 @@ def _run(cmd: list[str], kill_at_step: int | None, timeout: float = 240) -> int 
     deadline = time.monotonic() + timeout
     while proc.poll() is None and time.monotonic() < deadline:
         if kill_at_step is not None and max(_losses(out), default=0) >= kill_at_step:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            kill_job(proc)  # torchrun's workers too: they live in sessions of their own
             return None
         time.sleep(0.05)
     if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_job(proc)
         pytest.fail(f"{cmd} did not finish in {timeout} s")
     if proc.returncode != 0:
         pytest.fail(f"{cmd} failed:\n{proc.stderr.read().decode()[-2000:]}")

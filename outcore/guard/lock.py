@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from outcore.errors import FolderInUseError, StorageError
+from outcore.offload.stale import pid_alive
 
 if TYPE_CHECKING:
     from outcore.device.accel import Accelerator
@@ -205,21 +206,11 @@ def read_holder(folder: Path, patience_s: float = 1.0) -> Holder:
                          int(rec.get("world_size", 1)))
         except (OSError, ValueError, KeyError, TypeError):
             who = None
-        if who is not None and (who.host != here or _alive(who.pid)):
+        if who is not None and (who.host != here or pid_alive(who.pid)):
             return who
         if time.monotonic() > deadline:
             return who or Holder(-1, "unknown", "unknown", "another outcore run", 1)
         time.sleep(0.05)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 # -- one job, many ranks ---------------------------------------------------------------------

@@ -33,7 +33,9 @@ _FILE = re.compile(r"^rank\d+\.swap$")
 _EMPTY_GRACE_S = 60.0
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists on this host (one owned by another user
+    counts: it exists)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -76,7 +78,7 @@ def remove_stale_swap(root: str | os.PathLike[str]) -> list[Path]:
         return removed
     for folder in entries:
         m = _FOLDER.match(folder.name)
-        if not m or not folder.is_dir() or folder.is_symlink() or _alive(int(m.group(1))):
+        if not m or not folder.is_dir() or folder.is_symlink() or pid_alive(int(m.group(1))):
             continue
         try:
             names = os.listdir(folder)

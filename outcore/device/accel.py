@@ -160,22 +160,18 @@ class Accelerator:
         """Copy host ``src`` into device ``dst`` on the copy stream; wait before using
         ``dst``, synchronize before refilling ``src``. On the CPU: copied now (or nothing,
         when ``dst`` is ``src``)."""
-        if not self.is_cuda:
-            if dst.data_ptr() != src.data_ptr():
-                dst.copy_(src)
-            return DONE
-        stream = self._copy_stream
-        stream.wait_stream(torch.cuda.current_stream())  # type: ignore[attr-defined]
-        with torch.cuda.stream(stream):  # type: ignore[arg-type]
-            dst.copy_(src, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(stream)  # type: ignore[arg-type]
-        return DeviceCopy(event, keep=src)
+        return self._copy(dst, src, device_src=False)
 
     def copy_to_host(self, dst: torch.Tensor, src: torch.Tensor) -> DeviceCopy:
         """Copy device ``src`` into host ``dst`` (page-locked, for the copy to be
         asynchronous) on the copy stream; synchronize before reading ``dst``. On the CPU:
         copied now (or nothing, when ``dst`` is ``src``)."""
+        return self._copy(dst, src, device_src=True)
+
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor, device_src: bool) -> DeviceCopy:
+        """One copy on the copy stream, after the compute stream's work so far. A device
+        ``src`` is recorded on the copy stream (the allocator frees it only after the copy);
+        a host ``src`` is kept alive by the returned ``DeviceCopy`` instead."""
         if not self.is_cuda:
             if dst.data_ptr() != src.data_ptr():
                 dst.copy_(src)
@@ -184,10 +180,11 @@ class Accelerator:
         stream.wait_stream(torch.cuda.current_stream())  # type: ignore[attr-defined]
         with torch.cuda.stream(stream):  # type: ignore[arg-type]
             dst.copy_(src, non_blocking=True)
-            src.record_stream(stream)  # type: ignore[arg-type]  # freed only after the copy
+            if device_src:
+                src.record_stream(stream)  # type: ignore[arg-type]
             event = torch.cuda.Event()
             event.record(stream)  # type: ignore[arg-type]
-        return DeviceCopy(event)
+        return DeviceCopy(event) if device_src else DeviceCopy(event, keep=src)
 
     def to_host(self, dev: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Copy a device tensor into host memory (``out`` when given)."""

@@ -52,12 +52,18 @@ from outcore.device.compute_dtype import planned
 from outcore.errors import ConfigError
 from outcore.guard.memory import Available, available_memory
 from outcore.offload.storage import Tier
-from outcore.plan import ExecutionPlan
+from outcore.plan import ExecutionPlan, optimizer_state_kinds
 from outcore.planning.estimate import USABLE, Overheads
 from outcore.units import format_bytes, format_count
 
 _MiB = 1 << 20
-STATE_BYTES, GRAD_BYTES = 12, 4  # fp32 master + two Adam moments; an fp32 gradient
+GRAD_BYTES = 4  # an fp32 gradient
+
+
+def _state_bytes(settings: Config) -> int:
+    """fp32 bytes per parameter of the master and the optimizer's state (12 for AdamW)."""
+    opt = settings.optimizer
+    return 4 * (1 + len(optimizer_state_kinds(opt.type, opt.momentum)))
 _ORDER = [("none", "none"), ("none", "cpu"), ("cpu", "cpu"), ("cpu", "nvme"), ("nvme", "nvme")]
 
 
@@ -101,7 +107,7 @@ def state_bytes(num_params: int, world_size: int, settings: Config, device: str,
     use = {t.value: 0 for t in Tier}
     if not ex.compute_is_master:  # else the parameter shards are the masters
         use[ex.inputs.params.value] += per_rank * dtype.torch_dtype.itemsize
-    use[ex.inputs.optimizer.value] += per_rank * STATE_BYTES
+    use[ex.inputs.optimizer.value] += per_rank * _state_bytes(settings)
     if not ex.overlaps_optimizer:  # every gradient is held until the step
         use[ex.grad_tier.value] += per_rank * GRAD_BYTES
     return use
@@ -136,7 +142,8 @@ def plan(num_params: int, world_size: int = 1, *, nvme_path: str | None = None,
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     reasons = [f"{num_params:,} parameters over {world_size} rank(s), {dtype.name}: "
                f"{per_rank * dtype.torch_dtype.itemsize / 2**30:.2f} GiB of parameter shards "
-               f"and {per_rank * STATE_BYTES / 2**30:.2f} GiB of fp32 optimizer state per rank, "
+               f"and {per_rank * _state_bytes(settings) / 2**30:.2f} GiB of fp32 optimizer state "
+               "per rank, "
                f"{per_rank * GRAD_BYTES / 2**30:.2f} GiB of fp32 gradients where they are all "
                "held at once"]
     for params, optimizer in _ORDER:

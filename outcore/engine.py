@@ -32,6 +32,7 @@ from outcore.guard.lock import HeldFolders
 from outcore.offload.storage import Tier
 from outcore.optim.optimizer import ShardedOptimizer
 from outcore.optim.precision import LossScaler
+from outcore.overlap.entry import EntryHooks, entry_modules
 from outcore.overlap.hooks import Hooks
 from outcore.overlap.schedule import Schedule
 from outcore.plan import ExecutionPlan
@@ -88,7 +89,12 @@ class Engine:
                                           self.rt)
         self.scaler = LossScaler(cfg.loss_scale, enabled=self.rt.plan.loss_scaling)
         self.hooks = Hooks(module_groups, self.groups, self.schedule)
+        # model(...) and generate() called directly: entry.py's notes
+        self.entries = EntryHooks(entry_modules(module), lambda: self.hooks.active,
+                                  self.hooks.forward_context,
+                                  synced_generate=self.rt.world_size > 1)
         self.micro_steps = 0
+        self._at_boundary = False  # whether the last backward ended an accumulation
         self.global_steps = 0
         self.last_grad_norm: float | None = None
         self._closed = False
@@ -197,12 +203,22 @@ class Engine:
         with self.hooks.forward_context():
             return self.module(*args, **kwargs)
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """Backpropagate ``loss`` (see the note on loss conventions) and reduce gradients."""
+    def backward(self, loss: torch.Tensor, *, scale_for_accumulation: bool = True,
+                 boundary: bool | None = None) -> None:
+        """Backpropagate ``loss`` (see the note on loss conventions) and reduce gradients.
+
+        ``scale_for_accumulation=False``: the caller already divided the loss for gradient
+        accumulation (Hugging Face Trainer normalises by the tokens of the whole accumulated
+        batch), so the engine does not divide it again. ``boundary``: whether this backward
+        ends the accumulation, for a loop whose last accumulation is shorter (the end of an
+        epoch); by default every ``gradient_accumulation_steps``-th backward does.
+        """
         self._check_open()
-        factor = self.scaler.scale / self.cfg.gradient_accumulation_steps
+        accumulation = self.cfg.gradient_accumulation_steps if scale_for_accumulation else 1
+        factor = self.scaler.scale / accumulation
         scaled = loss.float() * factor if factor != 1.0 else loss
-        boundary = (self.micro_steps + 1) % self.cfg.gradient_accumulation_steps == 0
+        if boundary is None:
+            boundary = (self.micro_steps + 1) % self.cfg.gradient_accumulation_steps == 0
         on_reduced = (lambda g: self.optimizer.submit(g.trainable)) if (
             boundary and self.rt.plan.overlaps_optimizer) else None
         # [Note: a failed boundary backward] Updates already started on the worker are allowed
@@ -211,6 +227,7 @@ class Engine:
         with self.hooks.backward(on_reduced, before_abort=self.optimizer.wait):
             scaled.backward()
         self.micro_steps += 1
+        self._at_boundary = boundary
 
     @property
     def plan(self) -> ExecutionPlan:
@@ -254,7 +271,8 @@ class Engine:
 
     @property
     def is_accumulation_boundary(self) -> bool:
-        return self.micro_steps > 0 and self.micro_steps % self.cfg.gradient_accumulation_steps == 0
+        """Whether the last backward ended an accumulation, so ``step()`` will update."""
+        return self.micro_steps > 0 and self._at_boundary
 
     @torch.no_grad()
     def step(self) -> bool:
@@ -271,7 +289,7 @@ class Engine:
         defer = self.defers_updates
         if not defer:  # loss scaling and the norm below look at every gradient
             self.optimizer.wait()
-        self.micro_steps = 0
+        self.micro_steps, self._at_boundary = 0, False
         grads = [sp.grad for sp in self.optimizer.params if sp.grad is not None]
         if self.scaler.enabled:
             bad = torch.tensor([0.0 if all(bool(g.isfinite().all()) for g in grads) else 1.0])
@@ -427,6 +445,7 @@ class Engine:
         except BaseException as e:  # noqa: BLE001 - raised below, once everything is closed
             error = e
         self.optimizer.close()
+        self.entries.remove()
         self.hooks.remove()
         self.rt.close()
         self._folders.release_all()

@@ -110,6 +110,11 @@ class Hooks:
                     sp.param.register_post_accumulate_grad_hook(self._make_grad_hook(sp))
                 )
 
+    @property
+    def active(self) -> bool:
+        """Whether a forward (or backward) is running: a module call now is part of it."""
+        return bool(self.frames) or self._in_backward
+
     def remove(self) -> None:
         for h in self._handles:
             h.remove()

@@ -1,0 +1,96 @@
+"""LoRA adapters over a sharded, offloaded base model, from a one-line spec.
+
+[Note: a frozen base costs its 16-bit bytes only]
+``get_peft_model`` freezes every base weight (``requires_grad=False``) and adds small
+trainable ``lora_A``/``lora_B`` matrices. The engine keeps a frozen parameter as one shard in
+the training dtype in its parameter tier (host memory or NVMe) and nothing else: no fp32
+master (``ShardedParam.prepare_for_training`` drops it), no gradient (autograd never makes
+one, and no gradient hook is registered), no optimizer state (only trainable parameters are
+in the optimizer). In backward a frozen layer between the loss and an adapter is fetched for
+its input gradient and released as soon as backward has moved past it (hooks.py's [Note:
+frozen groups in backward]). So the base costs 2 bytes per parameter where a full fine-tune
+costs 2 + 4 + 4 + 8 (training dtype, master, gradient, AdamW moments), and only the adapters
+pay the latter.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from outcore.errors import ConfigError
+
+KEYS = {"r": "r", "alpha": "lora_alpha", "dropout": "lora_dropout", "targets": "target_modules"}
+
+
+def parse_spec(spec: str) -> dict[str, Any]:
+    """``r=8,alpha=16,targets=q_proj,v_proj`` -> LoraConfig keywords (peft's names).
+
+    A comma-separated item without ``=`` continues the list of the key before it, so the
+    target module names need no quoting."""
+    out: dict[str, Any] = {}
+    key: str | None = None
+    for item in (s.strip() for s in spec.split(",")):
+        if not item:
+            continue
+        if "=" in item:
+            key, value = (s.strip() for s in item.split("=", 1))
+            if key not in KEYS:
+                raise ConfigError(f"--lora: unknown key {key!r} in {spec!r}; known: "
+                                  f"{', '.join(KEYS)}")
+            if KEYS[key] in out:
+                raise ConfigError(f"--lora: {key} given twice in {spec!r}")
+            out[KEYS[key]] = _value(key, value, spec)
+        elif key == "targets":
+            out["target_modules"].append(item)
+        else:
+            raise ConfigError(f"--lora: {item!r} in {spec!r} is not key=value (only targets "
+                              "takes several comma-separated names)")
+    if "r" not in out or "target_modules" not in out:
+        raise ConfigError(f"--lora {spec!r}: give at least r=... and targets=..., e.g. "
+                          "r=8,alpha=16,targets=q_proj,v_proj")
+    return out
+
+
+def _value(key: str, value: str, spec: str) -> Any:
+    try:
+        if key == "r":
+            n = int(value)
+            if n < 1:
+                raise ValueError
+            return n
+        if key in ("alpha", "dropout"):
+            x = float(value)
+            if x < 0 or (key == "dropout" and x >= 1):
+                raise ValueError
+            return x
+    except ValueError:
+        raise ConfigError(f"--lora: {key}={value!r} in {spec!r} is not a valid "
+                          f"{'positive integer' if key == 'r' else 'number'}") from None
+    return [value] if value else []
+
+
+def lora_config(spec: str | dict[str, Any]) -> Any:
+    """A ``peft.LoraConfig`` for a causal LM from a spec string or LoraConfig keywords."""
+    from peft import LoraConfig, TaskType
+
+    kwargs = parse_spec(spec) if isinstance(spec, str) else dict(spec)
+    return LoraConfig(task_type=TaskType.CAUSAL_LM, **kwargs)
+
+
+def apply_lora(model: nn.Module, spec: str | dict[str, Any]) -> nn.Module:
+    """``get_peft_model(model, lora_config(spec))``; target names that match no module of
+    the model are an error naming the module names it has."""
+    from peft import get_peft_model
+
+    config = lora_config(spec)
+    wanted = set(config.target_modules or [])
+    leaves = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    unknown = sorted(wanted - leaves)
+    if unknown:
+        linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                         if isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D"})
+        raise ConfigError(f"--lora targets {unknown} match no module of this model; its "
+                          f"linear layers are named {linear}")
+    return get_peft_model(model, config)

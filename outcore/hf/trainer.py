@@ -1,0 +1,243 @@
+"""``OutcoreTrainer``: Hugging Face's ``Trainer`` with outcore's engine under it.
+
+[Note: the Trainer's loop, the engine's steps]
+The Trainer keeps everything it owns: data order and sampling across ranks, the learning-rate
+schedule, loss normalisation across accumulation (by the tokens of the whole accumulated
+batch), logging, evaluation, callbacks, checkpoint folders and their rotation. The engine
+replaces exactly the places where a Trainer would touch whole parameters:
+
+* the model the loop calls is a thin module over the engine (``_wrap_model``), so neither DDP
+  nor accelerate wraps it, and forward fetches each layer's shards as it runs;
+* ``training_step`` hands the Trainer-normalised loss to ``engine.backward`` (which then does
+  not divide it again) and tells it which backward ends the accumulation, which the Trainer
+  decides (the last one of an epoch may come early);
+* the optimizer the Trainer steps and schedules is a view of the engine's (``EngineOptimizer``):
+  its ``param_groups`` *are* the engine's, so the scheduler's learning rate reaches the shards'
+  update; clipping by ``max_grad_norm`` happens inside ``engine.step()`` over the sharded
+  gradients, and the norm the Trainer logs is the engine's;
+* checkpoints: Trainer's ``checkpoint-N`` folder *is* an outcore checkpoint (written
+  atomically, every rank its shard), beside which the Trainer writes its state, scheduler and
+  RNG files; resuming loads it back, exactly.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import Trainer
+
+from outcore.config import Config
+from outcore.engine import Engine
+from outcore.errors import ConfigError
+from outcore.hf import saving
+from outcore.hf.args import OutcoreConfigSource, build_config
+from outcore.io.checkpoint import MANIFEST
+
+
+class EngineOptimizer(torch.optim.Optimizer):
+    """The engine's optimizer as the Trainer and its scheduler see it.
+
+    ``param_groups`` is the engine's list (hyper-parameters only; the shards are the
+    engine's), ``step()`` is ``engine.step()``, and ``state_dict()`` holds the
+    hyper-parameters: the moments live in the outcore checkpoint.
+    """
+
+    def __init__(self, engine: Engine) -> None:  # noqa: D107 - no torch init: no tensors here
+        self.engine = engine
+        self.defaults: dict[str, Any] = {}
+        self.state: collections.defaultdict = collections.defaultdict(dict)
+        self.param_groups = engine.param_groups
+        for name in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
+                     "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
+                     "_optimizer_load_state_dict_pre_hooks",
+                     "_optimizer_load_state_dict_post_hooks"):
+            setattr(self, name, collections.OrderedDict())
+        self.skipped = False  # the last step() changed nothing (an fp16 overflow)
+        self.accelerated: Any = None  # accelerate's wrapper, told about skipped steps
+
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        if closure is not None:
+            raise ValueError("OutcoreTrainer's optimizer takes no closure")
+        self.skipped = not self.engine.step()
+        if self.accelerated is not None:
+            self.accelerated._is_overflow = self.skipped
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Gradients live in the engine's shards, which ``step()`` clears."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"state": {}, "param_groups": [dict(g) for g in self.param_groups]}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        groups = state_dict["param_groups"]
+        if len(groups) != len(self.param_groups):
+            raise ConfigError(f"optimizer state has {len(groups)} param groups, this run has "
+                              f"{len(self.param_groups)}")
+        for mine, saved in zip(self.param_groups, groups, strict=True):
+            mine.update({k: v for k, v in saved.items() if k != "params"})
+
+    def __repr__(self) -> str:
+        return f"EngineOptimizer({self.engine.cfg.optimizer.type}, {self.param_groups})"
+
+
+class EngineModel(nn.Module):
+    """What the Trainer's loop calls: the engine, seen as a module (train/eval reach the
+    model; calls go through the engine)."""
+
+    def __init__(self, engine: Engine) -> None:
+        super().__init__()
+        self.module = engine.module
+        object.__setattr__(self, "engine", engine)  # not a submodule: Engine is no nn.Module
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.engine(*args, **kwargs)
+
+
+class OutcoreTrainer(Trainer):
+    """``transformers.Trainer`` training a ZeRO-3 sharded, offloaded model.
+
+    Takes every argument ``Trainer`` takes, plus ``outcore_config`` (a ``Config``, a dict, a
+    JSON/YAML path or a DeepSpeed config path) for placement, precision and budgets. The
+    model is sharded when the trainer is made (or was, under ``outcore.init``); call
+    ``close()`` (or ``end()``) when done to delete its swap files.
+    """
+
+    def __init__(self, model: nn.Module | None = None, args: Any = None, *more: Any,
+                 outcore_config: OutcoreConfigSource = None, **kwargs: Any) -> None:
+        if model is None:
+            raise ConfigError("OutcoreTrainer needs a model (model_init is not supported: the "
+                              "model is sharded once, when the trainer is made)")
+        if kwargs.get("model_init") is not None:
+            raise ConfigError("OutcoreTrainer: model_init is not supported; pass the model")
+        optimizers = kwargs.get("optimizers", (None, None))
+        if any(o is not None for o in optimizers) or kwargs.get("optimizer_cls_and_kwargs"):
+            raise ConfigError("OutcoreTrainer makes its own optimizer over the shards; drop "
+                              "the optimizers / optimizer_cls_and_kwargs argument and set "
+                              "learning_rate, adam_beta1/2, adam_epsilon, weight_decay and "
+                              "lr_scheduler_type in TrainingArguments")
+        super().__init__(model, args, *more, **kwargs)
+        cfg = build_config(self.args, outcore_config)
+        decay = set(self.get_decay_parameter_names(model))
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        groups = [{"params": [p for n, p in named if n in decay],
+                   "weight_decay": self.args.weight_decay},
+                  {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
+        self.outcore_engine = Engine(model, cfg, [g for g in groups if g["params"]])
+        self._engine_model = EngineModel(self.outcore_engine)
+        self._engine_optimizer = EngineOptimizer(self.outcore_engine)
+
+    @property
+    def outcore_config(self) -> Config:
+        """The config the engine runs with (dtype resolved)."""
+        return self.outcore_engine.cfg
+
+    # -- the engine in the Trainer's loop (see [Note: the Trainer's loop, the engine's steps]) --
+    def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
+        """The engine places every shard itself."""
+
+    def _wrap_model(self, model: nn.Module, training: bool = True,
+                    dataloader: Any = None) -> nn.Module:
+        return self._engine_model
+
+    def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
+        self.optimizer = self._engine_optimizer
+        return self.optimizer
+
+    def _prepare_for_training(self, *args: Any, **kwargs: Any) -> Any:
+        out = super()._prepare_for_training(*args, **kwargs)
+        if self.optimizer is not self._engine_optimizer:  # accelerate's wrapper around it
+            self._engine_optimizer.accelerated = self.optimizer
+        return out
+
+    def training_step(self, model: nn.Module, inputs: dict[str, Any],
+                      num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
+        """Trainer's step with the engine's backward: the same loss normalisation."""
+        model.train()
+        inputs = self._prepare_inputs(inputs)
+        with self.compute_loss_context_manager():
+            loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
+        del inputs
+        scaled = getattr(self, "loss_is_scaled_for_ga", None)
+        if scaled is None:
+            scaled = (self.model_accepts_loss_kwargs and num_items_in_batch is not None) or \
+                self.compute_loss_func is not None
+        if not scaled:
+            loss = loss / self.current_gradient_accumulation_steps
+        boundary = bool(self.accelerator.gradient_state.sync_gradients)
+        self.outcore_engine.backward(loss, scale_for_accumulation=False, boundary=boundary)
+        return loss.detach()
+
+    def _clip_grad_norm(self, model: nn.Module) -> None:
+        """``engine.step()`` clips by ``max_grad_norm`` over the sharded gradients."""
+        return None
+
+    def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> None:
+        return None  # known after engine.step(): _maybe_log_save_evaluate reads it
+
+    def _maybe_log_save_evaluate(self, tr_loss: torch.Tensor, grad_norm: Any,
+                                 *args: Any, **kwargs: Any) -> None:
+        norm = self.outcore_engine.last_grad_norm
+        super()._maybe_log_save_evaluate(tr_loss, norm, *args, **kwargs)
+
+    # -- saving and resuming ----------------------------------------------------------------
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """A folder ``from_pretrained`` loads: consolidated fp32 safetensors and config (a PEFT
+        model: the adapter files ``PeftModel.from_pretrained`` loads). Every rank calls it.
+
+        Inside ``checkpoint-N`` folders (``_internal_call``) the folder is an outcore
+        checkpoint instead (sharded; ``outcore consolidate`` turns it into weights), plus the
+        adapter files for a PEFT model."""
+        out = Path(output_dir if output_dir is not None else self.args.output_dir)
+        engine, rank = self.outcore_engine, self.outcore_engine.rank
+        peft = saving.is_peft_model(self.model)
+        if _internal_call:
+            engine.save_checkpoint(out)
+            if peft:
+                saving.save_adapters(self.model, rank, out)
+            elif rank == 0:
+                saving.save_configs(self.model, out)
+        elif peft:
+            saving.save_adapters(self.model, rank, out)
+        else:
+            saving.save_full(self.model, rank, out)
+        if rank == 0:
+            self._save_extras(out)
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _save_extras(self, out: Path) -> None:
+        """What ``Trainer._save`` writes beside the weights: tokenizer and training args."""
+        from transformers.trainer import TRAINING_ARGS_NAME
+
+        tokenizer = self.processing_class or getattr(self.data_collator, "tokenizer", None)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(out))
+        torch.save(self.args, os.path.join(out, TRAINING_ARGS_NAME))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str,
+                              model: nn.Module | None = None) -> None:
+        folder = Path(resume_from_checkpoint)
+        if not (folder / MANIFEST).is_file():
+            raise ConfigError(f"{folder} is not a checkpoint OutcoreTrainer wrote (no "
+                              f"{MANIFEST}); resume from a checkpoint-N folder of an "
+                              "OutcoreTrainer run")
+        self.outcore_engine.load_checkpoint(folder)
+
+    def _load_best_model(self) -> None:
+        best = self.state.best_model_checkpoint
+        if best is not None:
+            self.outcore_engine.load_checkpoint(best)
+
+    # -- lifetime ---------------------------------------------------------------------------
+    def close(self) -> None:
+        """Delete this rank's swap files and remove the hooks; the trainer cannot train after."""
+        self.outcore_engine.close()
+
+    def end(self) -> None:
+        self.close()
+        super().end()

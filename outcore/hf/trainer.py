@@ -38,6 +38,24 @@ from outcore.hf import saving
 from outcore.hf.args import OutcoreConfigSource, build_config
 from outcore.io.checkpoint import MANIFEST
 
+# Trainer methods OutcoreTrainer overrides; private ones move between transformers releases
+OVERRIDDEN = ("_move_model_to_device", "_wrap_model", "create_optimizer", "_prepare_for_training",
+              "training_step", "_clip_grad_norm", "_get_grad_norm", "_maybe_log_save_evaluate",
+              "save_model", "_load_from_checkpoint", "_load_best_model", "end")
+TESTED = ">=5.23,<6"
+
+
+def check_transformers() -> None:
+    """Refuse a transformers whose Trainer lacks a method this class replaces: the override
+    would silently not run, and the Trainer would touch whole parameters."""
+    import transformers
+
+    missing = [name for name in OVERRIDDEN if not callable(getattr(Trainer, name, None))]
+    if missing:
+        raise ConfigError(f"OutcoreTrainer needs transformers{TESTED}; the installed "
+                          f"{transformers.__version__} has no Trainer.{', '.join(missing)}: "
+                          "pip install 'outcore[hf]'")
+
 
 class EngineOptimizer(torch.optim.Optimizer):
     """The engine's optimizer as the Trainer and its scheduler see it.
@@ -109,6 +127,7 @@ class OutcoreTrainer(Trainer):
 
     def __init__(self, model: nn.Module | None = None, args: Any = None, *more: Any,
                  outcore_config: OutcoreConfigSource = None, **kwargs: Any) -> None:
+        check_transformers()
         if model is None:
             raise ConfigError("OutcoreTrainer needs a model (model_init is not supported: the "
                               "model is sharded once, when the trainer is made)")

@@ -1,0 +1,107 @@
+"""Who decides what under OutcoreTrainer: TrainingArguments, outcore_config, and clashes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import outcore
+from outcore.errors import ConfigError
+
+transformers = pytest.importorskip("transformers")
+
+from outcore.hf.args import build_config  # noqa: E402
+
+
+def _args(tmp_path: Path, **kw) -> transformers.TrainingArguments:
+    return transformers.TrainingArguments(output_dir=str(tmp_path), report_to=[], **kw)
+
+
+def test_trainer_arguments_become_the_engines(tmp_path: Path) -> None:
+    args = _args(tmp_path, learning_rate=3e-4, adam_beta1=0.8, adam_beta2=0.95,
+                 adam_epsilon=1e-7, weight_decay=0.05, gradient_accumulation_steps=4,
+                 max_grad_norm=0.7, seed=5)
+    cfg = build_config(args, {"offload": {"optimizer": "cpu"}, "zero": {"prefetch_bytes": 1 << 20}})
+    assert cfg.optimizer.lr == 3e-4 and cfg.optimizer.betas == (0.8, 0.95)
+    assert cfg.optimizer.eps == 1e-7 and cfg.optimizer.weight_decay == 0.05
+    assert cfg.gradient_accumulation_steps == 4 and cfg.gradient_clipping == 0.7
+    assert cfg.seed == 5 and cfg.track_grad_norm
+    assert cfg.offload.optimizer == "cpu" and cfg.zero.prefetch_bytes == 1 << 20
+    assert cfg.dtype == "fp32", "Trainer trains in fp32 without bf16/fp16; so does the engine"
+    assert build_config(args, {"dtype": "bf16"}).dtype == "bf16"
+    assert build_config(args, outcore.Config(dtype="bf16")).dtype == "bf16"
+
+
+def test_a_key_set_twice_differently_names_both(tmp_path: Path) -> None:
+    args = _args(tmp_path, learning_rate=5e-5, max_grad_norm=1.0)
+    with pytest.raises(ConfigError) as err:
+        build_config(args, {"optimizer": {"lr": 1e-3}, "gradient_clipping": 2.0})
+    text = str(err.value)
+    assert "optimizer.lr=0.001" in text and "TrainingArguments.learning_rate=5e-05" in text
+    assert "gradient_clipping=2.0" in text and "TrainingArguments.max_grad_norm=1.0" in text
+    with pytest.raises(ConfigError, match="Config.*optimizer.lr|optimizer.lr"):
+        build_config(args, outcore.Config(optimizer={"lr": 1e-3}))
+    # the same value given twice is one value
+    assert build_config(args, {"optimizer": {"lr": 5e-5}}).optimizer.lr == 5e-5
+
+
+def test_deepspeed_config_with_auto_values(tmp_path: Path) -> None:
+    ds = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+          "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}},
+          "bf16": {"enabled": "auto"},
+          "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
+                                "offload_optimizer": {"device": "cpu"}}}
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(ds))
+    cfg = build_config(_args(tmp_path, learning_rate=2e-4, gradient_accumulation_steps=3), path)
+    assert cfg.optimizer.lr == 2e-4 and cfg.gradient_accumulation_steps == 3
+    assert cfg.offload.params == "cpu" and cfg.offload.optimizer == "cpu"
+    ds["optimizer"]["params"]["lr"] = 1e-3
+    path.write_text(json.dumps(ds))
+    with pytest.raises(ConfigError, match="learning_rate"):
+        build_config(_args(tmp_path, learning_rate=2e-4), path)
+
+
+def test_unsupported_trainer_settings_are_refused(tmp_path: Path) -> None:
+    pytest.importorskip("accelerate")
+    from outcore.hf import OutcoreTrainer
+
+    with pytest.raises(ConfigError, match="optim='adafactor'"):
+        build_config(_args(tmp_path, optim="adafactor"), None)
+    model = torch_model()
+    with pytest.raises(ConfigError, match="makes its own optimizer"):
+        OutcoreTrainer(model=model, args=_args(tmp_path),
+                       optimizers=(transformers_optimizer(model), None))
+    with pytest.raises(ConfigError, match="model_init"):
+        OutcoreTrainer(model=None, args=_args(tmp_path))
+
+
+def torch_model():
+    import torch
+
+    return torch.nn.Linear(4, 4)
+
+
+def transformers_optimizer(model):
+    import torch
+
+    return torch.optim.AdamW(model.parameters())
+
+
+def test_outcore_imports_without_the_hf_extra() -> None:
+    """``import outcore`` works without transformers/peft; asking for outcore.hf names the
+    extra to install, in one line."""
+    code = ("import sys\n"
+            "for m in ('transformers', 'peft', 'accelerate'): sys.modules[m] = None\n"
+            "import outcore, outcore.hf\n"
+            "try:\n"
+            "    outcore.hf.OutcoreTrainer\n"
+            "except outcore.ConfigError as e:\n"
+            "    print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert "pip install 'outcore[hf]'" in out and "transformers" in out

@@ -1,0 +1,253 @@
+"""OutcoreTrainer against plain ``transformers.Trainer``: same seed, data and arguments (fp32,
+dropout off), the same per-step losses, gradient norms and saved weights."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import outcore
+from tests.distributed import run_world
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+pytest.importorskip("accelerate")
+
+from outcore.hf import OutcoreTrainer, apply_lora  # noqa: E402
+
+LLAMA = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}
+LORA = "r=4,alpha=8,targets=q_proj,v_proj"
+GPT2_LORA = "r=4,alpha=8,targets=c_attn"
+
+
+def build(name: str, cfg: dict | None = None, lora: str | None = None) -> torch.nn.Module:
+    """A random-init tiny model from its config (no download), under ``outcore.init`` when
+    ``cfg`` is given, with LoRA adapters when ``lora`` is."""
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    def make() -> torch.nn.Module:
+        if name == "gpt2":
+            return GPT2LMHeadModel(GPT2Config(
+                n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=64, resid_pdrop=0.0,
+                embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0))
+        return LlamaForCausalLM(LlamaConfig(**LLAMA))
+
+    torch.manual_seed(0)
+    if cfg is None:
+        model = make()
+    else:
+        with outcore.init(cfg):
+            model = make()
+    if lora is not None:
+        torch.manual_seed(1)
+        model = apply_lora(model, lora)
+    return model
+
+
+def dataset(n: int = 22) -> list[dict]:
+    gen = torch.Generator().manual_seed(1)
+    return [{"input_ids": x, "labels": x} for x in torch.randint(0, 128, (n, 16), generator=gen)]
+
+
+def arguments(out: Path, **over) -> transformers.TrainingArguments:
+    """Accumulation over 2 micro-batches (22 samples: the epoch's last accumulation has one),
+    clipping on, a warm-up and decay schedule, weight decay."""
+    kw = dict(output_dir=str(out), per_device_train_batch_size=2, gradient_accumulation_steps=2,
+              max_grad_norm=0.5, learning_rate=1e-2, lr_scheduler_type="linear", warmup_steps=2,
+              weight_decay=0.1, max_steps=8, logging_steps=1, save_strategy="no",
+              report_to=[], seed=0, disable_tqdm=True)
+    kw.update(over)
+    return transformers.TrainingArguments(**kw)
+
+
+def logged(trainer, key: str) -> list[float]:
+    return [h[key] for h in trainer.state.log_history if key in h]
+
+
+def nvme(tmp: Path) -> dict:
+    return {"offload": {"params": "nvme", "optimizer": "nvme", "nvme_path": str(tmp / "swap")}}
+
+
+@pytest.mark.parametrize(("name", "lora"), [("gpt2", None), ("llama", None),
+                                            ("gpt2", GPT2_LORA), ("llama", LORA)])
+def test_equals_plain_trainer_with_state_on_nvme(tmp_path: Path, name: str,
+                                                  lora: str | None) -> None:
+    ref = transformers.Trainer(model=build(name, lora=lora), args=arguments(tmp_path / "ref"),
+                               train_dataset=dataset())
+    ref.train()
+    cfg = nvme(tmp_path)
+    ours = OutcoreTrainer(model=build(name, cfg, lora=lora), args=arguments(tmp_path / "ours"),
+                          train_dataset=dataset(), outcore_config=cfg)
+    ours.train()
+    assert len(logged(ours, "loss")) == 8
+    torch.testing.assert_close(logged(ours, "loss"), logged(ref, "loss"), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(logged(ours, "grad_norm"), logged(ref, "grad_norm"),
+                               rtol=1e-5, atol=1e-6)
+    assert logged(ours, "learning_rate") == logged(ref, "learning_rate")
+    held_out = dataset(26)[22:]
+    assert ours.evaluate(eval_dataset=held_out)["eval_loss"] == pytest.approx(
+        ref.evaluate(eval_dataset=held_out)["eval_loss"], rel=1e-5)
+    torch.testing.assert_close(torch.as_tensor(ours.predict(held_out).predictions),
+                               torch.as_tensor(ref.predict(held_out).predictions),
+                               rtol=1e-4, atol=1e-4)
+    ours.save_model(tmp_path / "saved")
+    ours.close()
+    assert not list((tmp_path / "swap").rglob("*.swap")), "close() leaves no swap file"
+    ref.model.eval()
+    ids = dataset()[0]["input_ids"][None, :6]
+    with torch.no_grad():
+        expect = ref.model(input_ids=ids).logits
+    if lora is None:
+        loaded = type(ref.model).from_pretrained(tmp_path / "saved").eval()
+        for key, value in ref.model.state_dict().items():
+            # AdamW divides by sqrt(v): a gradient near zero turns fp32 summation-order
+            # differences into update differences of a fraction of lr (1e-2) per step
+            torch.testing.assert_close(loaded.state_dict()[key], value, rtol=1e-4, atol=1e-4)
+    else:
+        loaded = peft.PeftModel.from_pretrained(build(name), tmp_path / "saved").eval()
+        adapters = {k: v for k, v in ref.model.state_dict().items() if "lora_" in k}
+        for key, value in adapters.items():
+            assert value.numel() > 0
+            torch.testing.assert_close(loaded.state_dict()[key], value, rtol=1e-4, atol=1e-4)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids).logits, expect, rtol=1e-4, atol=1e-4)
+
+
+def test_lora_base_is_16_bit_only(tmp_path: Path) -> None:
+    """A frozen base keeps one training-dtype shard: no master, gradient or optimizer state."""
+    cfg = {**nvme(tmp_path), "dtype": "bf16"}
+    model = build("llama", cfg, lora=LORA)
+    trainer = OutcoreTrainer(model=model, args=arguments(tmp_path / "out", max_steps=2),
+                             train_dataset=dataset(), outcore_config=cfg)
+    engine = trainer.outcore_engine
+    trainer.train()
+    frozen = [sp for sp in engine.params if not sp.trainable]
+    adapters = [sp for sp in engine.params if sp.trainable]
+    assert frozen and adapters
+    assert all(sp.master is None and sp.grad is None for sp in frozen)
+    assert all(sp.compute.dtype == torch.bfloat16 for sp in frozen)
+    tracked = {id(sp) for sp in engine.optimizer.state}
+    assert tracked == {id(sp) for sp in adapters}
+    kinds = engine.memory_report()["by_kind"]
+    adapter_numel = sum(sp.shard_numel for sp in adapters)
+    base_numel = sum(sp.shard_numel for sp in frozen)
+    assert kinds["nvme.params"] >= 2 * base_numel
+    assert kinds["nvme.master"] == 4 * adapter_numel
+    assert kinds["nvme.optimizer"] == 8 * adapter_numel
+    trainer.close()
+
+
+class _StopAt(transformers.TrainerCallback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            control.should_training_stop = True
+        return control
+
+
+@pytest.mark.parametrize("lora", [None, LORA])
+def test_resume_from_checkpoint_equals_uninterrupted(tmp_path: Path, lora: str | None) -> None:
+    cfg = nvme(tmp_path)
+    args = {"save_strategy": "steps", "save_steps": 3}
+    whole = OutcoreTrainer(model=build("llama", cfg, lora), args=arguments(tmp_path / "a", **args),
+                           train_dataset=dataset(), outcore_config=cfg)
+    whole.train()
+    expect = logged(whole, "loss")
+    whole.save_model(tmp_path / "a-final")
+    whole.close()
+
+    first = OutcoreTrainer(model=build("llama", cfg, lora), args=arguments(tmp_path / "b", **args),
+                           train_dataset=dataset(), outcore_config=cfg, callbacks=[_StopAt(4)])
+    first.train()
+    first.close()
+    ckpt = tmp_path / "b" / "checkpoint-3"
+    assert (ckpt / "manifest.json").is_file() and (ckpt / "trainer_state.json").is_file()
+    if lora:
+        assert (ckpt / "adapter_model.safetensors").is_file()
+    second = OutcoreTrainer(model=build("llama", cfg, lora), args=arguments(tmp_path / "b", **args),
+                            train_dataset=dataset(), outcore_config=cfg)
+    second.train(resume_from_checkpoint=str(ckpt))
+    # the log history is the Trainer's: steps 1-3 come from checkpoint-3, 4-8 from this run
+    steps = [h["step"] for h in second.state.log_history if "loss" in h]
+    assert steps == list(range(1, 9))
+    assert logged(second, "loss") == expect, "the resumed run continues the other exactly"
+    second.save_model(tmp_path / "b-final")
+    second.close()
+    name = "adapter_model.safetensors" if lora else "model.safetensors"
+    from safetensors.torch import load_file
+
+    a, b = load_file(tmp_path / "a-final" / name), load_file(tmp_path / "b-final" / name)
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    # save_total_limit-style rotation is the Trainer's: checkpoint-6 exists beside checkpoint-3
+    assert (tmp_path / "b" / "checkpoint-6" / "manifest.json").is_file()
+
+
+def test_generate_equals_plain_model(tmp_path: Path) -> None:
+    """Greedy generation through the sharded model, between training steps and after."""
+    cfg = nvme(tmp_path)
+    ref = build("llama")
+    trainer = OutcoreTrainer(model=build("llama", cfg), args=arguments(tmp_path / "o", max_steps=2),
+                             train_dataset=dataset(), outcore_config=cfg)
+    prompt = dataset()[0]["input_ids"][None, :5]
+    with torch.no_grad():
+        expect = ref.generate(input_ids=prompt, max_new_tokens=8, do_sample=False)
+    got = trainer.model.generate(input_ids=prompt, max_new_tokens=8, do_sample=False)
+    assert torch.equal(got, expect)
+    trainer.train()  # generation in between left the engine able to train
+    plain = transformers.Trainer(model=ref, args=arguments(tmp_path / "r", max_steps=2),
+                                 train_dataset=dataset())
+    plain.train()
+    with torch.no_grad():
+        expect = ref.generate(input_ids=prompt, max_new_tokens=8, do_sample=False)
+    assert torch.equal(trainer.model.generate(input_ids=prompt, max_new_tokens=8,
+                                              do_sample=False), expect)
+    trainer.close()
+
+
+def _two_ranks(out: str) -> dict:
+    """Plain Trainer (DDP over gloo) and OutcoreTrainer on the same two ranks."""
+    rank = int(os.environ["RANK"])
+    tmp = Path(out)
+    plain = transformers.Trainer(model=build("llama"), args=arguments(tmp / "ref", max_steps=4),
+                                 train_dataset=dataset())
+    plain.train()
+    cfg = {"offload": {"params": "nvme", "optimizer": "nvme",
+                       "nvme_path": str(tmp / f"swap{rank}")}}
+    ours = OutcoreTrainer(model=build("llama", cfg), args=arguments(tmp / "ours", max_steps=4,
+                                                                    save_strategy="steps",
+                                                                    save_steps=4),
+                          train_dataset=dataset(), outcore_config=cfg)
+    ours.train()
+    # sequences of different lengths per rank: every rank must keep running forwards
+    prompt = dataset()[rank]["input_ids"][None, :4]
+    new = 3 if rank == 0 else 7
+    got = ours.model.generate(input_ids=prompt, max_new_tokens=new, do_sample=False)
+    plain.model.eval()
+    with torch.no_grad():
+        expect = plain.model.generate(input_ids=prompt, max_new_tokens=new, do_sample=False,
+                                      synced_gpus=False)
+    ours.save_model(tmp / "saved")
+    ours.close()
+    return {"plain": logged(plain, "loss"), "ours": logged(ours, "loss"),
+            "gen_equal": bool(torch.equal(got, expect)), "gen_len": got.shape[1]}
+
+
+def test_two_ranks_equal_plain_ddp_trainer(tmp_path: Path) -> None:
+    results = run_world(_two_ranks, 2, str(tmp_path), timeout=300)
+    for r in results:
+        assert len(r["ours"]) == 4
+        torch.testing.assert_close(r["ours"], r["plain"], rtol=1e-5, atol=1e-6)
+        assert r["gen_equal"]
+    assert [r["gen_len"] for r in results] == [4 + 3, 4 + 7]
+    manifest = json.loads((tmp_path / "ours" / "checkpoint-4" / "manifest.json").read_text())
+    assert manifest["world_size"] == 2
+    assert (tmp_path / "saved" / "model.safetensors").is_file()

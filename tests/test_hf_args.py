@@ -105,3 +105,27 @@ def test_outcore_imports_without_the_hf_extra() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout
     assert "pip install 'outcore[hf]'" in out and "transformers" in out
+
+
+def test_lora_spec_and_targets() -> None:
+    pytest.importorskip("peft")
+    from outcore.hf.lora import apply_lora, parse_spec
+
+    assert parse_spec("r=8,alpha=16,dropout=0.05,targets=q_proj,v_proj") == {
+        "r": 8, "lora_alpha": 16, "lora_dropout": 0.05, "target_modules": ["q_proj", "v_proj"]}
+    for bad, word in [("r=0,targets=q", "r='0'"), ("r=8,alpha=0,targets=q", "alpha='0'"),
+                      ("r=8,foo=1,targets=q", "'foo'"), ("r=8", "targets"),
+                      ("r=8,targets=q,r=4", "given twice")]:
+        with pytest.raises(ConfigError, match=word):
+            parse_spec(bad)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    def model():
+        return LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+                                            num_hidden_layers=1, num_attention_heads=2))
+
+    assert apply_lora(model(), "r=2,targets=self_attn.q_proj").peft_config  # a suffix
+    wrapped = apply_lora(model(), "r=2,targets=all-linear")  # peft's shorthand
+    assert any("lora_A" in n for n, _ in wrapped.named_parameters())
+    with pytest.raises(ConfigError, match=r"\['qproj'\] match no module.*q_proj"):
+        apply_lora(model(), "r=2,targets=qproj")

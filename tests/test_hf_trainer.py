@@ -73,15 +73,18 @@ def nvme(tmp: Path) -> dict:
     return {"offload": {"params": "nvme", "optimizer": "nvme", "nvme_path": str(tmp / "swap")}}
 
 
-@pytest.mark.parametrize(("name", "lora"), [("gpt2", None), ("llama", None),
-                                            ("gpt2", GPT2_LORA), ("llama", LORA)])
-def test_equals_plain_trainer_with_state_on_nvme(tmp_path: Path, name: str,
-                                                  lora: str | None) -> None:
-    ref = transformers.Trainer(model=build(name, lora=lora), args=arguments(tmp_path / "ref"),
-                               train_dataset=dataset())
+@pytest.mark.parametrize(("name", "lora", "extra"), [
+    ("gpt2", None, {}), ("llama", None, {}), ("gpt2", GPT2_LORA, {}), ("llama", LORA, {}),
+    ("llama", LORA, {"activation_checkpointing": True})])
+def test_equals_plain_trainer_with_state_on_nvme(tmp_path: Path, name: str, lora: str | None,
+                                                  extra: dict) -> None:
+    ref = transformers.Trainer(model=build(name, lora=lora),
+                               args=arguments(tmp_path / "ref", **extra), train_dataset=dataset())
     ref.train()
     cfg = nvme(tmp_path)
-    ours = OutcoreTrainer(model=build(name, cfg, lora=lora), args=arguments(tmp_path / "ours"),
+    # GPT-2 is sharded by the trainer, Llama as it is created (outcore.init)
+    model = build(name, cfg if name == "llama" else None, lora=lora)
+    ours = OutcoreTrainer(model=model, args=arguments(tmp_path / "ours", **extra),
                           train_dataset=dataset(), outcore_config=cfg)
     ours.train()
     assert len(logged(ours, "loss")) == 8
@@ -210,6 +213,30 @@ def test_generate_equals_plain_model(tmp_path: Path) -> None:
         expect = ref.generate(input_ids=prompt, max_new_tokens=8, do_sample=False)
     assert torch.equal(trainer.model.generate(input_ids=prompt, max_new_tokens=8,
                                               do_sample=False), expect)
+    trainer.close()
+
+
+def test_generate_never_gathers_the_whole_model(tmp_path: Path) -> None:
+    from outcore.zero.group import GroupState
+
+    cfg = {**nvme(tmp_path), "zero": {"prefetch_bytes": 0, "persistence_threshold_bytes": 0}}
+    model = build("llama", cfg)
+    trainer = OutcoreTrainer(model=model, args=arguments(tmp_path / "o"), outcore_config=cfg)
+    engine = trainer.outcore_engine
+    total = sum(g.full_bytes for g in engine.groups if not g.persistent)
+    peak = []
+
+    def measure(*_: object) -> None:
+        peak.append(sum(g.full_bytes for g in engine.groups
+                        if g.state is GroupState.UNSHARDED and not g.persistent))
+
+    handles = [m.register_forward_hook(measure) for m in model.modules()]
+    prompt = dataset()[0]["input_ids"][None, :5]
+    model.generate(input_ids=prompt, max_new_tokens=4, do_sample=False)
+    for h in handles:
+        h.remove()
+    assert peak and max(peak) < total / 2, (max(peak), total)
+    assert engine.schedule_stats()["fetches"] > 4 * len(engine.groups) / 2
     trainer.close()
 
 

@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from outcore.app import data as datamod
+from outcore.app import lora as loramod
 from outcore.app import models
 from outcore.app.report import MetricsWriter, read_metrics, write_report
 from outcore.config import merge_mappings, read_mapping
@@ -52,7 +53,7 @@ __all__ = ["JOB_DEFAULTS", "add_arguments", "run"]
 
 JOB_DEFAULTS: dict[str, Any] = {
     "model": "small", "data": None, "steps": 300, "save_every": 100, "out": "./outcore-run",
-    "batch": 8, "seq": None, "offload": "nvme", "lr_schedule": "cosine",
+    "batch": 8, "seq": None, "offload": "nvme", "lr_schedule": "cosine", "lora": None,
 }
 """The job's own settings when neither a flag nor the config file's ``train:`` section sets them."""
 
@@ -86,6 +87,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="warmup then cosine decay to 10%%, or constant (default: cosine)")
     a("--dtype", choices=["auto", "bf16", "fp16", "fp32"],
       help="compute dtype (default: auto, the fastest this device multiplies natively)")
+    a("--lora", metavar="SPEC", help="train LoRA adapters over the frozen --model HF_FOLDER, "
+      "e.g. r=8,alpha=16,targets=q_proj,v_proj (keys r, alpha, dropout, targets; peft's "
+      "module names); writes them in PEFT's format to OUT/adapter at the end")
 
 
 # -- settings ------------------------------------------------------------------------------
@@ -234,6 +238,7 @@ def run(args: argparse.Namespace) -> int:
 
     file_cfg = _read_config_file(args.config)
     job = _job_settings(args, file_cfg.pop("train", None) or {})
+    lora = loramod.prepare(job["lora"], job["model"])  # a typo fails before the build
     n_params, max_seq, vocab = _describe_model(job["model"])
     seq = job["seq"] or min(256, max_seq)
     if seq > max_seq:
@@ -245,11 +250,11 @@ def run(args: argparse.Namespace) -> int:
     # a second run on OUT stops here (guard/lock.py's [Note: two runs, one folder]); whatever
     # ends the run below, the folder is given back
     with lock_run_folder(job["out"], cfg.comm.timeout_s):
-        return _run_holding_out(args, job, cfg, n_params, vocab, seq)
+        return _run_holding_out(args, job, cfg, n_params, vocab, seq, lora)
 
 
 def _run_holding_out(args: argparse.Namespace, job: dict[str, Any], cfg: Config, n_params: int,
-                     vocab: int, seq: int) -> int:
+                     vocab: int, seq: int, lora: loramod.LoraJob | None) -> int:
     """The run itself, with ``--out`` held: data, model, training, the report."""
     import outcore
 
@@ -262,6 +267,7 @@ def _run_holding_out(args: argparse.Namespace, job: dict[str, Any], cfg: Config,
                           f"{latest.name}); add --resume to continue it, or give another --out")
     if args.resume and latest is None:
         _say(f"--resume: no complete checkpoint in {ckpt_root}; starting from step 0")
+    loramod.check_resume(lora, latest)  # from the manifest alone, before the build
 
     tokens, tokenized_by = _tokens(job, vocab)  # before any swap file exists: fail fast
     train_tokens, _ = datamod.split_tokens(tokens)
@@ -274,6 +280,8 @@ def _run_holding_out(args: argparse.Namespace, job: dict[str, Any], cfg: Config,
     if is_hf and latest is None and models.hf_has_weights(job["model"]):
         _say(f"fine-tuning: loading the weights in {job['model']}")
         outcore.load_pretrained(model, job["model"])  # shard by shard, straight into the tiers
+    if lora is not None:  # before the engine: its optimizer gets the adapters only
+        model = loramod.wrap(model, lora, job["model"])
     # SIGTERM or Ctrl-C: finish the step, save, close (swap removed), then exit 75 or 130
     with outcore.preemption() as stop, outcore.initialize(model, cfg) as engine:
         rank, world = engine.rank, engine.world_size
@@ -289,7 +297,8 @@ def _run_holding_out(args: argparse.Namespace, job: dict[str, Any], cfg: Config,
         if "sampler" in client:
             sampler.load_state_dict(client["sampler"])
         start = int(client.get("step", 0))
-        state = {"elapsed": float(client.get("elapsed_s", 0.0)), "seed": seed}
+        state = {"elapsed": float(client.get("elapsed_s", 0.0)), "seed": seed,
+                 "lora": lora.client_state() if lora is not None else None}
 
         src = job["data"] or "the Python standard library's source"
         _say(f"outcore train: {job['model']} ({format_count(n_params)} params), {world} rank(s), "
@@ -297,15 +306,19 @@ def _run_holding_out(args: argparse.Namespace, job: dict[str, Any], cfg: Config,
              f"optimizer={cfg.offload.optimizer}\n  data: {src} ({format_count(len(tokens))} "
              f"tokens: {tokenized_by}), "
              f"batch {job['batch']}x{seq} per rank x{accum} accumulation\n  out: {out}"
-             + (f" (resuming at step {start})" if start else ""))
+             + (f" (resuming at step {start})" if start else "")
+             + (f"\n  {loramod.describe(model, lora)}" if lora is not None else ""))
         metrics = MetricsWriter(out / "metrics.jsonl", resume_step=start) if rank == 0 else None
         try:
             stopped_at = _loop(engine, sampler, job, seq, start, state, metrics, is_hf, stop)
         finally:
             if metrics is not None:
                 metrics.close()
+        lines: list[str] = []
+        if lora is not None and stopped_at is None:  # at the end only; every rank writes
+            lines = [loramod.save(engine, model, out), loramod.memory_line(engine)]
         if rank == 0 and stopped_at is None:
-            _finish(out, job, n_params, start)
+            _finish(out, job, n_params, start, lines)
     if stopped_at is not None:
         return _stopped(stop, stopped_at, ckpt_root)
     return 0
@@ -380,20 +393,24 @@ def _save(engine: Any, sampler: datamod.BatchSampler, job: dict[str, Any], step:
           state: dict[str, Any]) -> None:
     client = {"step": step, "sampler": sampler.state_dict(), "seed": state["seed"],
               "model": job["model"], "elapsed_s": state["elapsed"]}
+    if state.get("lora") is not None:  # a resume must name the same spec (app/lora.py)
+        client["lora"] = state["lora"]
     path = engine.save_checkpoint(job["out"] / "checkpoints" / f"step-{step:08d}",
                                   client_state=client)
-    if engine.rank == 0 and models.is_hf_folder(job["model"]):
-        # lets `outcore consolidate` put config.json beside the weights for from_pretrained
+    if engine.rank == 0 and models.is_hf_folder(job["model"]) and state.get("lora") is None:
+        # lets `outcore consolidate` put config.json beside the weights for from_pretrained;
+        # not for LoRA, whose weights are PEFT's names that from_pretrained would skip
         shutil.copyfile(Path(job["model"]) / "config.json", path / "config.json")
 
 
-def _finish(out: Path, job: dict[str, Any], n_params: int, start: int) -> None:
-    """Write the report and print the summary (rank 0)."""
+def _finish(out: Path, job: dict[str, Any], n_params: int, start: int,
+            lines: list[str] | None = None) -> None:
+    """Write the report and print the summary (rank 0), ending with ``lines`` (LoRA's)."""
     records = read_metrics(out / "metrics.jsonl")
     png = write_report(out / "metrics.jsonl", out / "report.png",
                        title=f"outcore train: {job['model']} ({format_count(n_params)} params)")
     if not records:
-        _say(f"no steps recorded; report: {png}")
+        _say("\n".join([f"no steps recorded; report: {png}", *(lines or [])]))
         return
     this_run = [r for r in records if r["step"] > start] or records
     # Every step moves the same number of tokens, so the run's rate is the harmonic mean.
@@ -404,4 +421,5 @@ def _finish(out: Path, job: dict[str, Any], n_params: int, start: int) -> None:
     _say(f"done: {records[-1]['step']} steps, loss {records[0]['loss']:.3f} -> "
          f"{records[-1]['loss']:.3f}, {tok_s:,.0f} tokens/s, "
          f"{records[-1]['elapsed_s']:.0f} s of training\n"
-         f"  metrics: {out / 'metrics.jsonl'}\n  report: {png}\n  checkpoint: {latest}")
+         f"  metrics: {out / 'metrics.jsonl'}\n  report: {png}\n  checkpoint: {latest}"
+         + "".join(f"\n{line}" for line in lines or []))

@@ -15,6 +15,7 @@ pay the latter.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 from torch import nn
@@ -47,7 +48,9 @@ def parse_spec(spec: str) -> dict[str, Any]:
         else:
             raise ConfigError(f"--lora: {item!r} in {spec!r} is not key=value (only targets "
                               "takes several comma-separated names)")
-    if "r" not in out or "target_modules" not in out:
+    if out.get("target_modules") == ["all-linear"]:
+        out["target_modules"] = "all-linear"  # peft's shorthand is a string, not a name
+    if "r" not in out or not out.get("target_modules"):
         raise ConfigError(f"--lora {spec!r}: give at least r=... and targets=..., e.g. "
                           "r=8,alpha=16,targets=q_proj,v_proj")
     return out
@@ -60,14 +63,20 @@ def _value(key: str, value: str, spec: str) -> Any:
             if n < 1:
                 raise ValueError
             return n
-        if key in ("alpha", "dropout"):
+        if key == "alpha":
             x = float(value)
-            if x < 0 or (key == "dropout" and x >= 1):
+            if not x > 0:  # alpha 0 scales the adapters' output to nothing
+                raise ValueError
+            return int(x) if x.is_integer() else x
+        if key == "dropout":
+            x = float(value)
+            if not 0 <= x < 1:
                 raise ValueError
             return x
     except ValueError:
-        raise ConfigError(f"--lora: {key}={value!r} in {spec!r} is not a valid "
-                          f"{'positive integer' if key == 'r' else 'number'}") from None
+        kind = {"r": "positive integer", "alpha": "positive number",
+                "dropout": "number in [0, 1)"}[key]
+        raise ConfigError(f"--lora: {key}={value!r} in {spec!r} is not a {kind}") from None
     return [value] if value else []
 
 
@@ -85,12 +94,19 @@ def apply_lora(model: nn.Module, spec: str | dict[str, Any]) -> nn.Module:
     from peft import get_peft_model
 
     config = lora_config(spec)
-    wanted = set(config.target_modules or [])
-    leaves = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
-    unknown = sorted(wanted - leaves)
+    targets = config.target_modules
+    wanted = set() if isinstance(targets, str) else set(targets or [])  # "all-linear": peft's
+    names = [name for name, _ in model.named_modules()]
+    # peft matches a target against a module name's last parts ("q_proj", "self_attn.q_proj")
+    unknown = sorted(t for t in wanted if t != "all-linear" and
+                     not any(n == t or n.endswith("." + t) for n in names))
     if unknown:
         linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
                          if isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D"})
         raise ConfigError(f"--lora targets {unknown} match no module of this model; its "
                           f"linear layers are named {linear}")
-    return get_peft_model(model, config)
+    with warnings.catch_warnings():
+        # peft 0.21 asks transformers 5 a deprecated question; nothing the user can act on
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing",
+                                category=FutureWarning)
+        return get_peft_model(model, config)

@@ -171,6 +171,10 @@ class OutcoreTrainer(Trainer):
         out = super()._prepare_for_training(*args, **kwargs)
         if self.optimizer is not self._engine_optimizer:  # accelerate's wrapper around it
             self._engine_optimizer.accelerated = self.optimizer
+            # With fp16 accelerate would step through a GradScaler, which unscales gradients
+            # in param_groups' tensors; the engine scales the loss and unscales its shards.
+            if getattr(self.optimizer, "scaler", None) is not None:
+                self.optimizer.scaler = None
         return out
 
     def training_step(self, model: nn.Module, inputs: dict[str, Any],

@@ -127,3 +127,29 @@ def test_config_auto_returns_a_valid_config(tmp_path, capsys) -> None:
     cfg = outcore.Config.auto(10**6, {"dtype": "fp32"}, nvme_path=str(tmp_path))
     assert cfg.dtype == "fp32" and cfg.offload.params == "none"
     assert "placement: params=none" in capsys.readouterr().out
+
+
+def test_a_frozen_base_is_priced_by_its_16_bit_shards(tmp_path) -> None:
+    """LoRA over a 7B base: 14 GB of bf16 shards and the adapters' state fit 24 GiB of host
+    memory; priced as a full fine-tune (16 bytes per parameter) the state would go to NVMe."""
+    from outcore.planning.placement import check_fits, state_bytes
+
+    n, adapters = 7 * 10**9, 20 * 10**6
+    bf16 = outcore.Config.from_dict({"dtype": "bf16"})
+    kw = {"device_free": 24 * GiB, "host_free": 24 * GiB, "disk_free": 900 * GiB,
+          "nvme_path": str(tmp_path), "device": "cpu"}
+    assert plan(n, settings=bf16, **kw).optimizer == "nvme"
+    lora = plan(n, settings=bf16, trainable=adapters, **kw)
+    assert (lora.params, lora.optimizer) == ("none", "none")
+    assert "20,000,000 of them train" in lora.explain()
+    use = state_bytes(n, 1, bf16, "cpu", "nvme", "cpu", trainable=adapters)
+    assert use["nvme"] == 2 * n and use["host"] == 12 * adapters + 4 * adapters
+    # fp32 with the shards as masters: a frozen parameter is its 4 bytes of values (and here
+    # the updates run during backward, so no step's worth of gradients is held)
+    fp32 = outcore.Config.from_dict({"dtype": "fp32"})
+    assert state_bytes(n, 1, fp32, "cpu", "cpu", "cpu", trainable=adapters)["host"] == \
+        4 * n + 12 * adapters
+    on_cpu = bf16.with_overrides({"offload": {"params": "cpu", "optimizer": "cpu"}})
+    with pytest.raises(outcore.ConfigError, match="need 126 GB of model states in memory"):
+        check_fits(on_cpu, n, host_free=24 * GiB, device="cpu")
+    assert check_fits(on_cpu, n, host_free=24 * GiB, device="cpu", trainable=adapters) is None

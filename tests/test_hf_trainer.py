@@ -121,10 +121,16 @@ def test_equals_plain_trainer_with_state_on_nvme(tmp_path: Path, name: str, lora
         torch.testing.assert_close(loaded(input_ids=ids).logits, expect, rtol=1e-4, atol=1e-4)
 
 
-def test_lora_base_is_16_bit_only(tmp_path: Path) -> None:
-    """A frozen base keeps one training-dtype shard: no master, gradient or optimizer state."""
+@pytest.mark.parametrize("born_frozen", [False, True])
+def test_lora_base_is_16_bit_only(tmp_path: Path, born_frozen: bool) -> None:
+    """A frozen base keeps one training-dtype shard: no master, gradient or optimizer state;
+    built under ``outcore.init(frozen=True)`` it never had an fp32 master, not even briefly."""
     cfg = {**nvme(tmp_path), "dtype": "bf16"}
-    model = build("llama", cfg, lora=LORA)
+    torch.manual_seed(0)
+    with outcore.init(cfg, frozen=born_frozen) as built:
+        base = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA))
+    torch.manual_seed(1)
+    model = apply_lora(base, LORA)
     trainer = OutcoreTrainer(model=model, args=arguments(tmp_path / "out", max_steps=2),
                              train_dataset=dataset(), outcore_config=cfg)
     engine = trainer.outcore_engine
@@ -142,7 +148,22 @@ def test_lora_base_is_16_bit_only(tmp_path: Path) -> None:
     assert kinds["nvme.params"] >= 2 * base_numel
     assert kinds["nvme.master"] == 4 * adapter_numel
     assert kinds["nvme.optimizer"] == 8 * adapter_numel
+    peak_master = built.runtime.ledger.snapshot()["peak.nvme.master"]
+    if born_frozen:
+        assert peak_master == 4 * adapter_numel
+    else:  # fp32 values until the engine found the base frozen
+        assert peak_master >= 4 * base_numel
     trainer.close()
+
+
+def test_a_parameter_born_frozen_cannot_be_trained(tmp_path: Path) -> None:
+    cfg = {**nvme(tmp_path), "dtype": "bf16"}
+    with outcore.init(cfg, frozen=True):
+        model = torch.nn.Linear(4, 4)
+    assert not model.weight.requires_grad
+    model.weight.requires_grad_(True)
+    with pytest.raises(outcore.ConfigError, match=r"frozen=True\), .* is now trainable"):
+        outcore.initialize(model, cfg)
 
 
 class _StopAt(transformers.TrainerCallback):

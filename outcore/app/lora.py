@@ -49,6 +49,7 @@ class LoraJob:
 
     spec: str
     kwargs: dict[str, Any]
+    trainable: int = 0  # adapter parameters, counted on the meta-device model
 
     def client_state(self) -> dict[str, Any]:
         """What a checkpoint records, so a resume can be compared (JSON only)."""
@@ -88,13 +89,13 @@ def prepare(spec: Any, model: str) -> LoraJob | None:
                           "random base could not be loaded onto anything later")
     require("peft", "transformers")
     job = LoraJob(spec, kwargs)
-    _check_targets(job, model)
-    return job
+    return LoraJob(spec, kwargs, _check_targets(job, model))
 
 
-def _check_targets(job: LoraJob, folder: str) -> None:
+def _check_targets(job: LoraJob, folder: str) -> int:
     """Apply the spec to the architecture on the meta device: names that match no module, and
-    modules peft cannot adapt, fail here with the names the model has."""
+    modules peft cannot adapt, fail here with the names the model has. Returns the number of
+    adapter parameters (what trains: placement prices only those with optimizer state)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from outcore.hf.lora import apply_lora
@@ -103,7 +104,8 @@ def _check_targets(job: LoraJob, folder: str) -> None:
         model = AutoModelForCausalLM.from_config(
             AutoConfig.from_pretrained(folder, local_files_only=True))
         try:
-            apply_lora(model, job.kwargs)
+            wrapped = apply_lora(model, job.kwargs)
+            return sum(p.numel() for p in wrapped.parameters() if p.requires_grad)
         except ConfigError:  # names that match no module: apply_lora's own message
             raise
         except ValueError as e:  # peft: a target that is no layer it can adapt

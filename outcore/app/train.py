@@ -131,7 +131,7 @@ def _default_lr(model: str, n_params: int) -> float:
 
 
 def _engine_config(args: argparse.Namespace, file_cfg: dict[str, Any], job: dict[str, Any],
-                   n_params: int) -> Config:
+                   n_params: int, trainable: int | None = None) -> Config:
     """The engine's Config: job defaults < file < flags (see [Note: where settings come from]).
 
     ``--offload`` is shorthand for both placements; without the flag, a placement the file
@@ -166,7 +166,8 @@ def _engine_config(args: argparse.Namespace, file_cfg: dict[str, Any], job: dict
     merged["offload"] = {k: v for k, v in merged["offload"].items()
                          if k not in ("params", "optimizer")}  # the plan decides these
     return Config.auto(n_params, Config.from_dict(merged),
-                       world_size=int(os.environ.get("WORLD_SIZE", "1")), nvme_path=nvme_path)
+                       world_size=int(os.environ.get("WORLD_SIZE", "1")), nvme_path=nvme_path,
+                       trainable=trainable)
 
 
 # -- model and data ------------------------------------------------------------------------
@@ -243,8 +244,10 @@ def run(args: argparse.Namespace) -> int:
     seq = job["seq"] or min(256, max_seq)
     if seq > max_seq:
         raise ConfigError(f"--seq: {seq} exceeds the model's longest sequence {max_seq}")
-    cfg = _engine_config(args, file_cfg, job, n_params)
-    caution = check_fits(cfg, n_params, int(os.environ.get("WORLD_SIZE", "1")))  # before the build
+    trainable = lora.trainable if lora is not None else None  # a LoRA base is frozen
+    cfg = _engine_config(args, file_cfg, job, n_params, trainable)
+    caution = check_fits(cfg, n_params, int(os.environ.get("WORLD_SIZE", "1")),  # before the build
+                         trainable=trainable)
     if caution:
         _say(caution)
     # a second run on OUT stops here (guard/lock.py's [Note: two runs, one folder]); whatever
@@ -275,7 +278,8 @@ def _run_holding_out(args: argparse.Namespace, job: dict[str, Any], cfg: Config,
 
     out.mkdir(parents=True, exist_ok=True)  # the default swap folder lives inside it
     torch.manual_seed(cfg.seed)
-    with outcore.init(cfg):
+    # a LoRA base is born frozen: its 16-bit shards only, never an fp32 master (param.py)
+    with outcore.init(cfg, frozen=lora is not None):
         model = _build(job["model"])
     if is_hf and latest is None and models.hf_has_weights(job["model"]):
         _say(f"fine-tuning: loading the weights in {job['model']}")

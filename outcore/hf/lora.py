@@ -10,7 +10,8 @@ in the optimizer). In backward a frozen layer between the loss and an adapter is
 its input gradient and released as soon as backward has moved past it (hooks.py's [Note:
 frozen groups in backward]). So the base costs 2 bytes per parameter where a full fine-tune
 costs 2 + 4 + 4 + 8 (training dtype, master, gradient, AdamW moments), and only the adapters
-pay the latter.
+pay the latter. Built under ``outcore.init(cfg, frozen=True)`` the base never has the fp32
+master even briefly (param.py's [Note: a parameter born frozen]).
 """
 
 from __future__ import annotations

@@ -96,27 +96,34 @@ def free_memory() -> tuple[int, int]:
 
 
 def state_bytes(num_params: int, world_size: int, settings: Config, device: str,
-                params: str, optimizer: str) -> dict[str, int]:
+                params: str, optimizer: str, trainable: int | None = None) -> dict[str, int]:
     """Bytes of model states per rank in each tier (``Tier`` values) when ``settings`` run
     with this placement on ``device``, priced by the execution plan they would run with (see
-    ``plan``): the one memory model of ``Config.auto`` and ``check_fits``."""
+    ``plan``): the one memory model of ``Config.auto`` and ``check_fits``.
+
+    ``trainable``: how many of the parameters train (default: all). A frozen one (a LoRA
+    base) costs its training-dtype shard only: no master, gradient or optimizer state."""
     dtype = planned(settings.dtype)
     per_rank = -(-num_params // world_size)
+    per_train = per_rank if trainable is None else min(per_rank, -(-trainable // world_size))
     ex = ExecutionPlan.for_config(settings, world_size, device, dtype=dtype.name,
                                   params=params, optimizer=optimizer)
     use = {t.value: 0 for t in Tier}
     if not ex.compute_is_master:  # else the parameter shards are the masters
         use[ex.inputs.params.value] += per_rank * dtype.torch_dtype.itemsize
-    use[ex.inputs.optimizer.value] += per_rank * _state_bytes(settings)
+    else:  # a frozen parameter's shard is its fp32 values, beside the trainable masters
+        use[ex.inputs.optimizer.value] += (per_rank - per_train) * 4
+    use[ex.inputs.optimizer.value] += per_train * _state_bytes(settings)
     if not ex.overlaps_optimizer:  # every gradient is held until the step
-        use[ex.grad_tier.value] += per_rank * GRAD_BYTES
+        use[ex.grad_tier.value] += per_train * GRAD_BYTES
     return use
 
 
 def plan(num_params: int, world_size: int = 1, *, nvme_path: str | None = None,
          device_free: int | None = None, host_free: int | None = None,
          disk_free: int | None = None, usable: Overheads | None = None,
-         settings: Config | None = None, device: str | None = None) -> Plan:
+         settings: Config | None = None, device: str | None = None,
+         trainable: int | None = None) -> Plan:
     """Pick the fastest placement that fits (see the note above).
 
     Each candidate is priced by the execution plan it would run with (plan.py), for
@@ -125,7 +132,8 @@ def plan(num_params: int, world_size: int = 1, *, nvme_path: str | None = None,
     dtype's bytes unless they are the fp32 masters (``compute_is_master``), and a whole
     step's fp32 gradients need room beside the optimizer state unless the optimizer runs
     during backward (``overlaps_optimizer``): then each group's gradient is freed after its
-    update and needs no room beyond the host buffer budget.
+    update and needs no room beyond the host buffer budget. ``trainable``: how many
+    parameters train (default: all; see ``state_bytes``).
     ``usable``: the fraction of each tier's free bytes model states may take (default
     ``USABLE.states_only()``, see the note above).
     """
@@ -146,8 +154,12 @@ def plan(num_params: int, world_size: int = 1, *, nvme_path: str | None = None,
                "per rank, "
                f"{per_rank * GRAD_BYTES / 2**30:.2f} GiB of fp32 gradients where they are all "
                "held at once"]
+    if trainable is not None and trainable < num_params:
+        reasons.append(f"{trainable:,} of them train: optimizer state and gradients for those "
+                       "only; the frozen rest costs its parameter shards")
     for params, optimizer in _ORDER:
-        use = state_bytes(num_params, world_size, settings, device, params, optimizer)
+        use = state_bytes(num_params, world_size, settings, device, params, optimizer,
+                          trainable)
         mem_used = use["device"] + use["host"] if shared else max(use["device"], 0)
         fits = (mem_used <= dev_frac * dev and (shared or use["host"] <= frac.host * host)
                 and use["nvme"] <= frac.nvme * disk_free)
@@ -171,7 +183,7 @@ def plan(num_params: int, world_size: int = 1, *, nvme_path: str | None = None,
 
 def check_fits(cfg: Config, num_params: int, world_size: int = 1, *,
                device_free: int | None = None, host_free: int | None = None,
-               device: str | None = None) -> str | None:
+               device: str | None = None, trainable: int | None = None) -> str | None:
     """Refuse ``cfg``'s placement when its model states cannot fit in memory, before anything
     is built (see [Note: cannot fit means the states alone exceed what is free]).
 
@@ -184,7 +196,7 @@ def check_fits(cfg: Config, num_params: int, world_size: int = 1, *,
     dev, host, shared = _memory(device_free, room.bytes)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     placed = (cfg.offload.params, cfg.offload.optimizer)
-    use = state_bytes(num_params, world_size, cfg, device, *placed)
+    use = state_bytes(num_params, world_size, cfg, device, *placed, trainable=trainable)
     if shared:  # the device's memory is host memory: one figure for both
         tiers = [("memory", use["device"] + use["host"], room.bytes, USABLE.host, str(room))]
     else:
@@ -202,7 +214,8 @@ def check_fits(cfg: Config, num_params: int, world_size: int = 1, *,
             + (f" per rank ({world_size} ranks)" if world_size > 1 else ""))
     try:
         fit = plan(num_params, world_size, nvme_path=cfg.offload.nvme_path,
-                   device_free=device_free, host_free=room.bytes, settings=cfg, device=device)
+                   device_free=device_free, host_free=room.bytes, settings=cfg, device=device,
+                   trainable=trainable)
         advice = (f"a placement that fits: params={fit.params}, optimizer={fit.optimizer} "
                   "(what offload 'auto' picks)")
     except ConfigError as e:
@@ -218,7 +231,10 @@ def auto_config(num_params: int | torch.nn.Module, base: dict[str, Any] | None =
                 world_size: int = 1, nvme_path: str | None = None, **measured: Any):
     """An ``outcore.Config`` with the planned placement merged into ``base``; prints the plan."""
     if isinstance(num_params, torch.nn.Module):
-        num_params = sum(p.numel() for p in num_params.parameters())
+        model = num_params
+        num_params = sum(p.numel() for p in model.parameters())
+        measured.setdefault("trainable", sum(p.numel() for p in model.parameters()
+                                             if p.requires_grad))
     cfg = Config.load(base)
     chosen = plan(int(num_params), world_size, nvme_path=nvme_path, settings=cfg, **measured)
     print(chosen.explain(), flush=True)

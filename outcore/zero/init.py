@@ -37,8 +37,12 @@ from outcore.zero.registry import OVERWRITE_CALLS, managed, register
 class init:  # noqa: N801  (a context manager named like the function users call)
     """``with outcore.init(cfg): model = build()`` builds a model whose parameters are shards."""
 
-    def __init__(self, cfg: Config | dict | str | None = None) -> None:
+    def __init__(self, cfg: Config | dict | str | None = None, *, frozen: bool = False) -> None:
+        """``frozen=True``: every parameter created here starts with ``requires_grad=False``
+        and keeps only its training-dtype shard (param.py's [Note: a parameter born frozen]):
+        for a base model that LoRA adapters will be trained over."""
         self.cfg = Config.load(cfg)
+        self.frozen = frozen
         self.runtime: Runtime | None = None
         self._open: ShardedParam | None = None
         self._mode = ParamAccessMode(self._materialize)
@@ -66,6 +70,8 @@ class init:  # noqa: N801  (a context manager named like the function users call
         if param is None or managed(param) is not None:
             return None
         with self._mode.suspended():
+            if self.frozen:
+                param.requires_grad_(False)
             register(param, ShardedParam(param, self.runtime))
         return None
 

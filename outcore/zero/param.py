@@ -44,10 +44,17 @@ class ShardedParam:
         self.numel = param.numel()
         self.dtype = param.dtype
         self.layout = ShardLayout(self.numel, rt.world_size, rt.rank)
-        self.master: Stored | None = rt.store(
-            self.layout.cut(param.detach(), torch.float32).to(rt.device), rt.state_tier, "master"
-        )
+        self.master: Stored | None = None
         self.compute: Stored | None = None
+        # [Note: a parameter born frozen] outcore.init(frozen=True): values only, in the
+        # training dtype, in the parameter tier; there is never an fp32 master to drop
+        self.born_frozen = not param.requires_grad and not rt.plan.compute_is_master
+        if self.born_frozen:
+            self.compute = rt.store(self.layout.cut(param.detach(), rt.compute_dtype)
+                                    .to(rt.device), rt.param_tier, "params")
+        else:
+            self.master = rt.store(self.layout.cut(param.detach(), torch.float32)
+                                   .to(rt.device), rt.state_tier, "master")
         self.grad: torch.Tensor | None = None
         self._grad_buffer: torch.Tensor | None = None  # see [Note: gradient buffers]
         self.has_grad = False  # a gradient arrived since the last step
@@ -134,7 +141,9 @@ class ShardedParam:
         shard *is* the master shard: the optimizer's update is what the next forward sees.
         """
         rt = self.rt
-        assert self.master is not None
+        if self.master is None:  # born frozen: see [Note: a parameter born frozen]
+            self._prepare_born_frozen()
+            return
         if rt.plan.compute_is_master:
             self.compute = self.master
         else:
@@ -143,6 +152,31 @@ class ShardedParam:
             if not self.trainable:
                 self.master.free()
                 self.master = None
+        self.adopt_dtype(rt.compute_dtype)
+        self.show_placeholder()
+
+    def _prepare_born_frozen(self) -> None:
+        """[Note: a parameter born frozen]
+        A base that LoRA will freeze can be built under ``outcore.init(cfg, frozen=True)``:
+        its parameters are created with ``requires_grad=False`` and stored as they are meant to
+        stay, one training-dtype shard in the parameter tier, from the first byte written.
+        Built the ordinary way, every parameter would first get an fp32 master in the optimizer
+        tier (4 bytes each, twice the base's 16-bit size, in host memory when the optimizer
+        lives there) only to drop it when the engine finds it frozen. Such a parameter has no
+        exact fp32 values to train from, so making it trainable later is refused.
+        """
+        rt = self.rt
+        assert self.compute is not None
+        if self.trainable:
+            raise ConfigError(
+                f"parameter {self.name or tuple(self.shape)} was created under "
+                "outcore.init(frozen=True), which keeps only its training-dtype values, and is "
+                "now trainable; build what you train outside frozen init (LoRA adapters are), "
+                "or set requires_grad=False on it")
+        if self.compute.dtype != rt.compute_dtype:  # initialize asked for another dtype
+            values = load_now(self.compute, rt.device).to(rt.compute_dtype)
+            self.compute.free()
+            self.compute = rt.store(values, rt.param_tier, "params")
         self.adopt_dtype(rt.compute_dtype)
         self.show_placeholder()
 

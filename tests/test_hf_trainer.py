@@ -197,7 +197,8 @@ def test_resume_from_checkpoint_equals_uninterrupted(tmp_path: Path, lora: str |
         assert (ckpt / "adapter_model.safetensors").is_file()
     second = OutcoreTrainer(model=build("llama", cfg, lora), args=arguments(tmp_path / "b", **args),
                             train_dataset=dataset(), outcore_config=cfg)
-    second.train(resume_from_checkpoint=str(ckpt))
+    # True: the Trainer finds the latest checkpoint-N itself
+    second.train(resume_from_checkpoint=True if lora else str(ckpt))
     # the log history is the Trainer's: steps 1-3 come from checkpoint-3, 4-8 from this run
     steps = [h["step"] for h in second.state.log_history if "loss" in h]
     assert steps == list(range(1, 9))
@@ -213,6 +214,33 @@ def test_resume_from_checkpoint_equals_uninterrupted(tmp_path: Path, lora: str |
         assert torch.equal(a[key], b[key]), key
     # save_total_limit-style rotation is the Trainer's: checkpoint-6 exists beside checkpoint-3
     assert (tmp_path / "b" / "checkpoint-6" / "manifest.json").is_file()
+
+
+def test_evaluation_during_training_and_the_best_model_at_end(tmp_path: Path) -> None:
+    """Evaluation forwards between steps leave training exact; load_best_model_at_end loads
+    the best checkpoint's weights, as plain Trainer does."""
+    kw = {"eval_strategy": "steps", "eval_steps": 2, "save_strategy": "steps", "save_steps": 2,
+          "load_best_model_at_end": True, "metric_for_best_model": "loss",
+          "learning_rate": 5e-2}  # large enough that the last step is not the best
+    held_out = dataset(30)[22:]
+    ref = transformers.Trainer(model=build("llama"), args=arguments(tmp_path / "ref", **kw),
+                               train_dataset=dataset(), eval_dataset=held_out)
+    ref.train()
+    cfg = nvme(tmp_path)
+    ours = OutcoreTrainer(model=build("llama", cfg), args=arguments(tmp_path / "ours", **kw),
+                          train_dataset=dataset(), eval_dataset=held_out, outcore_config=cfg)
+    ours.train()
+    torch.testing.assert_close(logged(ours, "loss"), logged(ref, "loss"), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(logged(ours, "eval_loss"), logged(ref, "eval_loss"),
+                               rtol=1e-5, atol=1e-6)
+    best = Path(ref.state.best_model_checkpoint).name
+    assert best != "checkpoint-8", "the test needs a best model other than the last one"
+    assert Path(ours.state.best_model_checkpoint).name == best
+    ours.save_model(tmp_path / "best")
+    ours.close()
+    loaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "best")
+    for key, value in ref.model.state_dict().items():
+        torch.testing.assert_close(loaded.state_dict()[key], value, rtol=1e-4, atol=1e-4)
 
 
 def test_generate_equals_plain_model(tmp_path: Path) -> None:

@@ -14,7 +14,6 @@ its ``"auto"`` values mean "take it from the Trainer", as they do there.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any
 
 from outcore.config import Config, merge_mappings, read_mapping
@@ -65,7 +64,7 @@ def trainer_keys(args: Any) -> dict[str, tuple[str, Any]]:
                           "by OutcoreTrainer; the AdamW keys are learning_rate, adam_beta1, "
                           "adam_beta2, adam_epsilon and weight_decay")
     keys = {
-        "optimizer.type": ("optim", "adamw"),
+        "optimizer.type": (f"optim={optim!r}", "adamw"),
         "optimizer.lr": ("learning_rate", float(args.learning_rate)),
         "optimizer.betas": ("adam_beta1, adam_beta2", (float(args.adam_beta1),
                                                         float(args.adam_beta2))),
@@ -91,8 +90,9 @@ def build_config(args: Any, source: OutcoreConfigSource) -> Config:
     for key, (spelling, value) in owned.items():
         mine = _lookup(given, key)
         if mine is not _MISSING and _normal(mine) != _normal(value):
-            clashes.append(f"outcore_config {key}={mine!r} and TrainingArguments.{spelling}="
-                           f"{value if not isinstance(value, tuple) else list(value)!r}")
+            shown = list(value) if isinstance(value, tuple) else value
+            theirs = spelling if "=" in spelling else f"{spelling}={shown!r}"
+            clashes.append(f"outcore_config {key}={mine!r} and TrainingArguments.{theirs}")
     if clashes:
         raise ConfigError("set in both outcore_config and TrainingArguments, with different "
                           "values: " + "; ".join(clashes) + ". Under OutcoreTrainer the "
@@ -134,9 +134,3 @@ def _normal(value: Any) -> Any:
         return value
     return float(value)
 
-
-def describe(source: OutcoreConfigSource) -> str:
-    """How to name ``source`` in a message."""
-    if isinstance(source, (str, os.PathLike)):
-        return str(Path(source))
-    return type(source).__name__

@@ -6,7 +6,7 @@ whose model states do not (issue 21).
     python bench/gpu.py --models gpt-6b --probe-from bench/gpu/fits.json --no-sweep --out ...
     python bench/gpu.py --merge bench/gpu/fits.json bench/gpu/big.json > bench/gpu/all.json
 
-Rows, each in its own subprocess with a timeout (bench/train.py's ``_child``, which also takes
+Rows, each in its own subprocess with a timeout (bench/train.py's ``run_child``, which also takes
 the peak RSS from ``wait4``), built and timed by bench/train_worker.py, in ``--dtype`` (bf16):
 
     plain         plain PyTorch in device memory: bf16 parameters, fused AdamW (bf16 moments)
@@ -182,7 +182,7 @@ def run_row(name: str, model: str, points: list[tuple[int, int]], args, dtype: s
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec)]
     say(f"{model} {name} at {', '.join(f'{b}x{s}' for b, s in points)} ...")
     try:
-        res, err = train._child(cmd, logs / f"{model}-{name}.log", args.row_timeout)
+        res, err = train.run_child(cmd, logs / f"{model}-{name}.log", args.row_timeout)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     say(f"  {'failed: ' + err.splitlines()[0] if err else 'done'}")
@@ -198,7 +198,7 @@ def probe(args, nvme_root: Path, logs: Path) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec)]
     say("probe: disk, host copy, matmul peaks, host-device link ...")
     try:
-        res, err = train._child(cmd, logs / "probe.log", 600)
+        res, err = train.run_child(cmd, logs / "probe.log", 600)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     if err:

@@ -60,7 +60,8 @@ DS_VENV = Path(os.environ.get("DS_VENV", "~/.cache/outcore-peers/ds-venv")).expa
 HP = train_worker.HP
 
 
-def _child(cmd: list[str], log: Path, timeout: float, env: dict | None = None) -> tuple[dict, str]:
+def run_child(cmd: list[str], log: Path, timeout: float,
+              env: dict | None = None) -> tuple[dict, str]:
     """Run ``cmd``; return (its RESULT json plus peak RSS from wait4, error text or "")."""
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO, env=env)
@@ -152,7 +153,7 @@ def _run_row_once(row: Row, args, nvme_root: Path, logs: Path, quiet: str) -> No
     print(f"[{time.strftime('%H:%M:%S')}] {row.name} at {row.batch}x{row.seq} ({quiet}) ...",
           end=" ", flush=True)
     try:
-        row.result, row.error = _child(cmd, log, args.row_timeout, env)
+        row.result, row.error = run_child(cmd, log, args.row_timeout, env)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     if row.error:
@@ -175,7 +176,7 @@ def probe(args, nvme_root: Path, logs: Path) -> dict:
     spec = {"row": "probe", "nvme_path": str(folder), "compute_threads": args.compute_threads}
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec)]
     try:
-        res, err = _child(cmd, logs / "probe.log", 600)
+        res, err = run_child(cmd, logs / "probe.log", 600)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     if err:

@@ -29,6 +29,7 @@ from outcore.config import Config
 from outcore.device.compute_dtype import DtypeChoice
 from outcore.errors import ConfigError, StorageError
 from outcore.guard.lock import HeldFolders
+from outcore.offload.host_memory import MOSTLY_FROZEN
 from outcore.offload.storage import Tier
 from outcore.optim.optimizer import ShardedOptimizer
 from outcore.optim.precision import LossScaler
@@ -99,7 +100,7 @@ class Engine:
         self.last_grad_norm: float | None = None
         self._closed = False
         self._folders = HeldFolders()  # checkpoint roots: guard/lock.py's notes
-        self.rt.begin_training()
+        self.rt.begin_training(_trainable_fraction(module))
 
     # -- construction ------------------------------------------------------------------------
     @staticmethod
@@ -110,7 +111,7 @@ class Engine:
         if len(runtimes) > 1:
             raise ConfigError("the model mixes parameters from two outcore.init contexts")
         if not runtimes:
-            return Runtime(cfg), True
+            return Runtime(cfg, mostly_frozen=_trainable_fraction(module) < MOSTLY_FROZEN), True
         rt = next(iter(runtimes.values()))
         if rt.cfg.offload != cfg.offload:
             raise ConfigError(
@@ -465,6 +466,16 @@ class Engine:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("this outcore Engine was closed")
+
+
+def _trainable_fraction(module: nn.Module) -> float:
+    """The share of the model's parameter elements that train (host_memory.py's [Note: a
+    frozen base does not size the host])."""
+    total = trainable = 0
+    for p in module.parameters():
+        total += p.numel()
+        trainable += p.numel() if p.requires_grad else 0
+    return trainable / total if total else 1.0
 
 
 def _cast_floats(obj: Any, dtype: torch.dtype) -> Any:

@@ -17,6 +17,7 @@ from outcore.device.accel import Accelerator
 from outcore.device.compute_dtype import DtypeChoice, resolve
 from outcore.offload.buffers import AlignedRegions
 from outcore.offload.host_memory import (
+    MOSTLY_FROZEN,
     keep_freed_memory_for_reuse,
     return_large_frees_to_os,
     reuse_freed_memory_on_small_host,
@@ -29,7 +30,10 @@ from outcore.zero.comm import Comm
 class Runtime:
     """Services for one sharded model on one rank; see the note above."""
 
-    def __init__(self, cfg: Config) -> None:
+    def __init__(self, cfg: Config, *, mostly_frozen: bool = False) -> None:
+        """``mostly_frozen``: the model to be built trains less than half of its parameters
+        (a LoRA base), so with its parameters on NVMe the host is not sized for the model
+        (host_memory.py's [Note: a frozen base does not size the host])."""
         self.accel = Accelerator.detect()
         self.dtype_choice: DtypeChoice = resolve(cfg.dtype, self.accel.device)
         self.cfg = cfg = cfg.with_dtype(self.dtype_choice.name)  # compute_dtype.py's note
@@ -39,7 +43,8 @@ class Runtime:
         self.plan = self._derive_plan(cfg)
         # host_memory.py's notes
         reuse = cfg.offload.reuse_freed_memory
-        if self.state_tier is Tier.NVME or reuse is False:
+        short = mostly_frozen and self.param_tier is Tier.NVME  # host_memory.py's note
+        if self.state_tier is Tier.NVME or reuse is False or (reuse is None and short):
             return_large_frees_to_os()  # reuse, if asked, starts in begin_training
         elif self.plan.state_in_host_memory:
             keep_freed_memory_for_reuse(force=reuse is True)
@@ -141,15 +146,19 @@ class Runtime:
             tensor = tensor.to(self.device)
         return MemoryStored(tensor, tier, kind, self.ledger)
 
-    def begin_training(self) -> None:
+    def begin_training(self, trainable_fraction: float = 1.0) -> None:
         """Once the model is built: give back the I/O pool's pages (buffers.py's [Note: a
         pool idle in training keeps no pages]), and apply ``offload.reuse_freed_memory: true``
         where the host is not sized for the optimizer state (on NVMe or in device memory):
         building the model under that policy would leave the heap holding what the build
         allocated and freed (host_memory.py's [Note: reuse on a small host, when asked])."""
         self.release_idle_io_buffers()
-        if not self.plan.state_in_host_memory and self.cfg.offload.reuse_freed_memory:
+        reuse = self.cfg.offload.reuse_freed_memory
+        if not self.plan.state_in_host_memory and reuse:
             reuse_freed_memory_on_small_host()
+        elif (reuse is None and trainable_fraction < MOSTLY_FROZEN
+              and self.param_tier is Tier.NVME):
+            return_large_frees_to_os()  # see [Note: a frozen base does not size the host]
 
     def release_idle_io_buffers(self) -> None:
         """Give back the pages of I/O pool buffers nobody holds, after work that staged much

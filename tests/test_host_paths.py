@@ -431,3 +431,43 @@ def test_which_malloc_policy_each_config_asks_for(offload: dict, at_build: list[
         assert calls == at_build + at_training
     finally:
         rt.close()
+
+
+@pytest.mark.cpu_only("the state is in host memory by default only on the CPU device")
+def test_a_mostly_frozen_model_gives_large_frees_back(tmp_path: Path, monkeypatch) -> None:
+    """With the state in memory but most parameters frozen (LoRA) and on NVMe, the host is
+    not sized for the model: large frees go back, from the build when the builder knows, else
+    once the engine sees the model (host_memory.py's [Note: a frozen base does not size the
+    host])."""
+    from outcore import runtime as rt_mod
+
+    calls: list[str] = []
+    monkeypatch.setattr(rt_mod, "return_large_frees_to_os", lambda: calls.append("return"))
+    monkeypatch.setattr(rt_mod, "keep_freed_memory_for_reuse",
+                        lambda force=False: calls.append(f"keep force={force}"))
+    cfg = outcore.Config.from_dict({"offload": {"params": "nvme",
+                                                "nvme_path": str(tmp_path)}})
+    rt = rt_mod.Runtime(cfg, mostly_frozen=True)
+    rt.begin_training(0.01)
+    rt.close()
+    assert calls == ["return", "return"]
+    calls.clear()
+    rt = rt_mod.Runtime(cfg)  # outcore.init without frozen=True, then peft froze the base
+    rt.begin_training(0.01)
+    rt.close()
+    assert calls == ["keep force=False", "return"]
+    calls.clear()
+    rt = rt_mod.Runtime(cfg.with_overrides({"offload": {"reuse_freed_memory": True}}),
+                        mostly_frozen=True)
+    rt.begin_training(0.01)  # an explicit choice stands
+    rt.close()
+    assert calls == ["keep force=True"]
+    with outcore.init(cfg, frozen=True) as built:
+        torch.nn.Linear(4, 4)
+    assert calls[-1] == "return"
+    built.runtime.close()
+    calls.clear()
+    rt = rt_mod.Runtime(outcore.Config(), mostly_frozen=True)  # the base in memory: kept
+    rt.begin_training(0.01)
+    rt.close()
+    assert calls == ["keep force=False"]

@@ -47,6 +47,19 @@ starts once the engine is built (``Runtime.begin_training``): building the model
 and frees every full tensor once, and a heap serving that would keep holding it for the
 whole run. ``false`` gives large frees back wherever the state is.
 
+[Note: a frozen base does not size the host]
+The second note's premise, a host sized for the whole model because the optimizer state is
+in memory, fails when most of the model is frozen (a LoRA base): the state is the adapters'
+few megabytes, while the base is the bulk and was put on NVMe precisely because host
+memory is short. Keeping every freed block there holds the base's transient full tensors
+resident for good; measured on a LoRA fine-tune with the base on NVMe, it took peak RSS
+above the base's own size for no faster step (bench/results/README.md, 'LoRA base on NVMe').
+So where fewer than ``MOSTLY_FROZEN`` of the parameters train, the parameters are on NVMe and
+the key is unset, large frees are given back as with the state on NVMe: from the build on
+when the builder knows (``outcore.init(frozen=True)``, or an engine wrapping an already built
+model), else from ``begin_training``. With the base in memory the host holds it anyway, and
+the reuse of the second note stays.
+
 Every setting is process-wide, and the last engine built decides, with one exception: an
 engine with the key unset and its state in host or device memory does not undo another
 engine's setting (a small host's give-back or reuse stays). An engine with its state on NVMe
@@ -69,6 +82,7 @@ _DEFAULT_MMAP_MAX = 65536
 _DEFAULT_TRIM_THRESHOLD = 128 * 1024
 MMAP_THRESHOLD_BYTES = 1 << 20
 REUSE_TRIM_BYTES = 256 << 20  # see [Note: reuse on a small host, when asked]
+MOSTLY_FROZEN = 0.5  # trainable fraction below which [Note: a frozen base does not size the host]
 _NEVER_TRIM = -1  # mallopt(M_TRIM_THRESHOLD, -1) turns trimming off (glibc: SIZE_MAX)
 
 _policy: str | None = None  # "return", "keep" or "reuse", once applied

@@ -129,3 +129,7 @@ def test_lora_spec_and_targets() -> None:
     assert any("lora_A" in n for n, _ in wrapped.named_parameters())
     with pytest.raises(ConfigError, match=r"\['qproj'\] match no module.*q_proj"):
         apply_lora(model(), "r=2,targets=qproj")
+    from outcore.app.models import build_model
+
+    preset = apply_lora(build_model("tiny"), "r=2,targets=qkv")  # not a Hugging Face model
+    assert any("lora_A" in n for n, p in preset.named_parameters() if p.requires_grad)

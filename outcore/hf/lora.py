@@ -81,12 +81,13 @@ def _value(key: str, value: str, spec: str) -> Any:
     return [value] if value else []
 
 
-def lora_config(spec: str | dict[str, Any]) -> Any:
-    """A ``peft.LoraConfig`` for a causal LM from a spec string or LoraConfig keywords."""
+def lora_config(spec: str | dict[str, Any], causal_lm: bool = True) -> Any:
+    """A ``peft.LoraConfig`` from a spec string or LoraConfig keywords; ``causal_lm``: for a
+    Hugging Face causal LM (PEFT's generation support), else a plain adapter model."""
     from peft import LoraConfig, TaskType
 
     kwargs = parse_spec(spec) if isinstance(spec, str) else dict(spec)
-    return LoraConfig(task_type=TaskType.CAUSAL_LM, **kwargs)
+    return LoraConfig(task_type=TaskType.CAUSAL_LM if causal_lm else None, **kwargs)
 
 
 def apply_lora(model: nn.Module, spec: str | dict[str, Any]) -> nn.Module:
@@ -94,7 +95,10 @@ def apply_lora(model: nn.Module, spec: str | dict[str, Any]) -> nn.Module:
     the model are an error naming the module names it has."""
     from peft import get_peft_model
 
-    config = lora_config(spec)
+    # PEFT's causal-LM wrapper needs Hugging Face's generation hooks; any other module (one
+    # of outcore's presets, a user's nn.Module) gets the plain adapter model
+    config = lora_config(spec, causal_lm=callable(getattr(model, "prepare_inputs_for_generation",
+                                                           None)))
     targets = config.target_modules
     wanted = set() if isinstance(targets, str) else set(targets or [])  # "all-linear": peft's
     names = [name for name, _ in model.named_modules()]

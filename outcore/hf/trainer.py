@@ -65,7 +65,7 @@ class EngineOptimizer(torch.optim.Optimizer):
     hyper-parameters: the moments live in the outcore checkpoint.
     """
 
-    def __init__(self, engine: Engine) -> None:  # noqa: D107 - no torch init: no tensors here
+    def __init__(self, engine: Engine) -> None:  # no torch init: it would want tensors
         self.engine = engine
         self.defaults: dict[str, Any] = {}
         self.state: collections.defaultdict = collections.defaultdict(dict)

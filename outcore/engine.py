@@ -29,7 +29,6 @@ from outcore.config import Config
 from outcore.device.compute_dtype import DtypeChoice
 from outcore.errors import ConfigError, StorageError
 from outcore.guard.lock import HeldFolders
-from outcore.offload.host_memory import MOSTLY_FROZEN
 from outcore.offload.storage import Tier
 from outcore.optim.optimizer import ShardedOptimizer
 from outcore.optim.precision import LossScaler
@@ -42,7 +41,7 @@ from outcore.runtime import Runtime
 from outcore.zero.gathered import gathered_parameters
 from outcore.zero.group import ParamGroup
 from outcore.zero.param import ShardedParam
-from outcore.zero.registry import managed, register
+from outcore.zero.registry import managed, parameter_counts, register
 
 _HP_KEYS = ("lr", "betas", "eps", "weight_decay", "momentum", "nesterov")
 
@@ -64,10 +63,13 @@ class Engine:
                  param_groups: Iterable[dict] | None = None) -> None:
         self.module = module
         groups = self._check_param_groups(module, param_groups)
-        self.rt, own_runtime = self._runtime_for(module, cfg)
+        total, trainable = parameter_counts(module)
+        fraction = trainable / total if total else 1.0  # host_memory.py: a frozen base
+        self.rt, own_runtime = self._runtime_for(module, cfg, fraction)
         self.cfg = self.rt.cfg  # dtype resolved for the device (compute_dtype.py's note)
         try:
             self._build(module, self.cfg, groups)
+            self.rt.begin_training(fraction)
         except BaseException as err:
             # Swap files this engine cannot use any more are deleted now, not at exit: always
             # when the engine made the runtime, and on storage errors (a full disk) in any case.
@@ -100,18 +102,18 @@ class Engine:
         self.last_grad_norm: float | None = None
         self._closed = False
         self._folders = HeldFolders()  # checkpoint roots: guard/lock.py's notes
-        self.rt.begin_training(_trainable_fraction(module))
 
     # -- construction ------------------------------------------------------------------------
     @staticmethod
-    def _runtime_for(module: nn.Module, cfg: Config) -> tuple[Runtime, bool]:
+    def _runtime_for(module: nn.Module, cfg: Config,
+                     trainable_fraction: float) -> tuple[Runtime, bool]:
         """The runtime of the model's shards (made by outcore.init), or a new one; and
         whether it is new."""
         runtimes = {id(sp.rt): sp.rt for p in module.parameters() if (sp := managed(p))}
         if len(runtimes) > 1:
             raise ConfigError("the model mixes parameters from two outcore.init contexts")
         if not runtimes:
-            return Runtime(cfg, mostly_frozen=_trainable_fraction(module) < MOSTLY_FROZEN), True
+            return Runtime(cfg, trainable_fraction=trainable_fraction), True
         rt = next(iter(runtimes.values()))
         if rt.cfg.offload != cfg.offload:
             raise ConfigError(
@@ -466,16 +468,6 @@ class Engine:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("this outcore Engine was closed")
-
-
-def _trainable_fraction(module: nn.Module) -> float:
-    """The share of the model's parameter elements that train (host_memory.py's [Note: a
-    frozen base does not size the host])."""
-    total = trainable = 0
-    for p in module.parameters():
-        total += p.numel()
-        trainable += p.numel() if p.requires_grad else 0
-    return trainable / total if total else 1.0
 
 
 def _cast_floats(obj: Any, dtype: torch.dtype) -> Any:

@@ -30,10 +30,10 @@ from outcore.zero.comm import Comm
 class Runtime:
     """Services for one sharded model on one rank; see the note above."""
 
-    def __init__(self, cfg: Config, *, mostly_frozen: bool = False) -> None:
-        """``mostly_frozen``: the model to be built trains less than half of its parameters
-        (a LoRA base), so with its parameters on NVMe the host is not sized for the model
-        (host_memory.py's [Note: a frozen base does not size the host])."""
+    def __init__(self, cfg: Config, *, trainable_fraction: float = 1.0) -> None:
+        """``trainable_fraction``: the share of the model to be built that trains, where the
+        builder knows it (0 under ``outcore.init(frozen=True)``): host_memory.py's [Note: a
+        frozen base does not size the host]."""
         self.accel = Accelerator.detect()
         self.dtype_choice: DtypeChoice = resolve(cfg.dtype, self.accel.device)
         self.cfg = cfg = cfg.with_dtype(self.dtype_choice.name)  # compute_dtype.py's note
@@ -43,8 +43,8 @@ class Runtime:
         self.plan = self._derive_plan(cfg)
         # host_memory.py's notes
         reuse = cfg.offload.reuse_freed_memory
-        short = mostly_frozen and self.param_tier is Tier.NVME  # host_memory.py's note
-        if self.state_tier is Tier.NVME or reuse is False or (reuse is None and short):
+        if (self.state_tier is Tier.NVME or reuse is False
+                or (reuse is None and self._frozen_base_on_disk(trainable_fraction))):
             return_large_frees_to_os()  # reuse, if asked, starts in begin_training
         elif self.plan.state_in_host_memory:
             keep_freed_memory_for_reuse(force=reuse is True)
@@ -156,9 +156,13 @@ class Runtime:
         reuse = self.cfg.offload.reuse_freed_memory
         if not self.plan.state_in_host_memory and reuse:
             reuse_freed_memory_on_small_host()
-        elif (reuse is None and trainable_fraction < MOSTLY_FROZEN
-              and self.param_tier is Tier.NVME):
-            return_large_frees_to_os()  # see [Note: a frozen base does not size the host]
+        elif reuse is None and self._frozen_base_on_disk(trainable_fraction):
+            return_large_frees_to_os()
+
+    def _frozen_base_on_disk(self, trainable_fraction: float) -> bool:
+        """A mostly frozen model with its parameters on NVMe: the host is not sized for it
+        (host_memory.py's [Note: a frozen base does not size the host])."""
+        return trainable_fraction < MOSTLY_FROZEN and self.param_tier is Tier.NVME
 
     def release_idle_io_buffers(self) -> None:
         """Give back the pages of I/O pool buffers nobody holds, after work that staged much

@@ -447,7 +447,7 @@ def test_a_mostly_frozen_model_gives_large_frees_back(tmp_path: Path, monkeypatc
                         lambda force=False: calls.append(f"keep force={force}"))
     cfg = outcore.Config.from_dict({"offload": {"params": "nvme",
                                                 "nvme_path": str(tmp_path)}})
-    rt = rt_mod.Runtime(cfg, mostly_frozen=True)
+    rt = rt_mod.Runtime(cfg, trainable_fraction=0.0)
     rt.begin_training(0.01)
     rt.close()
     assert calls == ["return", "return"]
@@ -458,7 +458,7 @@ def test_a_mostly_frozen_model_gives_large_frees_back(tmp_path: Path, monkeypatc
     assert calls == ["keep force=False", "return"]
     calls.clear()
     rt = rt_mod.Runtime(cfg.with_overrides({"offload": {"reuse_freed_memory": True}}),
-                        mostly_frozen=True)
+                        trainable_fraction=0.0)
     rt.begin_training(0.01)  # an explicit choice stands
     rt.close()
     assert calls == ["keep force=True"]
@@ -467,7 +467,7 @@ def test_a_mostly_frozen_model_gives_large_frees_back(tmp_path: Path, monkeypatc
     assert calls[-1] == "return"
     built.runtime.close()
     calls.clear()
-    rt = rt_mod.Runtime(outcore.Config(), mostly_frozen=True)  # the base in memory: kept
+    rt = rt_mod.Runtime(outcore.Config(), trainable_fraction=0.0)  # the base in memory: kept
     rt.begin_training(0.01)
     rt.close()
     assert calls == ["keep force=False"]

@@ -33,6 +33,7 @@ from torch import nn
 from outcore.app import models
 from outcore.errors import ConfigError
 from outcore.units import format_bytes, format_count
+from outcore.zero.registry import parameter_counts
 
 __all__ = ["LoraJob", "adapter_dir", "check_resume", "describe", "footprint", "memory_line",
            "prepare", "save", "wrap"]
@@ -105,7 +106,7 @@ def _check_targets(job: LoraJob, folder: str) -> int:
             AutoConfig.from_pretrained(folder, local_files_only=True))
         try:
             wrapped = apply_lora(model, job.kwargs)
-            return sum(p.numel() for p in wrapped.parameters() if p.requires_grad)
+            return parameter_counts(wrapped)[1]
         except ConfigError:  # names that match no module: apply_lora's own message
             raise
         except ValueError as e:  # peft: a target that is no layer it can adapt
@@ -159,10 +160,7 @@ def wrap(model: nn.Module, job: LoraJob, folder: str) -> nn.Module:
 
 def describe(model: nn.Module, job: LoraJob) -> str:
     """The banner's line: the spec and the trainable share of the parameters."""
-    total = trainable = 0
-    for p in model.parameters():
-        total += p.numel()
-        trainable += p.numel() if p.requires_grad else 0
+    total, trainable = parameter_counts(model)
     c = job.canonical()
     return (f"lora: r={c['r']}, alpha={c['lora_alpha']:g}, dropout {c['lora_dropout']:g} on "
             f"{', '.join(c['target_modules'])}: {trainable:,} trainable params "

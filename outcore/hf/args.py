@@ -34,15 +34,9 @@ def given_keys(source: OutcoreConfigSource) -> dict[str, Any]:
         return source.model_dump(exclude_unset=True)
     raw = dict(source) if isinstance(source, dict) else read_mapping(source)
     if "zero_optimization" in raw:
-        from outcore.io.deepspeed_config import translate
+        from outcore.io.deepspeed_config import translate_and_warn
 
-        data, ignored = translate(_without_auto(raw))
-        if ignored:
-            import warnings
-
-            warnings.warn("DeepSpeed keys ignored by outcore:\n  " + "\n  ".join(ignored),
-                          stacklevel=3)
-        return data
+        return translate_and_warn(_without_auto(raw), stacklevel=3)
     return raw
 
 
@@ -104,7 +98,7 @@ def build_config(args: Any, source: OutcoreConfigSource) -> Config:
         nested["dtype"] = "fp32"  # what Trainer trains in without bf16/fp16
     # The Trainer logs the gradient norm every logging step, so the engine computes it.
     nested["track_grad_norm"] = True
-    base = Config.load(source).model_dump() if isinstance(source, Config) else given
+    base = source.model_dump() if isinstance(source, Config) else given
     return Config.from_dict(merge_mappings(base, nested))
 
 

@@ -14,6 +14,8 @@ are exactly PEFT's format, with full-shaped tensors.
 from __future__ import annotations
 
 import os
+from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +42,26 @@ def _entries(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return list(model.state_dict(keep_vars=True).items())
 
 
+def _full_values(entries: list[tuple[str, torch.Tensor]]
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, full values) in order: managed parameters all-gathered in fp32 (a collective),
+    the rest as they are. A parameter under several names (tied) is gathered once and kept
+    only until its last name is written."""
+    left = Counter(id(t) for _, t in entries)
+    kept: dict[int, torch.Tensor] = {}
+    for name, t in entries:
+        full = kept.get(id(t))
+        if full is None:
+            sp = managed(t)
+            full = sp.gather_values() if sp is not None else t.detach()
+        left[id(t)] -= 1
+        if left[id(t)]:
+            kept[id(t)] = full
+        else:
+            kept.pop(id(t), None)
+        yield name, full
+
+
 def save_full(model: nn.Module, rank: int, out: str | os.PathLike[str]) -> Path | None:
     """Write ``out/model.safetensors`` (fp32 parameters, persistent buffers as they are) and the
     model's config files; a collective. Returns the weights path on rank 0."""
@@ -54,12 +76,9 @@ def save_full(model: nn.Module, rank: int, out: str | os.PathLike[str]) -> Path 
             specs.append(TensorSpec(name, dtype, tuple(t.shape)))
         writer = StreamWriter(folder / WEIGHTS_NAME, specs, {"format": "pt"})
     try:
-        for name, t in entries:
-            sp = managed(t)
-            full = sp.gather_values() if sp is not None else t.detach()
+        for name, full in _full_values(entries):
             if writer is not None:
                 writer.write(name, full.detach().cpu().contiguous())
-            del full
         if writer is not None:
             writer.finish()
     except BaseException:
@@ -85,15 +104,10 @@ def save_configs(model: nn.Module, folder: Path) -> None:
 def gather_trainable(model: nn.Module, rank: int) -> dict[str, torch.Tensor]:
     """Full fp32 copies of the trainable parameters, by state-dict name, on rank 0 (every
     rank gets an empty dict otherwise); a collective."""
-    out: dict[str, torch.Tensor] = {}
-    for name, t in _entries(model):
-        if not (isinstance(t, nn.Parameter) and t.requires_grad):
-            continue
-        sp = managed(t)
-        full = sp.gather_values() if sp is not None else t.detach()
-        if rank == 0:
-            out[name] = full.detach().cpu().clone()
-    return out
+    trainable = [(n, t) for n, t in _entries(model)
+                 if isinstance(t, nn.Parameter) and t.requires_grad]
+    return {name: full.detach().cpu().clone() for name, full in _full_values(trainable)
+            if rank == 0}
 
 
 def save_adapters(model: nn.Module, rank: int, out: str | os.PathLike[str],

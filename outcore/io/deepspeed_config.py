@@ -118,11 +118,17 @@ def from_deepspeed(source: dict[str, Any] | str | os.PathLike[str]):
             source = json.loads(Path(source).read_text())
         except (OSError, json.JSONDecodeError) as err:
             raise ConfigError(f"cannot read DeepSpeed config {source}: {err}") from None
+    return Config.from_dict(translate_and_warn(source, stacklevel=3))
+
+
+def translate_and_warn(source: dict[str, Any], stacklevel: int = 2) -> dict[str, Any]:
+    """``translate``'s outcore keys; the DeepSpeed keys it ignores, with the reason for each,
+    in one warning."""
     data, ignored = translate(source)
     if ignored:
         warnings.warn("DeepSpeed keys ignored by outcore:\n  " + "\n  ".join(ignored),
-                      stacklevel=2)
-    return Config.from_dict(data)
+                      stacklevel=stacklevel + 1)
+    return data
 
 
 def _loss_scale(fp16: dict[str, Any], ignore) -> dict[str, Any]:

@@ -55,6 +55,7 @@ from outcore.offload.storage import Tier
 from outcore.plan import ExecutionPlan, optimizer_state_kinds
 from outcore.planning.estimate import USABLE, Overheads
 from outcore.units import format_bytes, format_count
+from outcore.zero.registry import parameter_counts
 
 _MiB = 1 << 20
 GRAD_BYTES = 4  # an fp32 gradient
@@ -231,10 +232,8 @@ def auto_config(num_params: int | torch.nn.Module, base: dict[str, Any] | None =
                 world_size: int = 1, nvme_path: str | None = None, **measured: Any):
     """An ``outcore.Config`` with the planned placement merged into ``base``; prints the plan."""
     if isinstance(num_params, torch.nn.Module):
-        model = num_params
-        num_params = sum(p.numel() for p in model.parameters())
-        measured.setdefault("trainable", sum(p.numel() for p in model.parameters()
-                                             if p.requires_grad))
+        num_params, trainable = parameter_counts(num_params)
+        measured.setdefault("trainable", trainable)
     cfg = Config.load(base)
     chosen = plan(int(num_params), world_size, nvme_path=nvme_path, settings=cfg, **measured)
     print(chosen.explain(), flush=True)

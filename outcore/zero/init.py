@@ -49,7 +49,7 @@ class init:  # noqa: N801  (a context manager named like the function users call
         self._handle = None
 
     def __enter__(self) -> init:
-        self.runtime = Runtime(self.cfg, mostly_frozen=self.frozen)
+        self.runtime = Runtime(self.cfg, trainable_fraction=0.0 if self.frozen else 1.0)
         _check_same_rng(self.runtime)
         self._handle = register_module_parameter_registration_hook(self._on_register)
         self._mode.__enter__()

@@ -48,8 +48,7 @@ class ShardedParam:
         self.compute: Stored | None = None
         # [Note: a parameter born frozen] outcore.init(frozen=True): values only, in the
         # training dtype, in the parameter tier; there is never an fp32 master to drop
-        self.born_frozen = not param.requires_grad and not rt.plan.compute_is_master
-        if self.born_frozen:
+        if not param.requires_grad and not rt.plan.compute_is_master:
             self.compute = rt.store(self.layout.cut(param.detach(), rt.compute_dtype)
                                     .to(rt.device), rt.param_tier, "params")
         else:

@@ -96,3 +96,13 @@ OVERWRITE_CALLS = frozenset(
                                      "kaiming_uniform_", "kaiming_normal_", "orthogonal_",
                                      "eye_", "dirac_", "sparse_")]
 )
+
+
+def parameter_counts(module: nn.Module) -> tuple[int, int]:
+    """(all, trainable) parameter elements of ``module``: shapes only, so a sharded or
+    meta-device model counts the same as a materialized one."""
+    total = trainable = 0
+    for p in module.parameters():
+        total += p.numel()
+        trainable += p.numel() if p.requires_grad else 0
+    return total, trainable

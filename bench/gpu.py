@@ -102,7 +102,7 @@ def run_points(spec: dict) -> dict:
                                        spec["warmup"], train_worker.store_counters(engine))
         points.append({**res, **train_worker.device_peaks(), "batch": batch, "seq": seq})
     report = engine.memory_report()
-    engine.close()
+    engine.close(keep_values=False)  # no hand-back: it would count in the peak RSS
     return {"points": points, "init_s": round(init_s, 1), "init_peaks": init_peaks,
             "params": num_params(resolve_config(spec["model"])),
             "memory_report": {k: report.get(k) for k in ("device", "host", "nvme", "rss")}}

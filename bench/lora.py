@@ -197,7 +197,7 @@ def worker(spec: dict) -> dict:
     res["rss_after_step"], res["rss_after_build"] = rss_after, rss_after_build
     res["rss_steps_peak"] = rss.stop()
     report = engine.memory_report()
-    engine.close()
+    engine.close(keep_values=False)  # no hand-back: it would count in the peak RSS
     res.update(
         row=spec["row"], label=LABEL[spec["row"]], lora=lora, frozen_init=frozen_init,
         placement={"params": params, "optimizer": optim},

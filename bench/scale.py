@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     report = engine.memory_report()
     cache_growth = _page_cache() - cache0
     direct = store.direct
-    engine.close()
+    engine.close(keep_values=False)  # no hand-back: it would count in the peak RSS
     peak = rss.close()
     result = {"model": args.model, "params": n, "model_state_GB": 16 * n / 1e9,
               "build_s": build_s, "steps": rows, "peak_rss_GiB": peak / 2**30,

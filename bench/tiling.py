@@ -78,7 +78,7 @@ def run(a: argparse.Namespace) -> dict:
     kinds = engine.memory_report()["by_kind"]
     ahead = engine.schedule_stats()["peak_ahead_bytes"]
     assert {k for k in kinds if k.startswith("device.")} <= {"device.unsharded"}, kinds
-    engine.close()
+    engine.close(keep_values=False)  # no hand-back: it would count in the peak RSS
     return {"splits": a.splits, "build": a.build, "prefetch_mib": a.prefetch_mib,
             "losses": losses,
             "peak_gathered_mib": kinds["peak.device"] / MiB, "peak_ahead_mib": ahead / MiB,

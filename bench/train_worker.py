@@ -253,7 +253,7 @@ def run_outcore(spec: dict) -> dict:
     res.update(init_s=round(init_s, 1), params=num_params(resolve_config(spec["model"])),
                memory_report={k: report[k] for k in (*(t.value for t in Tier), "rss")},
                schedule=engine.schedule_stats(), **device_peaks())
-    engine.close()
+    engine.close(keep_values=False)  # no hand-back: it would count in the peak RSS
     return res
 
 

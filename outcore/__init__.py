@@ -14,8 +14,10 @@ from outcore.errors import (
     CommError,
     ConfigError,
     DataError,
+    EngineClosedError,
     FolderInUseError,
     OutcoreError,
+    ParamAccessError,
     StorageError,
 )
 from outcore.guard.preemption import Preemption, preemption
@@ -47,8 +49,10 @@ __all__ = [
     "ConfigError",
     "DataError",
     "Engine",
+    "EngineClosedError",
     "FolderInUseError",
     "OutcoreError",
+    "ParamAccessError",
     "Preemption",
     "StorageError",
     "TiledLinear",

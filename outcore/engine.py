@@ -16,7 +16,9 @@ whole global batch: what one process training on all of it would see.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import weakref
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -27,23 +29,25 @@ from torch import nn
 
 from outcore.config import Config
 from outcore.device.compute_dtype import DtypeChoice
-from outcore.errors import ConfigError, StorageError
+from outcore.errors import EngineClosedError, OutcoreError, ParamAccessError, StorageError
 from outcore.guard.lock import HeldFolders
 from outcore.offload.storage import Tier
+from outcore.optim.facade import TorchOptimizer
 from outcore.optim.optimizer import ShardedOptimizer
+from outcore.optim.param_groups import HP_KEYS, check_param_groups
 from outcore.optim.precision import LossScaler
 from outcore.overlap.entry import EntryHooks, entry_modules
 from outcore.overlap.hooks import Hooks
 from outcore.overlap.schedule import Schedule
 from outcore.plan import ExecutionPlan
 from outcore.profiling import STEP, record_function
-from outcore.runtime import Runtime
+from outcore.zero import lifetime
 from outcore.zero.gathered import gathered_parameters
 from outcore.zero.group import ParamGroup
 from outcore.zero.param import ShardedParam
 from outcore.zero.registry import managed, parameter_counts, register
 
-_HP_KEYS = ("lr", "betas", "eps", "weight_decay", "momentum", "nesterov")
+log = logging.getLogger("outcore")
 
 
 def initialize(model: nn.Module, cfg: Config | dict | str | None = None,
@@ -62,10 +66,11 @@ class Engine:
     def __init__(self, module: nn.Module, cfg: Config,
                  param_groups: Iterable[dict] | None = None) -> None:
         self.module = module
-        groups = self._check_param_groups(module, param_groups)
+        self._closed: str | None = None  # why the engine cannot be used, once it cannot
+        groups = check_param_groups(module, param_groups)
         total, trainable = parameter_counts(module)
         fraction = trainable / total if total else 1.0  # host_memory.py: a frozen base
-        self.rt, own_runtime = self._runtime_for(module, cfg, fraction)
+        self.rt, own_runtime = lifetime.runtime_for(module, cfg, fraction)
         self.cfg = self.rt.cfg  # dtype resolved for the device (compute_dtype.py's note)
         try:
             self._build(module, self.cfg, groups)
@@ -77,6 +82,7 @@ class Engine:
             if own_runtime or isinstance(err, StorageError):
                 self.rt.close()
             raise
+        self.rt.engine = weakref.ref(self)
 
     def _build(self, module: nn.Module, cfg: Config,
                param_groups: list[tuple[dict, list[nn.Parameter]]] | None) -> None:
@@ -85,44 +91,32 @@ class Engine:
         for g in self.groups:
             if g.zero_copy:  # its shards are the full tensors: show them once, for good
                 g.wait_unshard()
-        self._cast_buffers(module)
+        self.buffer_places = self._cast_buffers(module)
         self.schedule = Schedule(cfg.zero.prefetch_bytes, self.groups,
                                  carry=self.rt.plan.carries_head)
-        self.optimizer = ShardedOptimizer(self._optimizer_groups(param_groups), cfg.optimizer,
-                                          self.rt)
+        self.optimizer_defaults = {k: getattr(cfg.optimizer, k) for k in HP_KEYS}
+        self.sharded_optimizer = ShardedOptimizer(self._optimizer_groups(param_groups),
+                                                  cfg.optimizer, self.rt)
+        self.optimizer = TorchOptimizer(self)  # torch's contract: facade.py's note
+        self.rt.await_updates = self.sharded_optimizer.wait
         self.scaler = LossScaler(cfg.loss_scale, enabled=self.rt.plan.loss_scaling)
-        self.hooks = Hooks(module_groups, self.groups, self.schedule)
+        self.hooks = Hooks(module_groups, self.groups, self.schedule, self.rt)
+        cast = None
+        if self.rt.compute_dtype != torch.float32:
+            dtype = self.rt.compute_dtype
+            cast = lambda inputs: _cast_floats(inputs, dtype)  # noqa: E731
         # model(...) and generate() called directly: entry.py's notes
         self.entries = EntryHooks(entry_modules(module), lambda: self.hooks.active,
                                   self.hooks.forward_context,
-                                  synced_generate=self.rt.world_size > 1)
+                                  synced_generate=self.rt.world_size > 1, cast=cast,
+                                  on_zero_grad=self.zero_grad)
         self.micro_steps = 0
         self._at_boundary = False  # whether the last backward ended an accumulation
         self.global_steps = 0
         self.last_grad_norm: float | None = None
-        self._closed = False
         self._folders = HeldFolders()  # checkpoint roots: guard/lock.py's notes
 
     # -- construction ------------------------------------------------------------------------
-    @staticmethod
-    def _runtime_for(module: nn.Module, cfg: Config,
-                     trainable_fraction: float) -> tuple[Runtime, bool]:
-        """The runtime of the model's shards (made by outcore.init), or a new one; and
-        whether it is new."""
-        runtimes = {id(sp.rt): sp.rt for p in module.parameters() if (sp := managed(p))}
-        if len(runtimes) > 1:
-            raise ConfigError("the model mixes parameters from two outcore.init contexts")
-        if not runtimes:
-            return Runtime(cfg, trainable_fraction=trainable_fraction), True
-        rt = next(iter(runtimes.values()))
-        if rt.cfg.offload != cfg.offload:
-            raise ConfigError(
-                "outcore.init and outcore.initialize got different 'offload' settings: "
-                f"{rt.cfg.offload.model_dump()} vs {cfg.offload.model_dump()}; pass the same config"
-            )
-        rt.reconfigure(cfg)
-        return rt, False
-
     def _shard_params(self, module: nn.Module) -> list[ShardedParam]:
         sps = []
         for name, p in module.named_parameters():
@@ -154,57 +148,36 @@ class Engine:
             module_groups[m] = uses
         return groups, module_groups
 
-    def _cast_buffers(self, module: nn.Module) -> None:
-        """Floating buffers follow the compute dtype, as ``module.to(dtype)`` would do."""
+    def _cast_buffers(self, module: nn.Module) -> list[tuple[nn.Module, str, torch.dtype,
+                                                             torch.device]]:
+        """Floating buffers follow the compute dtype, as ``module.to(dtype)`` would do;
+        returns where each was, for ``close()`` to put it back."""
+        before = []
         for m in module.modules():
             for key, buf in m._buffers.items():
                 if buf is not None:
+                    before.append((m, key, buf.dtype, buf.device))
                     dtype = self.rt.compute_dtype if buf.is_floating_point() else buf.dtype
                     m._buffers[key] = buf.to(device=self.rt.device, dtype=dtype)
-
-    @staticmethod
-    def _check_param_groups(module: nn.Module, param_groups: Iterable[dict] | None
-                            ) -> list[tuple[dict, list[nn.Parameter]]] | None:
-        """Validate torch-style param groups before anything is sharded (a typo must not
-        leave the model half converted); returns (overrides, parameters) per group."""
-        if param_groups is None:
-            return None
-        names = {id(p): n for n, p in module.named_parameters()}
-        out, seen = [], set()
-        for i, spec in enumerate(param_groups):
-            unknown = set(spec) - {"params", *_HP_KEYS}
-            if unknown:
-                raise ConfigError(f"param_groups[{i}]: unknown keys {sorted(unknown)}; "
-                                  f"allowed: params, {', '.join(_HP_KEYS)}")
-            params = list(spec.get("params", []))
-            for p in params:
-                if id(p) not in names:
-                    raise ConfigError(f"param_groups[{i}] holds a tensor that is not a "
-                                      "parameter of this model")
-                if id(p) in seen:
-                    raise ConfigError(f"parameter {names[id(p)]} appears in two param groups")
-                seen.add(id(p))
-            out.append(({k: v for k, v in spec.items() if k != "params"}, params))
-        missing = [n for n, p in module.named_parameters() if p.requires_grad and id(p) not in seen]
-        if missing:
-            raise ConfigError(f"trainable parameters in no param group: {missing[:5]}")
-        return out
+        return before
 
     def _optimizer_groups(self, groups: list[tuple[dict, list[nn.Parameter]]] | None
                           ) -> list[tuple[dict, list[ShardedParam]]]:
-        base = {k: getattr(self.cfg.optimizer, k) for k in _HP_KEYS}
+        """torch-style group dicts (``"params"``: the user's parameters) with their shards."""
+        base = self.optimizer_defaults
         if groups is None:
-            return [(dict(base), [sp for sp in self.params if sp.trainable])]
-        return [({**base, **over}, [managed(p) for p in params if p.requires_grad])
-                for over, params in groups]
+            groups = [({}, [sp.param for sp in self.params])]
+        out = []
+        for over, params in groups:
+            sps = [managed(p) for p in params if p.requires_grad]
+            out.append(({"params": [sp.param for sp in sps], **base, **over}, sps))
+        return out
 
     # -- training ----------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """The module's forward: ``engine(x)`` is ``model(x)`` (entry.py's notes)."""
         self._check_open()
-        if self.rt.compute_dtype != torch.float32:
-            args, kwargs = _cast_floats((args, kwargs), self.rt.compute_dtype)
-        with self.hooks.forward_context():
-            return self.module(*args, **kwargs)
+        return self.module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor, *, scale_for_accumulation: bool = True,
                  boundary: bool | None = None) -> None:
@@ -217,17 +190,18 @@ class Engine:
         epoch); by default every ``gradient_accumulation_steps``-th backward does.
         """
         self._check_open()
+        self._check_nothing_shown("engine.backward()")
         accumulation = self.cfg.gradient_accumulation_steps if scale_for_accumulation else 1
         factor = self.scaler.scale / accumulation
         scaled = loss.float() * factor if factor != 1.0 else loss
         if boundary is None:
             boundary = (self.micro_steps + 1) % self.cfg.gradient_accumulation_steps == 0
-        on_reduced = (lambda g: self.optimizer.submit(g.trainable)) if (
+        on_reduced = (lambda g: self.sharded_optimizer.submit(g.trainable)) if (
             boundary and self.rt.plan.overlaps_optimizer) else None
         # [Note: a failed boundary backward] Updates already started on the worker are allowed
         # to finish (they used final gradients) and stay applied; everything else of this
         # backward is dropped, so a retry of the step sees a consistent engine.
-        with self.hooks.backward(on_reduced, before_abort=self.optimizer.wait):
+        with self.hooks.backward(on_reduced, before_abort=self.sharded_optimizer.wait):
             scaled.backward()
         self.micro_steps += 1
         self._at_boundary = boundary
@@ -283,6 +257,7 @@ class Engine:
         last updates may still be running: see [Note: the step's tail runs into the next
         forward])."""
         self._check_open()
+        self._check_nothing_shown("engine.step()")
         if not self.is_accumulation_boundary:
             return False
         with record_function(STEP):
@@ -291,14 +266,14 @@ class Engine:
     def _step(self) -> bool:
         defer = self.defers_updates
         if not defer:  # loss scaling and the norm below look at every gradient
-            self.optimizer.wait()
+            self.sharded_optimizer.wait()
         self.micro_steps, self._at_boundary = 0, False
-        grads = [sp.grad for sp in self.optimizer.params if sp.grad is not None]
+        grads = [sp.grad for sp in self.sharded_optimizer.params if sp.grad is not None]
         if self.scaler.enabled:
             bad = torch.tensor([0.0 if all(bool(g.isfinite().all()) for g in grads) else 1.0])
             if self.rt.comm.all_reduce_max(bad).item() > 0:
                 self.scaler.update(overflow=True)
-                self.optimizer.zero_grad()
+                self.sharded_optimizer.zero_grad()
                 return False
             for g in grads:
                 g.mul_(1.0 / self.scaler.scale)
@@ -312,9 +287,9 @@ class Engine:
             if coef < 1.0:
                 for g in grads:
                     g.mul_(coef)
-        pending = self.optimizer.step(defer=defer)
+        pending = self.sharded_optimizer.step(defer=defer)
         self.scaler.update(overflow=False)
-        self.optimizer.zero_grad(keep=pending)
+        self.sharded_optimizer.zero_grad(keep=pending)
         updates: dict[int, list] = {}
         for job in pending:
             for sp in job.sps:
@@ -327,16 +302,31 @@ class Engine:
         self.global_steps += 1
         return True
 
+    def zero_grad(self) -> None:
+        """Drop the gradients accumulated since the last step (what torch's
+        ``optimizer.zero_grad()`` does); the accumulation starts over. Refused after a
+        boundary backward that already applied updates (optimizer.py's [Note: updating
+        during backward]): those cannot be taken back."""
+        self._check_open()
+        if self.is_accumulation_boundary and self.sharded_optimizer.updated_this_round:
+            raise OutcoreError(
+                "zero_grad() between a backward and step(): this backward already applied "
+                "the updates (the optimizer runs during backward with its state on NVMe and "
+                "no clipping); call zero_grad() before backward, or set zero.overlap_optimizer:"
+                " false to keep updates for step()")
+        self.sharded_optimizer.zero_grad(keep=self.sharded_optimizer.pending_jobs)
+        self.micro_steps, self._at_boundary = 0, False
+
     def synchronize(self) -> None:
         """Wait for every update the last ``step()`` left running (see [Note: the step's tail
         runs into the next forward]); the engine's own readers never need this, but a timer
         or a memory measurement around ``step()`` alone does."""
         self._check_open()
-        self.optimizer.wait()
+        self.sharded_optimizer.wait()
 
     def _global_norm(self, grads: list[torch.Tensor]) -> float:
         """L2 norm over every rank's gradient shards (padding is zero, so it adds nothing)."""
-        freed = self.optimizer.take_freed_norm_sq()  # gradients already applied and freed
+        freed = self.sharded_optimizer.take_freed_norm_sq()  # gradients already applied and freed
         local = torch.tensor([freed], dtype=torch.float64)
         if grads:
             norms = torch._foreach_norm(grads, 2, dtype=torch.float32)  # some may be bf16
@@ -377,7 +367,7 @@ class Engine:
     @property
     def param_groups(self) -> list[dict]:
         """Hyper-parameters per group; edit ``lr`` here for a schedule, as with torch optimizers."""
-        return self.optimizer.param_groups
+        return self.sharded_optimizer.param_groups
 
     def gathered_parameters(self, params: Iterable[nn.Parameter] | nn.Module | None = None,
                             modify: bool = False) -> contextlib.AbstractContextManager:
@@ -399,7 +389,7 @@ class Engine:
     def schedule_stats(self) -> dict[str, int]:
         """What the schedule and optimizer did: fetches, prefetch hits, divergences, re-traces,
         and how many parameter updates ran during backward versus at the step."""
-        return {**self.schedule.stats(), **self.optimizer.stats}
+        return {**self.schedule.stats(), **self.sharded_optimizer.stats}
 
     # -- checkpoints -------------------------------------------------------------------------
     def save_checkpoint(self, path: str | os.PathLike[str],
@@ -434,26 +424,52 @@ class Engine:
             self.rt.release_idle_io_buffers()
 
     # -- lifetime ----------------------------------------------------------------------------
-    def close(self) -> None:
-        """Remove hooks and delete this rank's swap files. The engine cannot be used after.
+    def close(self, keep_values: bool | None = None) -> None:
+        """Remove the hooks, hand the model back and delete this rank's swap files; the engine
+        cannot be used after (zero/lifetime.py's [Note: handing the model back]).
 
-        An update that the last ``step()`` left running and that failed is raised here,
-        after the clean-up, so a run ending right after its step still hears of it."""
-        if self._closed:
+        ``keep_values``: True gives every parameter its trained values (a collective at more
+        ranks: every rank closes); False drops them; None (default) keeps them where the model
+        fits in half the memory this process may still use. An update that the last
+        ``step()`` left running and that failed is raised here, after the clean-up, so a run
+        ending right after its step still hears of it."""
+        if self._closed is not None:
             return
-        self._closed = True
+        self._closed = "this outcore Engine was closed"
         error: BaseException | None = None
         try:
-            self.optimizer.wait()
+            self.sharded_optimizer.wait()
         except BaseException as e:  # noqa: BLE001 - raised below, once everything is closed
             error = e
-        self.optimizer.close()
-        self.entries.remove()
-        self.hooks.remove()
-        self.rt.close()
-        self._folders.release_all()
+        try:
+            lifetime.detach(self)
+            lifetime.hand_back(self, keep_values)
+        except BaseException as e:  # noqa: BLE001 - as above
+            error = error or e
+        finally:
+            self.rt.close()
+            self.rt.engine = None
+            self._folders.release_all()
         if error is not None:
             raise error
+
+    def hand_over(self) -> None:
+        """A newer engine takes the model: this one lets go of it, keeps no values and
+        cannot be used after (zero/lifetime.py's [Note: a second engine on the same model])."""
+        try:
+            self.sharded_optimizer.wait()
+        except Exception as e:  # noqa: BLE001 - the new engine starts from the shards as they are
+            log.warning("outcore: an update of the engine being replaced failed: %s", e)
+        lifetime.detach(self)
+        self._folders.release_all()
+        self.rt.engine = None
+        self._closed = ("this outcore Engine handed its model to a newer engine "
+                        "(outcore.initialize or a new OutcoreTrainer on the same model); use "
+                        "that one")
+
+    @property
+    def closed(self) -> bool:
+        return self._closed is not None
 
     def __enter__(self) -> Engine:
         return self
@@ -463,11 +479,18 @@ class Engine:
             self.close()
             return
         with contextlib.suppress(Exception):  # the exception in flight is the one to see
-            self.close()
+            self.close(keep_values=False)
+
+    def _check_nothing_shown(self, what: str) -> None:
+        if self.rt.shown:
+            raise ParamAccessError(
+                f"{what} inside gathered_parameters: the context shows {self.rt.shown} "
+                "parameters as the user's copies, and on exit they replace what training "
+                "would write; train outside the context")
 
     def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError("this outcore Engine was closed")
+        if self._closed is not None:
+            raise EngineClosedError(self._closed)
 
 
 def _cast_floats(obj: Any, dtype: torch.dtype) -> Any:

@@ -32,3 +32,14 @@ class FolderInUseError(StorageError):
 
 class CommError(OutcoreError, RuntimeError):
     """A collective failed: another rank died, or did not answer within ``comm.timeout_s``."""
+
+
+class ParamAccessError(OutcoreError, RuntimeError):
+    """User code touched a sharded parameter in a way its state cannot honour (a read at
+    W > 1 outside ``gathered_parameters``, a write inside the forward, a value dropped at
+    ``close()``); the message names the parameter and what to do instead
+    (zero/surface.py's [Note: a sharded parameter answers every call])."""
+
+
+class EngineClosedError(OutcoreError, RuntimeError):
+    """The engine was closed, or handed its model to a newer engine; use the new one."""

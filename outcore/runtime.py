@@ -10,6 +10,8 @@ PyTorch, and every ``ShardedParam`` points at it; there are no module-level glob
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from outcore.config import Config
@@ -25,6 +27,7 @@ from outcore.offload.host_memory import (
 from outcore.offload.storage import Ledger, MemoryStored, NvmeStored, Stored, Tier
 from outcore.plan import ExecutionPlan
 from outcore.zero.comm import Comm
+from outcore.zero.state import Phase
 
 
 class Runtime:
@@ -51,6 +54,12 @@ class Runtime:
         self.full_regions = self._full_regions(cfg)
         self._nvme = None
         self.closed = False
+        self.phase = Phase.IDLE  # moved only by the engine's hooks (state.py's note)
+        self.shown = 0  # parameters gathered_parameters shows now (ShardedParam keeps it)
+        # waits for optimizer updates still running on shards (the engine sets it): a user's
+        # read or write of values between a backward and step() must not meet one midway
+        self.await_updates: Callable[[], None] = lambda: None
+        self.engine = None  # weakref to the Engine training this model, if any
 
     def _derive_plan(self, cfg: Config) -> ExecutionPlan:
         return ExecutionPlan.for_config(cfg, self.world_size, self.device.type,

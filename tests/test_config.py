@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 import outcore
 
@@ -98,10 +99,17 @@ def test_every_config_placement_names_a_tier_and_tiers_iterate_fastest_first() -
     assert [t.value for t in Tier] == ["device", "host", "nvme"]
 
 
-def test_init_and_initialize_must_agree_on_placement(tmp_path) -> None:
+def test_initialize_moves_an_init_built_model_to_its_own_placement(tmp_path) -> None:
+    """outcore.init placed the shards one way, initialize asks another: the shards move
+    (lifetime.py's [Note: a second engine on the same model]), values unchanged."""
     from torch import nn
 
+    torch.manual_seed(0)
     with outcore.init({"dtype": "fp32"}):
         model = nn.Linear(3, 3)
-    with pytest.raises(outcore.ConfigError, match="different 'offload' settings"):
-        outcore.initialize(model, {"dtype": "fp32", "offload": {"params": "cpu"}})
+    with outcore.gathered_parameters(model):
+        before = model.weight.data.clone()
+    engine = outcore.initialize(model, {"dtype": "fp32", "offload": {"params": "cpu"}})
+    assert engine.memory_report()["host"] > 0
+    assert torch.equal(model.weight.detach(), before)
+    engine.close()

@@ -140,7 +140,7 @@ def test_lora_base_is_16_bit_only(tmp_path: Path, born_frozen: bool) -> None:
     assert frozen and adapters
     assert all(sp.master is None and sp.grad is None for sp in frozen)
     assert all(sp.compute.dtype == torch.bfloat16 for sp in frozen)
-    tracked = {id(sp) for sp in engine.optimizer.state}
+    tracked = {id(sp) for sp in engine.sharded_optimizer.state}
     assert tracked == {id(sp) for sp in adapters}
     kinds = engine.memory_report()["by_kind"]
     adapter_numel = sum(sp.shard_numel for sp in adapters)
@@ -327,3 +327,59 @@ def test_two_ranks_equal_plain_ddp_trainer(tmp_path: Path) -> None:
     manifest = json.loads((tmp_path / "ours" / "checkpoint-4" / "manifest.json").read_text())
     assert manifest["world_size"] == 2
     assert (tmp_path / "saved" / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("same_folder", [True, False])
+def test_the_same_model_in_a_second_trainer_equals_plain(tmp_path: Path,
+                                                         same_folder: bool) -> None:
+    """A user's second Trainer on the model the first one trained (a new batch size, a
+    second phase): the first engine hands the model over, the second trains on from its
+    values, and both phases match plain Trainer. A weight read between making the trainer
+    and training gives the value plain PyTorch gives."""
+    plain = build("gpt2")
+    ours = build("gpt2")
+    losses = {"plain": [], "ours": []}
+    for phase in range(2):
+        args = dict(max_steps=3, per_device_train_batch_size=2 + phase)
+        ref = transformers.Trainer(model=plain, args=arguments(tmp_path / f"r{phase}", **args),
+                                   train_dataset=dataset())
+        folder = tmp_path / (f"p{phase}" if not same_folder else "one")
+        folder.mkdir(exist_ok=True)
+        cfg = nvme(folder)
+        trainer = OutcoreTrainer(model=ours, args=arguments(tmp_path / f"o{phase}", **args),
+                                 train_dataset=dataset(), outcore_config=cfg)
+        torch.testing.assert_close(ours.lm_head.weight.norm(), plain.lm_head.weight.norm(),
+                                   rtol=1e-5, atol=1e-6)
+        if phase == 0:
+            first = trainer
+        ref.train()
+        trainer.train()
+        losses["plain"] += logged(ref, "loss")
+        losses["ours"] += logged(trainer, "loss")
+    torch.testing.assert_close(losses["ours"], losses["plain"], rtol=1e-4, atol=1e-5)
+    with pytest.raises(outcore.EngineClosedError, match="newer engine"):
+        first.train()
+    trainer.close()
+    assert not list(tmp_path.rglob("*.swap"))
+    for key, value in plain.state_dict().items():  # close() handed the trained model back
+        torch.testing.assert_close(ours.state_dict()[key], value, rtol=1e-4, atol=1e-4)
+
+
+def test_optimizer_queries_and_min_lr_schedules(tmp_path: Path) -> None:
+    """What Trainer code asks the optimizer: its groups' parameters (the weight-decay split),
+    ``defaults['lr']`` for the min-lr cosine schedules."""
+    kw = dict(lr_scheduler_type="cosine_with_min_lr", lr_scheduler_kwargs={"min_lr": 1e-4},
+              max_steps=4)
+    ref = transformers.Trainer(model=build("llama"), args=arguments(tmp_path / "r", **kw),
+                               train_dataset=dataset())
+    ref.train()
+    model = build("llama")
+    ours = OutcoreTrainer(model=model, args=arguments(tmp_path / "o", **kw),
+                          train_dataset=dataset(), outcore_config=nvme(tmp_path))
+    ours.train()
+    assert logged(ours, "learning_rate") == logged(ref, "learning_rate")
+    groups = ours.get_optimizer_group()
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert {names[id(p)] for g in groups for p in g} == {n for n, _ in model.named_parameters()}
+    assert ours.optimizer.defaults["lr"] == 1e-2
+    ours.close()

@@ -123,7 +123,7 @@ def test_backward_waits_when_pending_gradients_pass_their_limit(
                          offload={"optimizer": "nvme", "nvme_path": str(tmp_path)})
     engine = outcore.initialize(_model(), cfg)
     if limit is not None:
-        engine.optimizer.pending_grad_limit = limit
+        engine.sharded_optimizer.pending_grad_limit = limit
     queued: list[int] = []
     submit = ShardedOptimizer.submit
 

@@ -112,12 +112,12 @@ def test_engine_components_follow_the_plan(tmp_path) -> None:
         assert all(g.zero_copy is plan.zero_copy is False for g in engine.groups)
         assert engine.schedule.carry is plan.carries_head
         assert engine.scaler.enabled is plan.loss_scaling
-        assert engine.optimizer.state_kinds == plan.state_kinds == AW
+        assert engine.sharded_optimizer.state_kinds == plan.state_kinds == AW
         loss = engine(torch.randn(8, 32).to(engine.device)).float().pow(2).mean()
         engine.backward(loss)
         engine.step()
         # every trainable shard stepped once, counted by the optimizer that owns the count
-        assert {engine.optimizer.step_of(sp) for sp in engine.params} == {1}
+        assert {engine.sharded_optimizer.step_of(sp) for sp in engine.params} == {1}
         report = engine.memory_report()
         assert report["plan"] == plan.to_json()
         assert report["plan"]["decisions"]["overlaps_optimizer"]["value"] is True

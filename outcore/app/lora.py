@@ -175,7 +175,7 @@ def footprint(engine: Any) -> dict[str, Any]:
            "adapter_bytes": 0, "dtype": str(engine.rt.compute_dtype).removeprefix("torch.")}
     for sp in engine.params:
         stored = list({id(s): s for s in (sp.master, sp.compute) if s is not None}.values())
-        state = engine.optimizer.state.get(sp)
+        state = engine.sharded_optimizer.state.get(sp)
         moments = list(state.moments.values()) if state is not None else []
         if sp.trainable:
             out["adapter_params"] += sp.numel

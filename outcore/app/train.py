@@ -323,6 +323,7 @@ def _run_holding_out(args: argparse.Namespace, job: dict[str, Any], cfg: Config,
             lines = [loramod.save(engine, model, out), loramod.memory_line(engine)]
         if rank == 0 and stopped_at is None:
             _finish(out, job, n_params, start, lines)
+        engine.close(keep_values=False)  # the checkpoints hold the model: no hand-back
     if stopped_at is not None:
         return _stopped(stop, stopped_at, ckpt_root)
     return 0

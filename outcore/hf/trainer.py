@@ -22,7 +22,6 @@ replaces exactly the places where a Trainer would touch whole parameters:
 
 from __future__ import annotations
 
-import collections
 import os
 from pathlib import Path
 from typing import Any
@@ -37,6 +36,7 @@ from outcore.errors import ConfigError
 from outcore.hf import saving
 from outcore.hf.args import OutcoreConfigSource, build_config
 from outcore.io.checkpoint import MANIFEST
+from outcore.optim.facade import TorchOptimizer
 
 # Trainer methods OutcoreTrainer overrides; private ones move between transformers releases
 OVERRIDDEN = ("_move_model_to_device", "_wrap_model", "create_optimizer", "_prepare_for_training",
@@ -57,39 +57,25 @@ def check_transformers() -> None:
                           "pip install 'outcore[hf]'")
 
 
-class EngineOptimizer(torch.optim.Optimizer):
-    """The engine's optimizer as the Trainer and its scheduler see it.
+class EngineOptimizer(TorchOptimizer):
+    """The engine's optimizer as the Trainer and its scheduler see it: ``engine.optimizer``'s
+    torch contract (facade.py's note), plus what accelerate's wrapper is told about skipped
+    steps. Its ``state_dict()`` holds the hyper-parameters only: the moments live in the
+    outcore checkpoint of the same ``checkpoint-N`` folder."""
 
-    ``param_groups`` is the engine's list (hyper-parameters only; the shards are the
-    engine's), ``step()`` is ``engine.step()``, and ``state_dict()`` holds the
-    hyper-parameters: the moments live in the outcore checkpoint.
-    """
-
-    def __init__(self, engine: Engine) -> None:  # no torch init: it would want tensors
-        self.engine = engine
-        self.defaults: dict[str, Any] = {}
-        self.state: collections.defaultdict = collections.defaultdict(dict)
-        self.param_groups = engine.param_groups
-        for name in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
-                     "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
-                     "_optimizer_load_state_dict_pre_hooks",
-                     "_optimizer_load_state_dict_post_hooks"):
-            setattr(self, name, collections.OrderedDict())
-        self.skipped = False  # the last step() changed nothing (an fp16 overflow)
+    def __init__(self, engine: Engine) -> None:
+        super().__init__(engine)
         self.accelerated: Any = None  # accelerate's wrapper, told about skipped steps
 
-    def step(self, closure: Any = None) -> None:  # type: ignore[override]
-        if closure is not None:
-            raise ValueError("OutcoreTrainer's optimizer takes no closure")
-        self.skipped = not self.engine.step()
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        loss = super().step(closure)
         if self.accelerated is not None:
             self.accelerated._is_overflow = self.skipped
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Gradients live in the engine's shards, which ``step()`` clears."""
+        return loss
 
     def state_dict(self) -> dict[str, Any]:
-        return {"state": {}, "param_groups": [dict(g) for g in self.param_groups]}
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
+        return {"state": {}, "param_groups": groups}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         groups = state_dict["param_groups"]
@@ -98,9 +84,6 @@ class EngineOptimizer(torch.optim.Optimizer):
                               f"{len(self.param_groups)}")
         for mine, saved in zip(self.param_groups, groups, strict=True):
             mine.update({k: v for k, v in saved.items() if k != "params"})
-
-    def __repr__(self) -> str:
-        return f"EngineOptimizer({self.engine.cfg.optimizer.type}, {self.param_groups})"
 
 
 class EngineModel(nn.Module):

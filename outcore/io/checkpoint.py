@@ -63,7 +63,7 @@ def rank_file(rank: int, world: int) -> str:
 
 # -- save ----------------------------------------------------------------------------------------
 def save(engine: Any, path: Path, client_state: dict[str, Any]) -> Path:
-    engine.optimizer.wait()  # updates running during backward must land before we read
+    engine.sharded_optimizer.wait()  # updates running during backward must land before we read
     return _save(engine, path, client_state)
 
 
@@ -127,7 +127,7 @@ def check_client_state(client_state: dict[str, Any]) -> None:
 
 def _state(engine: Any, sp: Any) -> list[tuple[str, Any]]:
     """(key suffix, Stored) saved for one parameter: master + optimizer states, or values."""
-    state = engine.optimizer.state.get(sp)
+    state = engine.sharded_optimizer.state.get(sp)
     if sp.trainable and sp.master is not None:
         return [("master", sp.master), *(state.moments.items() if state else ())]
     return [("values", sp.master if sp.master is not None else sp.compute)]
@@ -179,14 +179,14 @@ def _manifest(engine: Any, client_state: dict[str, Any], files: dict[str, dict])
     for sp in engine.params:
         names = aliases.get(id(sp.param), [sp.name])
         params[sp.name] = {"shape": list(sp.shape), "numel": sp.numel, "trainable": sp.trainable,
-                           "step": engine.optimizer.step_of(sp),
+                           "step": engine.sharded_optimizer.step_of(sp),
                            "aliases": [n for n in names if n != sp.name]}
     groups = [{k: v for k, v in hp.items() if _jsonable(v)} for hp in engine.param_groups]
     man = {"format": FORMAT, "version": VERSION, "world_size": engine.rt.world_size,
            "dtype": engine.cfg.dtype, "dtype_reason": engine.dtype_choice.reason,
            "global_steps": engine.global_steps,
-           "optimizer": {"type": engine.optimizer.kind,
-                         "states": list(engine.optimizer.state_kinds)},
+           "optimizer": {"type": engine.sharded_optimizer.kind,
+                         "states": list(engine.sharded_optimizer.state_kinds)},
            "params": params, "buffers": list(_buffers(engine.module)),
            "scaler": engine.scaler.state_dict(), "param_groups": groups,
            "config": engine.cfg.model_dump(mode="json"), "client_state": client_state,
@@ -330,7 +330,7 @@ def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
 
 # -- load ----------------------------------------------------------------------------------------
 def load(engine: Any, path: Path) -> dict[str, Any]:
-    engine.optimizer.wait()  # a background update must not overwrite what we load
+    engine.sharded_optimizer.wait()  # a background update must not overwrite what we load
     return _load(engine, path)
 
 
@@ -361,7 +361,7 @@ def _load(engine: Any, path: Path) -> dict[str, Any]:
                 g.reshard()
             engine.schedule.end_iteration()
             for sp in engine.params:
-                _load_param(engine.optimizer, sp, plan["entries"][sp.name], man, handles)
+                _load_param(engine.sharded_optimizer, sp, plan["entries"][sp.name], man, handles)
             for name, buf in _buffers(engine.module).items():
                 buf.copy_(handles[0].get_tensor(f"__buffer__::{name}"))
             rng = handles[plan["rng_rank"]]
@@ -375,7 +375,7 @@ def _load(engine: Any, path: Path) -> dict[str, Any]:
         hp.update({k: tuple(v) if isinstance(hp.get(k), tuple) else v for k, v in saved.items()})
     engine.scaler.load_state_dict(man["scaler"])
     engine.global_steps, engine.micro_steps = int(man["global_steps"]), 0
-    engine.optimizer.zero_grad()
+    engine.sharded_optimizer.zero_grad()
     for g in engine.groups:
         g.refresh_after_step()
     return man["client_state"]
@@ -403,10 +403,10 @@ def _plan(engine: Any, man: dict) -> dict[str, Any]:
         raise ConfigError(f"checkpoint buffers differ from the model's: missing "
                           f"{sorted(set(bufs) - set(saved_bufs))}, "
                           f"extra {sorted(set(saved_bufs) - set(bufs))}")
-    need = set(engine.optimizer.state_kinds) - set(man["optimizer"]["states"])
+    need = set(engine.sharded_optimizer.state_kinds) - set(man["optimizer"]["states"])
     if need:
         raise ConfigError(f"checkpoint has optimizer states {man['optimizer']['states']}, this "
-                          f"optimizer ({engine.optimizer.kind}) also needs {sorted(need)}")
+                          f"optimizer ({engine.sharded_optimizer.kind}) also needs {sorted(need)}")
     if len(man["param_groups"]) != len(engine.param_groups):
         raise ConfigError(f"checkpoint has {len(man['param_groups'])} param groups, the engine "
                           f"{len(engine.param_groups)}")

@@ -118,12 +118,7 @@ def _load_one(h, key: str, p: nn.Parameter) -> None:
     shard = torch.zeros(lay.shard_numel, dtype=torch.float32)
     if lay.valid_numel:
         read_flat_range({0: h}, 1, key, sp.numel, lay.start, lay.start + lay.valid_numel, shard)
-    if sp.group is not None:
-        sp.group.await_update()  # a step that returned early may still be writing the shard
-        sp.group.reshard()  # waits for reads of the old shard still in flight
-    sp.write_shard(shard.to(sp.rt.device))
-    if sp.group is not None:
-        sp.group.refresh_after_step()
+    sp.overwrite(shard.to(sp.rt.device))  # past running updates and in-flight reads
 
 
 def _persistent_buffers(model: nn.Module):

@@ -32,7 +32,8 @@ from torch.optim.adamw import adamw
 from torch.optim.sgd import sgd
 
 from outcore.config import OptimizerConfig
-from outcore.offload.storage import Stored, Tier
+from outcore.errors import ConfigError
+from outcore.offload.storage import Stored, Tier, load_now
 from outcore.optim.work import ALIGN_ELEMS, Feed, Job, Slice, Slot, Work, first_error, settle
 from outcore.profiling import OPTIM_READ, OPTIM_UPDATE, OPTIM_WRITE, record_function
 from outcore.runtime import Runtime
@@ -181,6 +182,16 @@ class ShardedOptimizer:
         self.stats["updates_after_step"] += sum(len(job.sps) for job in pending)
         return pending
 
+    @property
+    def updated_this_round(self) -> bool:
+        """Whether an update of this round (since the last ``step()``) was submitted."""
+        return any(state.round == self._round for state in self.state.values())
+
+    @property
+    def pending_jobs(self) -> list[Job]:
+        """Submitted updates not yet waited for (they free their own gradients)."""
+        return [job for job, _ in self._submitted]
+
     def wait(self) -> None:
         """Wait for every submitted update; then raise the first error, if any."""
         submitted, self._submitted = self._submitted, []
@@ -199,6 +210,43 @@ class ShardedOptimizer:
     def restore_step(self, sp: ShardedParam, step: int) -> None:
         """Set ``sp``'s update count from a checkpoint (its moments are loaded in place)."""
         self.state[sp].step = step
+
+    @property
+    def members(self) -> list[list[ShardedParam]]:
+        """The parameters of each of ``param_groups``, in order."""
+        return self._members
+
+    def moments_of(self, sp: ShardedParam) -> dict[str, torch.Tensor] | None:
+        """Copies of ``sp``'s moment shards (fp32, this rank's slice), or None before its
+        first update (torch keeps no state for a parameter until then)."""
+        state = self.state.get(sp)
+        if state is None or state.step == 0:
+            return None
+        return {k: load_now(stored, self.rt.device).clone() for k, stored in state.moments.items()}
+
+    def load_moments(self, sp: ShardedParam, entry: dict, saved_world: int | None) -> None:
+        """Restore ``sp``'s step and moments from a torch-style state entry: full-shape moments
+        (any torch optimizer's) are cut into this rank's slice; slices (``moments_of``) are
+        taken as they are, from a state dict of the same world size."""
+        state = self.state[sp]
+        for kind in state.moments:
+            if kind not in entry:
+                raise ConfigError(f"optimizer state for {sp.label()} has no {kind!r} "
+                                  f"({sorted(entry)}); this engine's {self.kind} needs it")
+        for kind, stored in state.moments.items():
+            t = torch.as_tensor(entry[kind]).to(self.rt.device, torch.float32)
+            if tuple(t.shape) == tuple(sp.shape):
+                shard = sp.layout.cut(t, torch.float32)
+            elif t.numel() == sp.shard_numel and saved_world == self.rt.world_size:
+                shard = t.reshape(-1)
+            else:
+                raise ConfigError(
+                    f"optimizer state {kind!r} for {sp.label()} has shape {list(t.shape)}: "
+                    f"neither the parameter's {list(sp.shape)} nor this rank's slice of "
+                    f"{sp.shard_numel} saved at world size {self.rt.world_size} (it was saved "
+                    f"at {saved_world}); engine.save_checkpoint loads at any world size")
+            stored.save(shard).result()
+        state.step = int(float(entry.get("step", state.step)))
 
     def close(self) -> None:
         """Stop the worker and give back the staging buffers and every moment's storage."""

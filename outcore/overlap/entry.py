@@ -9,7 +9,10 @@ where one forward ends and the next begins. So the engine hooks its *entry modul
 it wraps and, for a PEFT model, the Hugging Face model inside it (``get_base_model()``), which
 is what PEFT's ``generate()`` calls once per token. A call of an entry module that is not
 already inside a forward opens the context and closes it when the call returns (or raises); a
-call inside one (the engine's own, or PEFT's forward calling the inner model) changes nothing.
+call inside one (PEFT's forward calling the inner model) changes nothing. The call that opens
+the context also casts floating inputs to the compute dtype, as FSDP2 casts the root's
+forward inputs, so ``model(x)`` computes exactly what ``engine(x)`` computes: ``engine(x)`` is
+``model(x)``.
 Each decoding step of ``generate()`` is therefore one forward, fetching each module's weights
 as it runs and releasing them after, so generation never gathers the whole model.
 
@@ -27,10 +30,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import types
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 from torch import nn
+
+from outcore.overlap.hooks import inert_copy
 
 
 def entry_modules(module: nn.Module) -> list[nn.Module]:
@@ -47,29 +54,51 @@ def entry_modules(module: nn.Module) -> list[nn.Module]:
 class EntryHooks:
     """Opens a forward context around direct calls of the entry modules (see the notes)."""
 
+    inert = False  # a deep copy's (hooks.py's Hooks.__deepcopy__)
+
+    def __deepcopy__(self, memo: dict) -> EntryHooks:
+        return inert_copy(type(self))
+
+    def __reduce__(self) -> tuple:
+        return (inert_copy, (type(self),))
+
     def __init__(self, modules: list[nn.Module], is_inside: Callable[[], bool],
                  context: Callable[[], contextlib.AbstractContextManager],
-                 synced_generate: bool) -> None:
+                 synced_generate: bool, cast: Callable[[Any], Any] | None = None,
+                 on_zero_grad: Callable[[], None] | None = None) -> None:
+        """``cast``: applied to the positional and keyword inputs of a call that opens the
+        context (the compute dtype's cast of floating inputs, as the engine does).
+        ``on_zero_grad``: called after the root's ``zero_grad()`` (gradients live in the
+        engine's shards, which torch's ``Module.zero_grad`` cannot see)."""
         self._is_inside = is_inside
         self._context = context
+        self._cast = cast
         self._open: list[contextlib.AbstractContextManager | None] = []
         self._handles = []
         self._patched: list[nn.Module] = []
         for m in modules:
-            self._handles.append(m.register_forward_pre_hook(self._pre, prepend=True))
+            self._handles.append(m.register_forward_pre_hook(self._pre, prepend=True,
+                                                             with_kwargs=True))
             self._handles.append(m.register_forward_hook(self._post, always_call=True))
             if synced_generate and callable(getattr(m, "generate", None)):
                 self._patch_generate(m)
+        if on_zero_grad is not None:
+            self._patch_zero_grad(modules[0], on_zero_grad)
 
-    def _pre(self, module: nn.Module, args: tuple) -> None:
+    def _pre(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        if self.inert:
+            return None
         if self._is_inside():
             self._open.append(None)
-            return
+            return None
         cm = self._context()
         cm.__enter__()
         self._open.append(cm)
+        return self._cast((args, kwargs)) if self._cast is not None else None
 
     def _post(self, module: nn.Module, args: tuple, output: object) -> None:
+        if self.inert:
+            return
         cm = self._open.pop()
         if cm is not None:
             cm.__exit__(None, None, None)
@@ -85,11 +114,23 @@ class EntryHooks:
         module.generate = generate  # an instance attribute: the class stays untouched
         self._patched.append(module)
 
+    def _patch_zero_grad(self, module: nn.Module, on_zero_grad: Callable[[], None]) -> None:
+        root = weakref.ref(module)
+
+        def zero_grad(this: nn.Module, set_to_none: bool = True) -> None:
+            type(this).zero_grad(this, set_to_none)
+            if this is root():  # not a deep copy of the model, which has no engine
+                on_zero_grad()
+
+        module.zero_grad = types.MethodType(zero_grad, module)  # the class stays untouched
+        self._patched.append(module)
+
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles.clear()
         for m in self._patched:
-            with contextlib.suppress(AttributeError):
-                del m.generate
+            for name in ("generate", "zero_grad"):
+                if name in m.__dict__:
+                    delattr(m, name)
         self._patched.clear()

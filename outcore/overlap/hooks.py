@@ -41,9 +41,11 @@ from torch.overrides import TorchFunctionMode
 
 from outcore.zero.group import GroupState, ParamGroup, PendingReduce
 from outcore.zero.registry import METADATA_CALLS, managed, owner
+from outcore.zero.state import Phase
 
 if TYPE_CHECKING:
     from outcore.overlap.schedule import Schedule
+    from outcore.runtime import Runtime
     from outcore.zero.param import ShardedParam
 
 
@@ -57,10 +59,13 @@ class ParamAccessMode(TorchFunctionMode):
 
     @contextlib.contextmanager
     def suspended(self) -> Iterator[None]:
-        """outcore's own tensor work inside hooks must not re-enter the mode's checks."""
+        """outcore's own tensor work inside hooks: it must not re-enter the mode's checks,
+        and what it allocates must not become an inference tensor (a forward under
+        ``torch.inference_mode()`` fetches into buffers that training writes later)."""
         self.suspended_depth += 1
         try:
-            yield
+            with torch.inference_mode(False):
+                yield
         finally:
             self.suspended_depth -= 1
 
@@ -82,11 +87,31 @@ def _tensor_args(args: tuple, kwargs: dict) -> Iterator[object]:
             yield a
 
 
+def inert_copy(cls: type) -> object:
+    """An instance of ``cls`` whose hook methods do nothing: what a copied or pickled model
+    carries in place of outcore's hooks."""
+    copy = object.__new__(cls)
+    copy.inert = True
+    return copy
+
+
 class Hooks:
     """Installs and owns every hook handle of one engine (``remove()`` takes them all out)."""
 
+    inert = False  # a deep copy's: see __deepcopy__
+
+    def __deepcopy__(self, memo: dict) -> Hooks:
+        """``copy.deepcopy(model)`` copies the model's hook tables, and with them this
+        object: the copy is a plain model, so its copy of the hooks does nothing (and so
+        for ``torch.save(model)``, through ``__reduce__``)."""
+        return inert_copy(type(self))
+
+    def __reduce__(self) -> tuple:
+        return (inert_copy, (type(self),))
+
     def __init__(self, module_groups: dict[nn.Module, list[ParamGroup]],
-                 groups: list[ParamGroup], schedule: Schedule) -> None:
+                 groups: list[ParamGroup], schedule: Schedule, rt: Runtime) -> None:
+        self.rt = rt  # its ``phase`` is moved here only: _sync_phase
         self.module_groups = module_groups
         self.groups = groups
         self.schedule = schedule
@@ -115,16 +140,25 @@ class Hooks:
         """Whether a forward (or backward) is running: a module call now is part of it."""
         return bool(self.frames) or self._in_backward
 
+    def _sync_phase(self) -> None:
+        """The runtime's ``Phase`` follows the frames and the backward flag (state.py)."""
+        self.rt.phase = (Phase.BACKWARD if self._in_backward else
+                         Phase.FORWARD if self.frames else Phase.IDLE)
+
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        self.frames.clear()
+        self._in_backward = False
+        self._sync_phase()
 
     # -- forward -------------------------------------------------------------------------------
     @contextlib.contextmanager
     def forward_context(self) -> Iterator[None]:
         """Active around the wrapped module's forward: access mode, saved-tensor hooks, frames."""
         self.frames.append([])
+        self._sync_phase()
         # a recomputation inside backward continues its iteration; after a step the
         # schedule already began this one (schedule.py's [Note: prefetch across the step])
         if not self._in_backward:
@@ -136,16 +170,22 @@ class Hooks:
             try:
                 yield
             finally:
-                self._release(self.frames.pop())
+                with self.mode.suspended():
+                    self._release(self.frames.pop())
+                self._sync_phase()
             return
         saved = torch.autograd.graph.saved_tensors_hooks(_pack, self._unpack)
         try:
             with self.mode, saved:
                 yield
         finally:
-            self._release(self.frames.pop())
+            with self.mode.suspended():
+                self._release(self.frames.pop())
+            self._sync_phase()
 
     def _pre_forward(self, module: nn.Module, args: tuple) -> None:
+        if self.inert:
+            return
         with self.mode.suspended():
             groups = self.module_groups[module]
             if self._in_backward:  # a recomputation: see [Note: frozen groups in backward]
@@ -153,13 +193,17 @@ class Hooks:
             # push the frame before fetching: if the fetch raises, the post-forward hook (which
             # always runs) must pop this frame, not its parent's
             self.frames.append(list(groups))
+            self._sync_phase()
             for g in groups:
                 g.hold()
             self.schedule.need(groups)
 
     def _post_forward(self, module: nn.Module, args: tuple, output: object) -> None:
+        if self.inert:
+            return
         with self.mode.suspended():
             self._release(self.frames.pop())
+            self._sync_phase()
 
     def _on_access(self, sp: ShardedParam, func: object) -> None:
         g = sp.group
@@ -168,7 +212,8 @@ class Hooks:
         if g is None or g.state is GroupState.UNSHARDED:
             return
         g.hold()
-        self.schedule.need([g], on_demand=True)
+        with self.mode.suspended():
+            self.schedule.need([g], on_demand=True)
         self.frames[-1].append(g)  # forward_context always pushed one
 
     def _release(self, groups: list[ParamGroup]) -> None:
@@ -248,6 +293,7 @@ class Hooks:
         body or the finish raises, ``before_abort`` runs, then the partial backward is
         dropped (``abort_backward``), and the error goes on."""
         self._in_backward, self._on_reduced = True, on_reduced
+        self._sync_phase()
         try:
             yield
             with self.mode.suspended():
@@ -260,6 +306,7 @@ class Hooks:
             raise
         finally:
             self._in_backward, self._on_reduced = False, None
+            self._sync_phase()
 
     def abort_backward(self) -> None:
         """Backward raised: forget its partial reductions so the next one starts clean."""

@@ -32,6 +32,8 @@ class _Failed:
         return None
 
     def __exit__(self, kind, err, tb) -> None:
+        if err is not None:
+            self.comm.failed = True
         if err is not None and isinstance(err, RuntimeError) and not isinstance(err, CommError):
             raise CommError(
                 f"rank {self.comm.rank}/{self.comm.world_size}: {self.what} failed; another rank "
@@ -64,6 +66,7 @@ class Comm:
     rank: int = 0
     world_size: int = 1
     timeout_s: float = 600.0
+    failed: bool = False  # a collective failed: the group cannot be trusted any more
 
     @classmethod
     def from_env(cls, backend: str, timeout_s: float) -> Comm:

@@ -3,7 +3,9 @@
 Inside the context each chosen parameter's ``.data`` is its full value in fp32 (from the
 master shard, so nothing is rounded). With ``modify=True`` the values are cut back into the
 shards on exit, on every rank; if the body raises, nothing is written. This is a collective:
-every rank must enter it with the same parameters.
+every rank must enter it with the same parameters. Inside, the parameters are SHOWN
+(state.py): reads and writes of ``.data`` are plain PyTorch's, and a write with
+``modify=False`` is refused rather than silently discarded.
 """
 
 from __future__ import annotations
@@ -35,17 +37,19 @@ def gathered_parameters(params: Iterable[nn.Parameter] | nn.Module,
         for g in groups:
             g.await_update()  # the step may have returned with updates still running
             g.reshard()
-        ok = False
-        try:
+            g.hide_resident()
+    shown = []
+    ok = False
+    try:
+        with torch.no_grad():
             for sp in sps:
-                sp.show_full(sp.gather_values())
-            yield plist
-            ok = True
-        finally:
-            if ok and modify:
-                for sp in sps:
-                    sp.write_values(sp.param.data)
-            for sp in sps:
-                sp.show_placeholder()
+                sp.show_user(sp.gather_values(), modify)
+                shown.append(sp)
+        yield plist
+        ok = True
+    finally:
+        with torch.no_grad():
+            for sp in shown:
+                sp.end_shown(write_back=ok and modify)
             for g in groups:
                 g.shown_elsewhere()

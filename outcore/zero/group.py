@@ -28,11 +28,13 @@ from enum import Enum
 
 import torch
 
+from outcore.errors import ParamAccessError
 from outcore.offload.buffers import ALIGN, aligned_empty, round_up
 from outcore.offload.storage import Tier
 from outcore.profiling import ALL_GATHER, FETCH, REDUCE_SCATTER, UNSHARD, record_function
 from outcore.runtime import Runtime
 from outcore.zero.param import ShardedParam
+from outcore.zero.state import ParamState
 
 
 class GroupState(str, Enum):
@@ -102,18 +104,36 @@ class ParamGroup:
             self.await_update()
         if self.state is not GroupState.SHARDED:
             return
+        self._check_shown()
         self.state = GroupState.FETCHING
         if self.zero_copy:
             return
         with record_function(UNSHARD):
             self._issue_reads()
 
+    def _check_shown(self) -> None:
+        """[Note: a forward inside gathered_parameters]
+        The model may be called while ``gathered_parameters`` shows some of its parameters:
+        those are used as shown (the user's full fp32 values, edits included) and only the
+        group's other parameters are fetched. Shown values in another dtype than the compute
+        dtype cannot enter the same kernels, which is refused in words here."""
+        for sp in self.params:
+            if sp.state is ParamState.SHOWN and sp.dtype != self.rt.compute_dtype:
+                raise ParamAccessError(
+                    f"the model runs parameter {sp.label()} inside gathered_parameters, which "
+                    f"shows it in fp32 while the engine computes in {self.rt.compute_dtype}; "
+                    "call the model outside the context (or with dtype fp32)")
+
+    def _fetched(self) -> list[ShardedParam]:
+        """The parameters a fetch fills: all but those ``gathered_parameters`` shows."""
+        return [sp for sp in self.params if sp.state is not ParamState.SHOWN]
+
     def _issue_reads(self) -> None:
         # counted from the moment memory is committed to this fetch, prefetches included
         self.rt.ledger.add(Tier.DEVICE.value, "unsharded", self.full_bytes)
         if self.rt.world_size == 1:
             # A shard is the whole parameter: read it straight into the full tensor.
-            self._reads = [sp.compute.load(sp.alloc_full().view(-1)) for sp in self.params]
+            self._reads = [sp.compute.load(sp.alloc_full().view(-1)) for sp in self._fetched()]
             return
         dtype = self.rt.compute_dtype
         send = (aligned_empty(self.shard_numel * dtype.itemsize).view(dtype) if self._aligned
@@ -131,8 +151,8 @@ class ParamGroup:
         if self.state is GroupState.SHARDED:
             self.unshard()
         if self.zero_copy:
-            for sp in self.params:
-                sp.show_full(sp.compute.resident()[: sp.numel].view(sp.shape))
+            for sp in self._fetched():
+                sp.show_resident(sp.compute.resident()[: sp.numel].view(sp.shape))
         else:
             with record_function(FETCH):
                 for fut in self._reads:
@@ -140,6 +160,8 @@ class ParamGroup:
                 self._reads = []
                 if self._send is not None:
                     self._gather()
+            for sp in self._fetched():
+                sp.mark_gathered()
         self.state = GroupState.UNSHARDED
 
     def _gather(self) -> None:
@@ -151,6 +173,8 @@ class ParamGroup:
             rt.comm.all_gather(out, send).wait()
         blocks = out.view(w, self.shard_numel)
         for sp, off in zip(self.params, self.offsets, strict=True):
+            if sp.state is ParamState.SHOWN:
+                continue
             flat, s = sp.alloc_full().view(-1), sp.shard_numel
             for r in range(w):
                 n = sp.layout.valid_numel_of(r)
@@ -162,27 +186,43 @@ class ParamGroup:
 
         A group still FETCHING (prefetched, never used) is cancelled, not finished: its local
         reads are waited for and dropped, and no all-gather runs, so releasing an unused
-        prefetch never issues a collective (see schedule.py's note).
+        prefetch never issues a collective (see schedule.py's note). A read that failed is
+        raised after the group is released.
         """
+        failed: BaseException | None = None
         if self.state is GroupState.FETCHING and not self.zero_copy:
             for fut in self._reads:
-                fut.result()
+                try:
+                    fut.result()
+                except BaseException as e:  # noqa: BLE001 - raised once the group is released
+                    failed = failed or e
             self._reads, self._send = [], None
         elif self.state is GroupState.FETCHING:
             self.state = GroupState.SHARDED
             return
         if self.state is GroupState.SHARDED or self.zero_copy:
             return
-        for sp in self.params:
-            sp.show_placeholder()
+        for sp in self._fetched():
+            sp.release()
         self.state = GroupState.SHARDED
         self.rt.ledger.add(Tier.DEVICE.value, "unsharded", -self.full_bytes)
+        if failed is not None:
+            raise failed
+
+    def hide_resident(self) -> None:
+        """A zero-copy group stops showing its shards (``gathered_parameters`` shows the
+        user's copies instead, or the engine closes): its parameters become SHARDED."""
+        if self.zero_copy and self.state is not GroupState.SHARDED:
+            for sp in self._fetched():
+                sp.release()
+            self.state = GroupState.SHARDED
 
     def shown_elsewhere(self) -> None:
         """Its parameters showed other tensors for a while (``gathered_parameters``) and now
-        show placeholders: the group is SHARDED again, and a zero-copy group shows its shards
-        at once, as it always does."""
-        self.state = GroupState.SHARDED
+        show placeholders: the group is SHARDED again (anything a forward inside the context
+        fetched is released), and a zero-copy group shows its shards at once, as always."""
+        self.reshard()
+        self.hide_resident()
         if self.zero_copy:
             self.wait_unshard()
 

@@ -79,20 +79,14 @@ class init:  # noqa: N801  (a context manager named like the function users call
         if self._open is sp:
             return
         self._close_open()
-        values = None if func in OVERWRITE_CALLS else sp.gather_values()
-        full = sp.alloc_full()
-        if values is not None:
-            full.copy_(values)
+        sp.open_for_build(None if func in OVERWRITE_CALLS else sp.gather_values())
         self._open = sp
 
     def _close_open(self) -> None:
         sp, self._open = self._open, None
         if sp is None or not sp.alive:
             return
-        current = sp.param.data  # a new tensor if e.g. ``model.to(torch.bfloat16)`` ran
-        sp.write_values(current)
-        sp.adopt_dtype(current.dtype)
-        sp.show_placeholder(force=True)
+        sp.end_shown(write_back=True)  # .data may be new: ``model.to(torch.bfloat16)`` ran
 
 
 def _check_same_rng(rt: Runtime) -> None:

@@ -1,19 +1,19 @@
-"""One user parameter under sharding: its shard in its home tier and what ``param.data`` shows.
+"""One user parameter under sharding: its shards in their home tiers and what ``param.data`` shows.
 
 [Note: free the storage, keep the tensor]
-Each parameter owns one full-shape tensor in the compute dtype, and ``param.data`` *is* that
-tensor for the parameter's whole life. Releasing a parameter resizes the tensor's storage to
-zero bytes; fetching it allocates the storage again and fills it. Swapping ``.data`` instead
+Each parameter owns one full-shape tensor in the compute dtype, and while outcore computes,
+``param.data`` *is* that tensor. Releasing a parameter resizes the tensor's storage to zero
+bytes; fetching it allocates the storage again and fills it. Swapping ``.data`` instead
 would not free anything: autograd keeps views of weights for backward (``weight.t()`` inside
 ``linear``), and a view pins the storage it was made from. With the storage freed in place,
 those saved views see the bytes vanish and, once backward fetches the group again (hooks.py
 maps a saved view's storage back to its parameter), see them come back.
 
-So a released parameter still answers ``p.shape``, ``p.numel()`` and ``p.dtype`` truthfully
-(init code computing fan-in and parameter counts keep working), while reading its values
-outside outcore's forward fails loudly instead of computing with stale numbers. The user's
-``nn.Parameter`` object is never replaced, so optimizers, tied references and
-``named_parameters`` keep pointing at the same object.
+A released parameter still answers ``p.shape``, ``p.numel()`` and ``p.dtype`` truthfully,
+so init code computing fan-in and parameter counts keeps working. What any other call on it
+does is decided by its ``ParamState`` (state.py) in surface.py, never by a torch kernel
+meeting a zero-byte storage. The user's ``nn.Parameter`` object is never replaced, so
+optimizers, tied references and ``named_parameters`` keep pointing at the same object.
 """
 
 from __future__ import annotations
@@ -23,15 +23,17 @@ import weakref
 import torch
 from torch import nn
 
-from outcore.errors import ConfigError
+from outcore.errors import ConfigError, ParamAccessError
 from outcore.offload.storage import Stored, load_now
 from outcore.runtime import Runtime
-from outcore.zero import registry
+from outcore.zero import registry, surface
+from outcore.zero.access import dropped_message, raw_data
 from outcore.zero.sharding import ShardLayout
+from outcore.zero.state import PARAM_MOVES, ParamState
 
 
 class ShardedParam:
-    """Rank-local state of one parameter: master/compute shards, gradient, optimizer state."""
+    """Rank-local state of one parameter: its shards, gradient, and ``ParamState``."""
 
     def __init__(self, param: nn.Parameter, rt: Runtime) -> None:
         if not param.is_floating_point():
@@ -43,29 +45,33 @@ class ShardedParam:
         self.shape = param.shape
         self.numel = param.numel()
         self.dtype = param.dtype
+        self.user_dtype = param.dtype  # what the model is handed back in (close())
         self.layout = ShardLayout(self.numel, rt.world_size, rt.rank)
         self.master: Stored | None = None
         self.compute: Stored | None = None
+        values = param.detach()
         # [Note: a parameter born frozen] outcore.init(frozen=True): values only, in the
         # training dtype, in the parameter tier; there is never an fp32 master to drop
         if not param.requires_grad and not rt.plan.compute_is_master:
-            self.compute = rt.store(self.layout.cut(param.detach(), rt.compute_dtype)
-                                    .to(rt.device), rt.param_tier, "params")
+            self.compute = rt.store(self.layout.cut(values, rt.compute_dtype).to(rt.device),
+                                    rt.param_tier, "params")
         else:
-            self.master = rt.store(self.layout.cut(param.detach(), torch.float32)
-                                   .to(rt.device), rt.state_tier, "master")
+            self.master = rt.store(self.layout.cut(values, torch.float32).to(rt.device),
+                                   rt.state_tier, "master")
         self.grad: torch.Tensor | None = None
         self._grad_buffer: torch.Tensor | None = None  # see [Note: gradient buffers]
         self.has_grad = False  # a gradient arrived since the last step
         self.group = None  # the ParamGroup that gathers this parameter (set by the engine)
+        self.shown_modify = False  # SHOWN: whether gathered_parameters writes .data back
+        self.state = ParamState.SHARDED
         self.full = self._new_full(self.dtype)
-        self.show_placeholder()
+        self.user_class = surface.dress(param)
+        self._show(self.full)
 
     def _new_full(self, dtype: torch.dtype) -> torch.Tensor:
         full = torch.empty(self.shape, dtype=dtype, device=self.rt.device)
         full.untyped_storage().resize_(0)
         registry.register_storage(registry.storage_key(full), self)
-        self._full_shown = False
         return full
 
     @property
@@ -88,9 +94,29 @@ class ShardedParam:
     def trainable(self) -> bool:
         return self.param.requires_grad
 
-    # -- what param.data shows ---------------------------------------------------------------
+    def label(self) -> str:
+        """How messages name it: its name in the model, else its shape."""
+        return self.name or f"of shape {list(self.shape)}"
+
+    # -- state moves (state.py's [Note: one state, one owner]) ---------------------------------
+    def _move(self, to: ParamState) -> None:
+        assert to in PARAM_MOVES[self.state], (
+            f"parameter {self.label()}: {self.state.value} -> {to.value}")
+        self.state = to
+
+    def _show(self, tensor: torch.Tensor) -> None:
+        with torch._C.DisableTorchFunctionSubclass():
+            self.param.data = tensor
+
     def alloc_full(self) -> torch.Tensor:
-        """Give the full tensor its storage back (contents undefined) and show it."""
+        """SHARDED -> FETCHING: give the full tensor storage (contents undefined), show it."""
+        self._alloc_storage()
+        if self.state is ParamState.SHARDED:
+            self._move(ParamState.FETCHING)
+            self._show(self.full)
+        return self.full
+
+    def _alloc_storage(self) -> None:
         storage = self.full.untyped_storage()
         if storage.nbytes() == 0:
             nbytes = self.numel * self.full.element_size()
@@ -99,50 +125,114 @@ class ShardedParam:
                 regions.fill(storage, nbytes)
             else:
                 storage.resize_(nbytes)
-        if not self._full_shown:
-            self.param.data = self.full
-            self._full_shown = True
-        return self.full
 
-    def show_full(self, full: torch.Tensor) -> None:
-        """Show another tensor as the parameter (a zero-copy shard view, or user-gathered fp32)."""
-        self.param.data = full
-        self._full_shown = False
+    def mark_gathered(self) -> None:
+        """FETCHING -> GATHERED: the full tensor now holds the values."""
+        if self.state is not ParamState.GATHERED:
+            self._move(ParamState.GATHERED)
 
-    def show_placeholder(self, force: bool = False) -> None:
-        """Free the full tensor's storage in place; only the shard remains.
+    def show_resident(self, view: torch.Tensor) -> None:
+        """SHARDED -> GATHERED without a copy: ``view`` is the resident shard itself (group.py's
+        [Note: zero-copy at world size one])."""
+        self._move(ParamState.GATHERED)
+        self._show(view)
 
-        ``force`` re-points ``param.data`` even if outcore believes it already does (after
-        code outside outcore, such as ``Module._apply``, assigned ``.data``).
-        """
+    def release(self) -> None:
+        """FETCHING or GATHERED -> SHARDED: free the full tensor's storage in place."""
+        if self.state is ParamState.SHARDED:
+            return
+        assert self.state in (ParamState.FETCHING, ParamState.GATHERED), self.state
+        self._free_full()
+        self._move(ParamState.SHARDED)
+        self._show(self.full)
+
+    def _free_full(self) -> None:
         storage, regions = self.full.untyped_storage(), self.rt.full_regions
         if regions is not None:
             regions.release(storage)  # whoever allocated it
         else:
             storage.resize_(0)
-        if force or not self._full_shown:
-            self.param.data = self.full
-            self._full_shown = True
+
+    def show_user(self, values: torch.Tensor, modify: bool) -> None:
+        """SHARDED -> SHOWN: ``gathered_parameters`` shows full fp32 ``values``."""
+        self._move(ParamState.SHOWN)
+        self.shown_modify = modify
+        self.rt.shown += 1
+        self._show(values)
+
+    def open_for_build(self, values: torch.Tensor | None) -> None:
+        """SHARDED -> BUILDING: construction code (outcore.init) works on the full tensor;
+        ``values`` None means its next call overwrites every element."""
+        self._alloc_storage()
+        if values is not None:
+            self.full.copy_(values)
+        self._move(ParamState.BUILDING)
+        self._show(self.full)
+
+    def end_shown(self, write_back: bool) -> None:
+        """SHOWN or BUILDING -> SHARDED: cut what ``.data`` holds now back into the shards
+        (``write_back``), then show the placeholder. ``.data`` may be a new tensor (after
+        ``p.data = t`` or ``model.to(dtype)`` during construction)."""
+        assert self.state in (ParamState.SHOWN, ParamState.BUILDING), self.state
+        current = raw_data(self.param)
+        if write_back:
+            self.write_values(current)
+        if self.state is ParamState.SHOWN:
+            self.rt.shown -= 1
+        if self.state is ParamState.BUILDING:
+            self._free_full()
+            if current.dtype != self.dtype:
+                self.user_dtype = current.dtype
+                self.adopt_dtype(current.dtype)
+        self._move(ParamState.SHARDED)
+        self._show(self.full)
+
+    def hand_back(self, values: torch.Tensor) -> None:
+        """SHARDED or DROPPED -> HANDED_BACK: the parameter becomes plain again, holding
+        ``values``; its shards are freed and outcore forgets it (engine.close())."""
+        param = self.param
+        self.free_storage()
+        registry.forget_storage(registry.storage_key(self.full))
+        self._move(ParamState.HANDED_BACK)
+        self._show(values)
+        surface.undress(param, self.user_class)
+        registry.unregister(param)
+        self.group = None
+
+    def drop(self) -> None:
+        """SHARDED -> DROPPED: the engine closed without keeping values (close()); the
+        parameter stays a placeholder whose reads name what to do."""
+        self.free_storage()
+        self._move(ParamState.DROPPED)
+        self.group = None
 
     def adopt_dtype(self, dtype: torch.dtype) -> None:
         """Switch the full tensor to ``dtype`` (the compute dtype, or a ``.to()`` during init)."""
+        assert self.state in (ParamState.SHARDED, ParamState.BUILDING), self.state
         if dtype != self.full.dtype:
             registry.forget_storage(registry.storage_key(self.full))
             self.full = self._new_full(dtype)
+            if self.state is ParamState.SHARDED:
+                self._show(self.full)
         self.dtype = dtype
 
     # -- shards ---------------------------------------------------------------------------------
     def prepare_for_training(self) -> None:
         """Create the training-dtype shard in the parameter tier; drop fp32 state if frozen.
 
+        Called by every engine that takes the parameter (a second engine on the same model
+        replaces the first one's training-dtype shard).
+
         [Note: fp32 shards are shared, not copied]
         With fp32 compute and parameters in the same tier as the optimizer state, the compute
         shard *is* the master shard: the optimizer's update is what the next forward sees.
         """
         rt = self.rt
-        if self.master is None:  # born frozen: see [Note: a parameter born frozen]
-            self._prepare_born_frozen()
+        if self.master is None:  # only 16-bit values: see [Note: a parameter born frozen]
+            self._prepare_values_only()
             return
+        if self.compute is not None and self.compute is not self.master:
+            self.compute.free()
         if rt.plan.compute_is_master:
             self.compute = self.master
         else:
@@ -152,9 +242,8 @@ class ShardedParam:
                 self.master.free()
                 self.master = None
         self.adopt_dtype(rt.compute_dtype)
-        self.show_placeholder()
 
-    def _prepare_born_frozen(self) -> None:
+    def _prepare_values_only(self) -> None:
         """[Note: a parameter born frozen]
         A base that LoRA will freeze can be built under ``outcore.init(cfg, frozen=True)``:
         its parameters are created with ``requires_grad=False`` and stored as they are meant to
@@ -162,22 +251,42 @@ class ShardedParam:
         Built the ordinary way, every parameter would first get an fp32 master in the optimizer
         tier (4 bytes each, twice the base's 16-bit size, in host memory when the optimizer
         lives there) only to drop it when the engine finds it frozen. Such a parameter has no
-        exact fp32 values to train from, so making it trainable later is refused.
+        exact fp32 values to train from, so making it trainable later is refused; the same
+        holds for a parameter an earlier engine kept frozen, in 16 bits only.
         """
         rt = self.rt
         assert self.compute is not None
         if self.trainable:
             raise ConfigError(
-                f"parameter {self.name or tuple(self.shape)} was created under "
-                "outcore.init(frozen=True), which keeps only its training-dtype values, and is "
-                "now trainable; build what you train outside frozen init (LoRA adapters are), "
-                "or set requires_grad=False on it")
+                f"parameter {self.label()} holds only its {self.compute.dtype} values (it was "
+                "frozen when outcore sharded it: under outcore.init(frozen=True), or by an "
+                "earlier engine) and is now trainable; build what you train outside frozen "
+                "init (LoRA adapters are), or set requires_grad=False on it")
         if self.compute.dtype != rt.compute_dtype:  # initialize asked for another dtype
             values = load_now(self.compute, rt.device).to(rt.compute_dtype)
             self.compute.free()
             self.compute = rt.store(values, rt.param_tier, "params")
         self.adopt_dtype(rt.compute_dtype)
-        self.show_placeholder()
+
+    def move_to(self, rt: Runtime) -> None:
+        """Re-home the shards in ``rt``'s tiers (a new engine with another placement takes
+        the model over): the values move, the training-dtype copy is rebuilt by
+        ``prepare_for_training``. The layout is the same: one process, one world size."""
+        assert self.state is ParamState.SHARDED, self.state
+        self.release_grads()
+        if self.master is not None:
+            if self.compute is not None and self.compute is not self.master:
+                self.compute.free()
+            self.compute = None
+            values = load_now(self.master, rt.device)
+            self.master.free()
+            self.master = rt.store(values, rt.state_tier, "master")
+        else:
+            assert self.compute is not None
+            values = load_now(self.compute, rt.device)
+            self.compute.free()
+            self.compute = rt.store(values, rt.param_tier, "params")
+        self.rt = rt
 
     # -- gradients ------------------------------------------------------------------------------
     def add_grad(self, shard_grad: torch.Tensor, owned: bool = False) -> None:
@@ -233,18 +342,31 @@ class ShardedParam:
         self.grad = None
         self.has_grad = False
 
-    def free_storage(self) -> None:
-        """Give back every shard's bytes (the parameter is gone)."""
+    def release_grads(self) -> None:
+        """Drop the gradient and the kept gradient buffer (the engine lets go of the model)."""
         self.drop_grad()
         if self._grad_buffer is not None:
             self.rt.ledger.add(self.rt.plan.grad_tier.value, "grads", -self._grad_buffer.nbytes)
             self._grad_buffer = None
+
+    def free_storage(self) -> None:
+        """Give back every shard's bytes (the parameter is gone, dropped or handed back)."""
+        self.release_grads()
         for stored in {id(s): s for s in (self.master, self.compute) if s is not None}.values():
             stored.free()
         self.master = self.compute = None
 
+    # -- values ---------------------------------------------------------------------------------
+    def _check_values(self) -> None:
+        if self.state is ParamState.DROPPED:
+            raise ParamAccessError(dropped_message(self))
+        self.rt.await_updates()  # updates submitted during backward
+        if self.group is not None:
+            self.group.await_update()  # the step may have returned with updates running
+
     def values_shard(self) -> torch.Tensor:
         """This rank's shard of the parameter's exact values (fp32 master when there is one)."""
+        self._check_values()
         src = self.master if self.master is not None else self.compute
         assert src is not None
         return load_now(src, self.rt.device).to(torch.float32)
@@ -256,6 +378,25 @@ class ShardedParam:
         self.rt.comm.all_gather(out, shard.contiguous()).wait()
         return out[: self.numel].view(self.shape)
 
+    def read_value(self, exact: bool = False) -> torch.Tensor:
+        """A new tensor with the full current values, read from the shards (one rank only):
+        in the parameter's dtype, or fp32 from the master with ``exact``."""
+        assert self.rt.world_size == 1
+        self._check_values()
+        src = self.master if exact and self.master is not None else (self.compute or self.master)
+        assert src is not None
+        t = load_now(src, self.rt.device)
+        if src.resident() is not None or t.dtype != (torch.float32 if exact else self.dtype):
+            t = t.to(torch.float32 if exact else self.dtype, copy=True)
+        return t[: self.numel].view(self.shape)
+
+    def local_values(self) -> torch.Tensor:
+        """A full-shape fp32 tensor whose slice of this rank holds its values, the rest zero:
+        enough for a write that overwrites whatever it touches (no collective)."""
+        full = torch.zeros(self.shape, dtype=torch.float32, device=self.rt.device)
+        self.layout.paste(full, self.values_shard())
+        return full
+
     def write_values(self, full: torch.Tensor) -> None:
         """Replace this rank's shard with its slice of ``full`` (master and compute shards)."""
         self.write_shard(self.layout.cut(full.to(self.rt.device), torch.float32))
@@ -266,3 +407,16 @@ class ShardedParam:
             self.master.save(shard).result()
         if self.compute is not None and self.compute is not self.master:
             self.compute.save(shard.to(self.compute.dtype)).result()
+
+    def overwrite(self, shard: torch.Tensor) -> None:
+        """Write new values between steps (a user's write, a weight load): the group's full
+        tensors and prefetches of the old values are dropped first, and a group kept gathered
+        is fetched again after."""
+        self._check_values()
+        group = self.group
+        if group is not None:
+            group.reshard()  # waits for reads of the old shard still in flight
+        self.write_shard(shard)
+        if group is not None:
+            group.refresh_after_step()
+

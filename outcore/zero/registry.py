@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from outcore.zero.param import ShardedParam
 
 _MANAGED: dict[int, ShardedParam] = {}
+_FINALIZERS: dict[int, weakref.finalize] = {}
 
 
 def managed(t: object) -> ShardedParam | None:
@@ -33,10 +34,20 @@ def managed(t: object) -> ShardedParam | None:
 def register(param: nn.Parameter, sp: ShardedParam) -> None:
     key = id(param)
     _MANAGED[key] = sp
-    weakref.finalize(param, _forget, key)
+    _FINALIZERS[key] = weakref.finalize(param, _forget, key)
+
+
+def unregister(param: nn.Parameter) -> None:
+    """Forget ``param`` (handed back as a plain parameter): its shards are already freed."""
+    key = id(param)
+    _MANAGED.pop(key, None)
+    fin = _FINALIZERS.pop(key, None)
+    if fin is not None:
+        fin.detach()
 
 
 def _forget(key: int) -> None:
+    _FINALIZERS.pop(key, None)
     sp = _MANAGED.pop(key, None)
     if sp is not None:
         forget_storage(storage_key(sp.full))

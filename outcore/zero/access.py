@@ -1,0 +1,466 @@
+"""The paths of surface.py's dispatch that do more than run the call: reads from the shards,
+writes to the shards, views that remember their parameter, and the refusals.
+
+Every function here is entered from ``__torch_function__`` of a sharded parameter or of a
+``ParamView`` (surface.py's [Note: a sharded parameter answers every call]) and ends in one
+call of the torch function on plain tensors, or in a ``ParamAccessError``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+from torch._C import DisableTorchFunctionSubclass
+
+from outcore.errors import ParamAccessError
+from outcore.zero import registry
+from outcore.zero.calls import (
+    CPU,
+    CUDA,
+    DATA_GET,
+    DATA_SET,
+    DETACH,
+    TO,
+    Kind,
+    kind_of,
+    local_write,
+)
+from outcore.zero.state import HAS_VALUES, USER_OWNED, ParamState, Phase
+
+DRESSED: set[type] = set()
+"""The sharded parameter classes (surface.py's ``dress`` adds them)."""
+
+
+def raw(func: Any, args: tuple, kwargs: dict) -> Any:
+    """Run ``func`` on the tensors as torch keeps them, past every dispatch of ours."""
+    with DisableTorchFunctionSubclass():
+        return func(*args, **kwargs)
+
+
+def raw_data(param: torch.Tensor) -> torch.Tensor:
+    """``param.data`` as torch keeps it (outcore's own use)."""
+    with DisableTorchFunctionSubclass():
+        return param.data
+
+
+def is_live(sp: Any) -> bool:
+    """Whether ``.data`` is where the exact values live (one rank, fp32 shards in memory
+    shown without a copy): then every call, writes included, is plain PyTorch's."""
+    return (sp.state is ParamState.GATHERED and sp.group is not None and sp.group.zero_copy
+            and sp.compute is sp.master)
+
+
+class ParamView(torch.Tensor):
+    """A view of a sharded parameter that holds no bytes, only how it was cut from it.
+
+    ``source``: the parameter; ``chain``: the view calls from it, each ``(func, rest of the
+    arguments, kwargs, index of the output or None)``; ``detached``: it came through
+    ``.data``, so writes through it are not autograd's business (as with ``.data``)."""
+
+    source: nn.Parameter
+    chain: tuple
+    detached: bool
+
+    @staticmethod
+    def __new__(cls, source: nn.Parameter, chain: tuple, detached: bool,
+                geometry: torch.Tensor) -> ParamView:
+        view = torch.Tensor._make_wrapper_subclass(
+            cls, geometry.size(), strides=geometry.stride(),
+            storage_offset=geometry.storage_offset(), dtype=geometry.dtype,
+            device=source.device, requires_grad=False)
+        view.source, view.chain, view.detached = source, chain, detached
+        return view
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (),
+                           kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        kind = kind_of(func)
+        if kind is Kind.META:
+            return raw(func, args, kwargs)
+        return handle(kind, func, args, kwargs, touched(args, kwargs))
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (),
+                           kwargs: dict | None = None) -> Any:
+        raise ParamAccessError(
+            f"{func} reached a view of a sharded parameter below torch's Python layer; wrap "
+            "the code in engine.gathered_parameters() to give it the full tensor")
+
+    def __reduce_ex__(self, proto: int) -> Any:
+        with torch.no_grad():
+            return DETACH(self).__reduce_ex__(proto)
+
+
+class Touch(NamedTuple):
+    """A sharded parameter or view among a call's arguments: its ShardedParam (None once
+    handed back) and the view calls from the parameter (``()`` for the parameter)."""
+
+    obj: torch.Tensor
+    sp: Any
+    chain: tuple
+
+    @property
+    def param(self) -> nn.Parameter:
+        return self.obj.source if type(self.obj) is ParamView else self.obj
+
+    @property
+    def detached(self) -> bool:
+        return type(self.obj) is ParamView and self.obj.detached
+
+
+def touched(args: tuple, kwargs: dict) -> list[Touch]:
+    """The sharded parameters and views among ``args`` and ``kwargs`` (and lists of them)."""
+    out = []
+    for a in (*args, *kwargs.values()):
+        for t in (a if isinstance(a, (list, tuple)) else (a,)):
+            cls = type(t)
+            if cls in DRESSED:
+                sp = registry.managed(t)
+                if sp is not None:
+                    out.append(Touch(t, sp, ()))
+            elif cls is ParamView:
+                out.append(Touch(t, registry.managed(t.source), t.chain))
+    return out
+
+
+# -- entry ------------------------------------------------------------------------------------
+def handle(kind: Kind, func: Any, args: tuple, kwargs: dict, found: list[Touch]) -> Any:
+    """The slow path of ``surface.dispatch``: decide by kind and state."""
+    if not found:
+        return raw(func, args, kwargs)
+    if kind is Kind.DATA_GET:
+        return _data_get(found[0])
+    if kind is Kind.DATA_SET:
+        return _data_set(args[0], args[1], found)
+    if kind is Kind.REPR:
+        return _repr(func, args, kwargs, found)
+    target = _target(kind, args, kwargs)
+    mine = next((t for t in found if t.obj is target), None) if target is not None else None
+    if kind is Kind.REFUSED and mine is not None:
+        if mine.sp is not None and (mine.sp.state not in USER_OWNED or mine.chain):
+            raise ParamAccessError(
+                f"{_name(func)} on parameter {mine.sp.label()}: it would change the storage or "
+                "shape outcore keeps the parameter in; do it to a copy (p.detach())")
+        return _run(func, args, kwargs, {id(mine.obj): _resolve(mine)})
+    if mine is not None:
+        return _write(func, args, kwargs, mine, [t for t in found if t is not mine])
+    return _read(func, args, kwargs, found)
+
+
+def _target(kind: Kind, args: tuple, kwargs: dict) -> object:
+    out = kwargs.get("out")
+    if isinstance(out, torch.Tensor):
+        return out
+    if kind in (Kind.WRITE, Kind.REFUSED):
+        if args:
+            return args[0]
+        for key in ("tensor", "input", "self"):
+            if key in kwargs:
+                return kwargs[key]
+    return None
+
+
+def _run(func: Any, args: tuple, kwargs: dict, values: dict[int, torch.Tensor]) -> Any:
+    """``func`` with each touched object replaced by its value (keyed by ``id``)."""
+    def sub(a: Any) -> Any:
+        if isinstance(a, (list, tuple)) and any(id(x) in values for x in a):
+            return type(a)(values.get(id(x), x) for x in a)
+        return values.get(id(a), a)
+
+    return raw(func, tuple(sub(a) for a in args), {k: sub(v) for k, v in kwargs.items()})
+
+
+def _name(func: Any) -> str:
+    return getattr(func, "__name__", repr(func))
+
+
+def _resolve(t: Touch) -> torch.Tensor:
+    """The plain tensor ``t`` stands for, where it holds its values in place."""
+    return apply_chain(raw_data(t.param), t.chain)
+
+
+def apply_chain(base: torch.Tensor, chain: tuple) -> torch.Tensor:
+    for func, rest, kw, index in chain:
+        base = raw(func, (base, *rest), kw)
+        if index is not None:
+            base = base[index]
+    return base
+
+
+# -- reads ------------------------------------------------------------------------------------
+def _read(func: Any, args: tuple, kwargs: dict, found: list[Touch]) -> Any:
+    first = args[0] if args else None
+    if len(found) == 1 and found[0].obj is first and found[0].sp is not None:
+        same = _same_object(func, found[0], args, kwargs)
+        if same is not None:
+            return same
+        if func is not DETACH:
+            view = _view(func, args, kwargs, found[0])
+            if view is not None:
+                return view
+    values, borrowed = {}, []
+    for t in found:
+        value, fresh = _value(t)
+        values[id(t.obj)] = value
+        if not fresh:
+            borrowed.append(value)
+    out = _run(func, args, kwargs, values)
+    return _own(out, borrowed)
+
+
+def _value(t: Touch) -> tuple[torch.Tensor, bool]:
+    """(the values ``t`` stands for, whether that tensor is new, owned by nobody else)."""
+    sp = t.sp
+    if sp is None:
+        return _resolve(t), False
+    check_readable(sp)
+    if sp.state is ParamState.FETCHING:
+        sp.group.wait_unshard()  # one rank: finishing the reads is local
+    if sp.state in HAS_VALUES:
+        base, fresh = raw_data(sp.param), False
+    else:
+        base, fresh = sp.read_value(), True
+    param = t.param
+    if not t.chain and torch.is_grad_enabled() and param.requires_grad:
+        tmp = (base if fresh else base.clone()).detach().requires_grad_()
+        _route_grad(tmp, param)
+        return tmp, True
+    return apply_chain(base, t.chain), fresh
+
+
+def _own(out: Any, borrowed: list[torch.Tensor]) -> Any:
+    """Copy results that alias a parameter's full tensor: it may be released after."""
+    if not borrowed:
+        return out
+    keys = {b.untyped_storage()._cdata for b in borrowed}
+    if isinstance(out, torch.Tensor) and out.untyped_storage()._cdata in keys:
+        return out.clone()
+    if isinstance(out, (tuple, list)):
+        return type(out)(_own(o, borrowed) for o in out)
+    return out
+
+
+def _route_grad(tmp: torch.Tensor, param: nn.Parameter) -> None:
+    """Gradients reaching ``tmp`` (a read outside the forward, e.g. a penalty term) go to
+    ``param.grad``, where the engine's backward reduces them as any other."""
+    def hook(t: torch.Tensor) -> None:
+        g, t.grad = t.grad, None
+        with DisableTorchFunctionSubclass():
+            param.grad = g if param.grad is None else param.grad + g
+
+    tmp.register_post_accumulate_grad_hook(hook)
+
+
+def readable(sp: Any) -> bool:
+    """Whether this process alone can read ``sp``'s values now. At more ranks only what the
+    user holds is read between steps, whatever happens to be gathered (a small group kept
+    for the next forward): the rule must not depend on a parameter's size."""
+    if sp.state is ParamState.DROPPED:
+        return False
+    return sp.rt.world_size == 1 or sp.state in USER_OWNED or (
+        sp.state in HAS_VALUES and sp.rt.phase is not Phase.IDLE)
+
+
+def check_readable(sp: Any) -> None:
+    """Raise outcore's error where a read cannot be served from this process alone."""
+    if sp.state is ParamState.DROPPED:
+        raise ParamAccessError(dropped_message(sp))
+    if not readable(sp):
+        raise ParamAccessError(
+            f"reading parameter {sp.label()} outside the forward at world size "
+            f"{sp.rt.world_size}: its values are spread over the ranks, and gathering them is "
+            "a collective every rank must join; read it inside `with "
+            "engine.gathered_parameters([p]):` (or outcore.gathered_parameters(model)) on every "
+            "rank, or save with engine.save_checkpoint / OutcoreTrainer.save_model")
+
+
+def dropped_message(sp: Any) -> str:
+    return (f"parameter {sp.label()} has no values: its engine closed without keeping them "
+            "(close(keep_values=False), an error, or a model too large for memory); keep them "
+            "with engine.close(keep_values=True), or save before closing "
+            "(engine.save_checkpoint + outcore.consolidate) and load them back with "
+            "model.load_state_dict(...) or outcore.load_pretrained(model, folder)")
+
+
+def _same_object(func: Any, t: Touch, args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """``t.obj`` itself for a move to the device and dtype it already has (``model.to``)."""
+    obj, rest = t.obj, args[1:]
+    if func is TO:
+        if kwargs.get("copy"):
+            return None
+        try:
+            device, dtype, _, fmt = torch._C._nn._parse_to(*rest, **kwargs)
+        except (TypeError, RuntimeError):
+            return None
+        if fmt not in (None, torch.preserve_format):
+            return None
+    elif func is CPU:
+        device, dtype = torch.device("cpu"), None
+    elif func is CUDA:
+        index = rest[0] if rest else kwargs.get("device")
+        device = (torch.device("cuda", torch.cuda.current_device()) if index is None
+                  else torch.device("cuda", index) if isinstance(index, int)
+                  else torch.device(index))
+        dtype = None
+    else:
+        return None
+    same_device = device is None or (device.type == obj.device.type and (
+        device.index is None or device.index == obj.device.index))
+    return obj if same_device and dtype in (None, obj.dtype) else None
+
+
+def _view(func: Any, args: tuple, kwargs: dict, t: Touch) -> Any:
+    """A ``ParamView`` (or several) if ``func`` returns views of ``t``; else None. Found by
+    running ``func`` on a meta tensor of ``t``'s geometry and seeing what shares its storage."""
+    meta = apply_chain(torch.empty(t.sp.shape, dtype=t.sp.dtype, device="meta"), t.chain)
+    try:
+        out = raw(func, (meta, *args[1:]), kwargs)
+    except Exception:  # noqa: BLE001 - not runnable on meta: read the values instead
+        return None
+    if out is meta:
+        return t.obj
+    key = meta.untyped_storage()._cdata
+    shares = lambda o: isinstance(o, torch.Tensor) and o.untyped_storage()._cdata == key  # noqa: E731
+    rest = args[1:]
+    if shares(out):
+        return ParamView(t.param, (*t.chain, (func, rest, kwargs, None)), t.detached, out)
+    if isinstance(out, (tuple, list)) and out and all(shares(o) for o in out):
+        return type(out)(ParamView(t.param, (*t.chain, (func, rest, kwargs, i)), t.detached, o)
+                         for i, o in enumerate(out))
+    return None
+
+
+def _data_get(t: Touch) -> torch.Tensor:
+    sp = t.sp
+    if sp is None or (not t.chain and sp.state in HAS_VALUES and (
+            sp.state in USER_OWNED or sp.rt.phase is not Phase.IDLE or is_live(sp))):
+        return raw(DATA_GET, (t.obj,), {}) if sp is not None else _resolve(t).detach()
+    if sp.state is ParamState.DROPPED:
+        raise ParamAccessError(dropped_message(sp))
+    meta = apply_chain(torch.empty(sp.shape, dtype=sp.dtype, device="meta"), t.chain)
+    return ParamView(t.param, t.chain, True, meta)
+
+
+def _repr(func: Any, args: tuple, kwargs: dict, found: list[Touch]) -> Any:
+    t = found[0]
+    sp = t.sp
+    if sp is not None and not readable(sp):
+        what = ("values dropped when its engine closed" if sp.state is ParamState.DROPPED else
+                f"sharded over {sp.rt.world_size} ranks; read it inside "
+                "engine.gathered_parameters()")
+        text = f"tensor(<{sp.label()}: {list(t.obj.shape)} {t.obj.dtype}, {what}>)"
+        return text if func is torch.Tensor.__repr__ else format(text, *args[1:])
+    return _read(func, args, kwargs, found)
+
+
+# -- writes -----------------------------------------------------------------------------------
+def _write(func: Any, args: tuple, kwargs: dict, t: Touch, others: list[Touch]) -> Any:
+    """An in-place call on ``t`` (see surface.py's note for what each state does)."""
+    sp = t.sp
+    if sp is None or is_live(sp) and sp.rt.phase is Phase.IDLE:
+        return _in_place(func, args, kwargs, t, others)
+    if sp.state in USER_OWNED:
+        if sp.state is ParamState.SHOWN and not sp.shown_modify:
+            raise ParamAccessError(
+                f"writing parameter {sp.label()} inside gathered_parameters(modify=False): the "
+                "write would be discarded on exit; pass modify=True")
+        return _in_place(func, args, kwargs, t, others)
+    _check_writable(sp, func)
+    if sp.state is ParamState.DROPPED:
+        return _revive(func, args, kwargs, t, others)
+    if (not t.detached and torch.is_grad_enabled() and t.param.requires_grad
+            and getattr(func, "__module__", None) != "torch.nn.init"):  # those run in no_grad
+        raise RuntimeError(  # what torch says for the same call on a plain parameter
+            ("a view of a leaf Variable" if t.chain else "a leaf Variable")
+            + " that requires grad is being used in an in-place operation.")
+    world = sp.rt.world_size
+    if world > 1 and (others or not local_write(func)):
+        raise ParamAccessError(
+            f"{_name(func)} on parameter {sp.label()} at world size {world} needs values held "
+            "by other ranks; do it inside `with engine.gathered_parameters([p], modify=True):` "
+            "on every rank (writes that overwrite or are pointwise, like copy_, fill_, "
+            "nn.init's random fills or mul_, work as they are)")
+    if world > 1:
+        full = sp.local_values()
+    elif not t.chain and func in registry.OVERWRITE_CALLS:
+        full = torch.empty(sp.shape, dtype=torch.float32, device=sp.rt.device)
+    else:
+        full = sp.read_value(exact=True)
+    values = {id(o.obj): _value(o)[0] for o in others}
+    values[id(t.obj)] = apply_chain(full, t.chain)
+    with torch.no_grad():
+        _run(func, args, kwargs, values)
+    sp.overwrite(sp.layout.cut(full, torch.float32))
+    return t.obj
+
+
+def _in_place(func: Any, args: tuple, kwargs: dict, t: Touch, others: list[Touch]) -> Any:
+    """Run the write where ``t``'s values live in place: on the parameter itself (so
+    autograd's rules apply as in plain PyTorch), or on the tensor a view stands for."""
+    values = {id(o.obj): _value(o)[0] for o in others}
+    if t.chain or t.detached or t.sp is None:
+        values[id(t.obj)] = _resolve(t)
+    _run(func, args, kwargs, values)
+    return t.obj
+
+
+def _check_writable(sp: Any, func: Any) -> None:
+    if sp.rt.phase is not Phase.IDLE:
+        raise ParamAccessError(
+            f"{_name(func)} writes parameter {sp.label()} inside the engine's "
+            f"{sp.rt.phase.value}: its full tensor there is a temporary gathered for compute; "
+            "write it between steps (outcore sends it to the shards), or inside "
+            "engine.gathered_parameters([p], modify=True)")
+
+
+def _revive(func: Any, args: tuple, kwargs: dict, t: Touch, others: list[Touch]) -> Any:
+    """A write of every element of a DROPPED parameter (``load_state_dict`` after close)
+    makes it a plain parameter again; anything less has nothing to write into."""
+    sp = t.sp
+    if t.chain or func not in registry.OVERWRITE_CALLS:
+        raise ParamAccessError(dropped_message(sp))
+    values = {id(o.obj): _value(o)[0] for o in others}
+    full = torch.empty(sp.shape, dtype=sp.user_dtype, device=sp.rt.device)
+    values[id(t.obj)] = full
+    with torch.no_grad():
+        _run(func, args, kwargs, values)
+    sp.hand_back(full)
+    return t.obj
+
+
+def _data_set(obj: Any, value: Any, found: list[Touch]) -> None:
+    """``p.data = value``: the values go to the shards; the shape and dtype stay."""
+    t = next((f for f in found if f.obj is obj), None)
+    if t is None:  # plain.data = a sharded parameter: give it the values, not the placeholder
+        src = next(f for f in found if f.obj is value)
+        return raw(DATA_SET, (obj, _value(src)[0].detach()), {})
+    sp = t.sp
+    if value is obj or (type(value) is ParamView and value.source is t.param and not value.chain):
+        return None  # Module._apply after a move to where it already is
+    if sp is None or t.chain or not isinstance(value, torch.Tensor) or sp.state in USER_OWNED:
+        if sp is not None and sp.state is ParamState.SHOWN and not sp.shown_modify:
+            raise ParamAccessError(f"assigning parameter {sp.label()}.data inside "
+                                   "gathered_parameters(modify=False); pass modify=True")
+        return raw(DATA_SET, (_resolve(t) if t.chain else obj, value), {})
+    if type(value) in DRESSED or type(value) is ParamView:
+        value = _value(touched((value,), {})[0])[0]
+    _check_writable(sp, DATA_SET)
+    if tuple(value.shape) != tuple(sp.shape):
+        raise ParamAccessError(
+            f"assigning a tensor of shape {list(value.shape)} to parameter {sp.label()}.data "
+            f"(shape {list(sp.shape)}): outcore shards it by its shape; copy_() values of the "
+            "same shape, or build a new model")
+    if sp.state is ParamState.DROPPED:
+        sp.hand_back(value)
+        return None
+    dtype = t.obj.dtype
+    if value.dtype != dtype:
+        raise ParamAccessError(
+            f"assigning a {value.dtype} tensor to parameter {sp.label()}.data: outcore computes "
+            f"it in {dtype} (the config's dtype); assign a {dtype} tensor, or copy_() values of "
+            "any dtype into it")
+    sp.overwrite(sp.layout.cut(value.detach().to(sp.rt.device), torch.float32))
+    return None

@@ -1,0 +1,106 @@
+"""Which kind of call a torch function is, for a parameter it touches (surface.py's note).
+
+[Note: telling reads from writes]
+Every torch call on a sharded parameter is sorted once, by the function: metadata (answered
+by the placeholder), a read, a write (in-place: a name ending in one underscore, an in-place
+operator, ``__setitem__``, ``nn.init``'s fills), ``.data`` get or set, ``repr``, or a call
+that would change the parameter's storage or shape in place (refused). Whether a write can
+run on each rank's own slice alone comes from the ATen operator of the same name: overwrites
+(``copy_``, ``fill_``, the ``nn.init`` fills) and operators tagged pointwise or seeded-random
+touch each element from that element alone, so a rank can apply them to its slice.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Any
+
+import torch
+
+from outcore.zero import registry
+
+
+class Kind(Enum):
+    META = "meta"
+    READ = "read"
+    WRITE = "write"
+    DATA_GET = "data_get"
+    DATA_SET = "data_set"
+    REPR = "repr"
+    REFUSED = "refused"  # changes the parameter's storage or shape in place
+
+
+DATA_GET = torch.Tensor.data.__get__
+DATA_SET = torch.Tensor.data.__set__
+SETITEM = torch.Tensor.__setitem__
+DETACH = torch.Tensor.detach
+# calls that use only metadata, beyond registry.METADATA_CALLS; *_like and new_* allocate a
+# new tensor without reading the parameter's values
+_MORE_META = frozenset(
+    [getattr(torch.Tensor, n) for n in (
+        "data_ptr", "untyped_storage", "storage", "stride", "storage_offset", "is_contiguous",
+        "_is_view", "is_pinned", "is_shared", "is_signed", "is_inference", "__len__",
+        "retain_grad", "new_empty", "new_zeros", "new_ones", "new_full", "new_tensor",
+        "new_empty_strided", "__dir__") if hasattr(torch.Tensor, n)]
+    + [getattr(torch.Tensor, n).__get__ for n in (
+        "itemsize", "nbytes", "is_cpu", "is_mkldnn", "is_nested", "output_nr", "_version",
+        "_base", "is_xpu", "is_mps") if hasattr(torch.Tensor, n)]
+    + [torch._has_compatible_shallow_copy_type, torch.empty_like, torch.zeros_like,
+       torch.ones_like, torch.full_like, torch.rand_like, torch.randn_like, torch.randint_like]
+)
+_REPR = frozenset([torch.Tensor.__repr__, torch.Tensor.__format__])
+_REFUSED = frozenset(getattr(torch.Tensor, n) for n in (
+    "set_", "resize_", "resize_as_", "detach_", "share_memory_", "as_strided_", "t_",
+    "transpose_", "squeeze_", "unsqueeze_", "swapdims_", "swapaxes_"))
+_INPLACE_DUNDERS = frozenset({
+    "__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
+    "__imod__", "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__",
+    "__imatmul__"})
+TO, CPU, CUDA = torch.Tensor.to, torch.Tensor.cpu, torch.Tensor.cuda
+_KINDS: dict[Any, Kind] = {}
+
+
+def _classify(func: Any) -> Kind:
+    if func in registry.METADATA_CALLS or func in _MORE_META:
+        return Kind.META
+    if func == DATA_GET:  # method-wrappers are made anew on each access: compare, not `is`
+        return Kind.DATA_GET
+    if func == DATA_SET:
+        return Kind.DATA_SET
+    if func in _REPR:
+        return Kind.REPR
+    if func in _REFUSED:
+        return Kind.REFUSED
+    name = getattr(func, "__name__", "")
+    if name in _INPLACE_DUNDERS or (name.endswith("_") and not name.startswith("__")):
+        return Kind.WRITE
+    return Kind.READ
+
+
+def kind_of(func: Any) -> Kind:
+    try:
+        return _KINDS[func]
+    except KeyError:
+        kind = _KINDS[func] = _classify(func)
+        return kind
+    except TypeError:  # an unhashable callable
+        return _classify(func)
+
+
+_POINTWISE: dict[str, bool] = {}
+
+
+def local_write(func: Any) -> bool:
+    """Whether a write can run on each rank's own slice alone: it overwrites what it touches,
+    or it is pointwise (each element from that element alone)."""
+    if func in registry.OVERWRITE_CALLS or func is SETITEM or func == DATA_SET:
+        return True
+    name = getattr(func, "__name__", "")
+    if name not in _POINTWISE:
+        op = getattr(torch.ops.aten, name, None)
+        tags = set()
+        if op is not None:
+            for overload in op.overloads():
+                tags.update(getattr(op, overload).tags)
+        _POINTWISE[name] = bool(tags & {torch.Tag.pointwise, torch.Tag.nondeterministic_seeded})
+    return _POINTWISE[name]

@@ -1,0 +1,121 @@
+"""What a sharded parameter does when code touches it: every torch call, in every state.
+
+[Note: a sharded parameter answers every call]
+A parameter outcore shards keeps its identity but changes its class to a subclass of its own
+(``dress``), whose ``__torch_function__`` sends every torch call on it here: ``p.sum()``,
+``p.data``, ``p.copy_(t)``, ``nn.init.normal_(p)``, ``model.state_dict()``'s ``detach``,
+``load_state_dict``'s ``copy_``, ``repr``. A kernel therefore never meets the zero-byte
+placeholder of a released parameter (param.py's [Note: free the storage, keep the tensor]);
+what a call means follows from the parameter's ``ParamState`` and the runtime's ``Phase``
+(state.py):
+
+* metadata (shape, dtype, device, ``requires_grad``, hooks, ``*_like``): answered as is;
+* while its values are in ``.data`` (GATHERED in the engine's forward or backward; SHOWN by
+  ``gathered_parameters``; BUILDING under ``outcore.init``; always, at one rank with the
+  fp32 shards in memory): the call runs as in plain PyTorch;
+* a read otherwise: at one rank the values are read from the shards into a new tensor and
+  the call runs on it (under grad mode, gradients flow back to the parameter); at more ranks
+  the values are spread over processes, and a read from one of them would be a collective
+  the others never join, so it is refused with ``ParamAccessError`` naming
+  ``engine.gathered_parameters()``;
+* a write between steps goes to the shards: fp32 master and training-dtype copy, so the next
+  forward, the next step and the next checkpoint see it. At more ranks each rank applies it
+  to its own slice, which is exact for writes that overwrite what they touch (``copy_``,
+  ``fill_``, ``nn.init``'s random fills with the same seed on every rank, ``load_state_dict``)
+  and pointwise ones (``mul_``, ``clamp_``); others are refused. Writes inside the forward
+  or backward are refused: the full tensor there is a temporary;
+* a view (``p.data``, ``p[i]``, ``p.view(-1)``) is a ``ParamView``: it remembers how it was
+  cut from its parameter, so writes through it (``p.data[pad].zero_()``) reach the shards
+  and reads through it read the values, as above;
+* after ``close()`` without kept values (DROPPED) reads are refused with the way to get the
+  values, and a write of the whole parameter (``load_state_dict``) makes it plain again.
+
+``p.detach()`` (and so ``state_dict()``) is a copy of the values, not a view: a state dict
+must stay valid after the parameter is released again.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+import torch
+from torch import nn
+
+from outcore.zero import access, registry
+from outcore.zero.calls import DETACH, Kind, kind_of
+from outcore.zero.state import HAS_VALUES, USER_OWNED, Phase
+
+
+# -- the parameter classes ------------------------------------------------------------------------
+class ShardedParameter(nn.Parameter):
+    """The class a sharded parameter wears (see the note); ``dress`` makes one per user class."""
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (),
+                           kwargs: dict | None = None) -> Any:
+        return dispatch(func, args, kwargs or {})
+
+    def __reduce_ex__(self, proto: int) -> Any:
+        """Pickled (``torch.save(model)``) as a plain parameter holding its values."""
+        return (torch._utils._rebuild_parameter,
+                (_value_for_copy(self), self.requires_grad, OrderedDict()))
+
+    def __deepcopy__(self, memo: dict) -> nn.Parameter:
+        if id(self) not in memo:
+            sp = registry.managed(self)
+            cls = sp.user_class if sp is not None else nn.Parameter
+            memo[id(self)] = cls(_value_for_copy(self).clone(), self.requires_grad)
+        return memo[id(self)]
+
+
+_CLASSES: dict[type, type] = {nn.Parameter: ShardedParameter}
+access.DRESSED.add(ShardedParameter)
+
+
+def dress(param: nn.Parameter) -> type:
+    """Give ``param`` the sharded class for its own class; returns the class to restore."""
+    cls = type(param)
+    if cls in access.DRESSED:
+        return next(c for c, d in _CLASSES.items() if d is cls)
+    sub = _CLASSES.get(cls)
+    if sub is None:
+        sub = type(cls)(f"Sharded{cls.__name__}", (ShardedParameter, cls), {})
+        _CLASSES[cls] = sub
+        access.DRESSED.add(sub)
+    param.__class__ = sub
+    return cls
+
+
+def undress(param: nn.Parameter, cls: type) -> None:
+    param.__class__ = cls
+
+
+# -- dispatch -------------------------------------------------------------------------------------
+def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
+    """Run ``func`` as the states of the parameters it touches allow (see the note)."""
+    kind = kind_of(func)
+    if kind is Kind.META:
+        return access.raw(func, args, kwargs)
+    touched = access.touched(args, kwargs)
+    if not touched:
+        return access.raw(func, args, kwargs)
+    if kind is Kind.READ and not kwargs.get("out") and all(_as_is(t) for t in touched):
+        return access.raw(func, args, kwargs)  # the forward's path: values there, computing
+    return access.handle(kind, func, args, kwargs, touched)
+
+
+def _as_is(t: access.Touch) -> bool:
+    """Whether a read of ``t`` may run on the tensor as it is."""
+    sp = t.sp
+    if sp is None:
+        return True
+    if t.chain or sp.state not in HAS_VALUES:
+        return False
+    return sp.state in USER_OWNED or sp.rt.phase is not Phase.IDLE or access.is_live(sp)
+
+
+def _value_for_copy(t: torch.Tensor) -> torch.Tensor:
+    """The values of a parameter as a plain tensor (pickling, deepcopy)."""
+    with torch.no_grad():
+        return DETACH(t)

@@ -1,0 +1,225 @@
+"""``engine.optimizer`` keeps ``torch.optim``'s contract (optim/facade.py's note): what code
+written for torch optimizers does with it gives what it gives with ``torch.optim.AdamW``."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.optim import lr_scheduler as sched
+
+import outcore
+from outcore.device.accel import default_device
+from tests.distributed import run_world
+
+HP = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+
+
+def _pair(tmp: Path, offload: str = "nvme", **cfg):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+    ref = copy.deepcopy(model).to(default_device())
+    engine = outcore.initialize(model, {
+        "dtype": "fp32", "optimizer": {"type": "adamw", **HP},
+        "offload": {"params": offload, "optimizer": offload, "nvme_path": str(tmp)}, **cfg})
+    return model, engine, ref, torch.optim.AdamW(ref.parameters(), **HP)
+
+
+def _batch(step: int) -> torch.Tensor:
+    return torch.randn(8, 16, generator=torch.Generator().manual_seed(step)).to(default_device())
+
+
+def _both(engine, ref: nn.Module, opt: torch.optim.Optimizer, step: int) -> tuple[float, float]:
+    x = _batch(step)
+    loss = engine(x).pow(2).mean()
+    engine.backward(loss)
+    engine.optimizer.step()
+    ref_loss = ref(x).pow(2).mean()
+    ref_loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.item(), ref_loss.item()
+
+
+def test_is_a_torch_optimizer_over_the_users_parameters(tmp_path: Path) -> None:
+    model, engine, _, _ = _pair(tmp_path)
+    opt = engine.optimizer
+    assert isinstance(opt, torch.optim.Optimizer)
+    assert {k: opt.defaults[k] for k in HP} == HP
+    assert [id(p) for p in opt.param_groups[0]["params"]] == [id(p) for p in model.parameters()]
+    assert opt.param_groups[0]["lr"] == HP["lr"]
+    with pytest.raises(outcore.ConfigError, match="param_groups="):
+        opt.add_param_group({"params": [nn.Parameter(torch.zeros(2))]})
+    engine.close()
+
+
+def test_param_groups_keep_their_parameters_and_overrides(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    decay = [model[0].weight, model[1].weight]
+    rest = [model[0].bias, model[1].bias]
+    engine = outcore.initialize(model, {"dtype": "fp32"}, [
+        {"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}])
+    groups = engine.optimizer.param_groups
+    assert [g["params"] for g in groups] == [decay, rest]
+    assert [g["weight_decay"] for g in groups] == [0.1, 0.0]
+    engine.close()
+
+
+SCHEDULERS = {
+    "StepLR": lambda o: sched.StepLR(o, step_size=2, gamma=0.5),
+    "MultiStepLR": lambda o: sched.MultiStepLR(o, milestones=[1, 3], gamma=0.3),
+    "ConstantLR": lambda o: sched.ConstantLR(o, factor=0.5, total_iters=2),
+    "LinearLR": lambda o: sched.LinearLR(o, start_factor=0.2, total_iters=3),
+    "ExponentialLR": lambda o: sched.ExponentialLR(o, gamma=0.8),
+    "PolynomialLR": lambda o: sched.PolynomialLR(o, total_iters=4, power=2.0),
+    "CosineAnnealingLR": lambda o: sched.CosineAnnealingLR(o, T_max=4, eta_min=1e-4),
+    "CosineAnnealingWarmRestarts": lambda o: sched.CosineAnnealingWarmRestarts(o, T_0=2),
+    "CyclicLR": lambda o: sched.CyclicLR(o, base_lr=1e-3, max_lr=1e-2, step_size_up=2),
+    "OneCycleLR": lambda o: sched.OneCycleLR(o, max_lr=2e-2, total_steps=10),
+    "LambdaLR": lambda o: sched.LambdaLR(o, lambda s: 1.0 / (1 + s)),
+    "MultiplicativeLR": lambda o: sched.MultiplicativeLR(o, lambda s: 0.9),
+    "SequentialLR": lambda o: sched.SequentialLR(o, [sched.ConstantLR(o, 0.5, 2),
+                                                     sched.ExponentialLR(o, 0.9)], [2]),
+    "ChainedScheduler": lambda o: sched.ChainedScheduler([sched.ConstantLR(o, 0.5, 2),
+                                                          sched.ExponentialLR(o, 0.9)]),
+    "ReduceLROnPlateau": lambda o: sched.ReduceLROnPlateau(o, patience=0, factor=0.5),
+}
+
+
+@pytest.mark.parametrize("name", list(SCHEDULERS))
+def test_every_torch_scheduler_drives_the_shards_as_it_drives_adamw(tmp_path: Path,
+                                                                     name: str) -> None:
+    """The scheduler's learning rate (and OneCycle/Cyclic's momentum, which they write into
+    ``betas``) reaches the update of the shards: same rates, same losses, same weights."""
+    model, engine, ref, opt = _pair(tmp_path, offload="cpu")
+    ours_s, ref_s = SCHEDULERS[name](engine.optimizer), SCHEDULERS[name](opt)
+    lrs, ref_lrs, losses, ref_losses = [], [], [], []
+    for step in range(6):
+        loss, ref_loss = _both(engine, ref, opt, step)
+        losses.append(loss)
+        ref_losses.append(ref_loss)
+        if name == "ReduceLROnPlateau":
+            ours_s.step(1.0)  # never improves: the rate halves
+            ref_s.step(1.0)
+        else:
+            ours_s.step()
+            ref_s.step()
+        lrs.append([g["lr"] for g in engine.optimizer.param_groups])
+        ref_lrs.append([g["lr"] for g in opt.param_groups])
+    assert lrs == ref_lrs
+    torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6)
+    with engine.gathered_parameters():
+        for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+            torch.testing.assert_close(p.data, q.detach(), rtol=1e-4, atol=1e-5)
+    assert ours_s.state_dict().keys() == ref_s.state_dict().keys()
+    engine.close()
+
+
+@pytest.mark.parametrize("how", ["optimizer", "model"])
+def test_zero_grad_drops_what_backward_accumulated(tmp_path: Path, how: str) -> None:
+    """``optimizer.zero_grad()`` and ``model.zero_grad()`` reach the engine's gradient shards.
+    (Clipping keeps every update for step(): see the next test.)"""
+    model, engine, ref, opt = _pair(tmp_path, gradient_clipping=10.0)
+    x = _batch(0)
+    engine.backward(engine(x).pow(2).mean())
+    ref(x).pow(2).mean().backward()
+    (engine.optimizer if how == "optimizer" else model).zero_grad()
+    opt.zero_grad()
+    for step in (1, 2):  # plain torch clips too: at 10 it never does here
+        x = _batch(step)
+        engine.backward(engine(x).pow(2).mean())
+        engine.step()
+        ref(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    with engine.gathered_parameters():
+        for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+            torch.testing.assert_close(p.data, q.detach(), rtol=1e-4, atol=1e-5)
+    engine.close()
+
+
+def test_zero_grad_after_updates_ran_in_backward_is_refused(tmp_path: Path) -> None:
+    """With the optimizer running during backward, a boundary backward has applied its
+    updates already: zero_grad() cannot take them back, and says so."""
+    _, engine, _, _ = _pair(tmp_path)
+    assert engine.overlaps_optimizer
+    engine.backward(engine(_batch(0)).pow(2).mean())
+    with pytest.raises(outcore.OutcoreError, match="already applied the updates"):
+        engine.optimizer.zero_grad()
+    assert engine.step()
+    engine.optimizer.zero_grad()  # after the step: nothing to drop, fine
+    engine.close()
+
+
+def test_step_with_a_closure_returns_its_loss(tmp_path: Path) -> None:
+    _, engine, _, _ = _pair(tmp_path, offload="none")
+    x = _batch(0)
+
+    def closure() -> torch.Tensor:
+        loss = engine(x).pow(2).mean()
+        engine.backward(loss)
+        return loss
+
+    loss = engine.optimizer.step(closure)
+    assert isinstance(loss, torch.Tensor) and engine.global_steps == 1
+    engine.close()
+
+
+def _resume(tmp: str, source: str) -> dict:
+    """Train 2 steps, take the state dicts, load them into a fresh model and engine, train
+    2 more: the same as 2 more on the original. ``source``: whose optimizer state dict is
+    loaded, outcore's own (slices) or plain AdamW's (full-shape moments)."""
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    root = Path(tmp) / f"rank{rank}"
+    root.mkdir(exist_ok=True)
+    model, engine, ref, opt = _pair(root / "a")
+    for step in range(2):
+        _both(engine, ref, opt, step)
+    if source == "outcore":
+        with engine.gathered_parameters():
+            weights = {k: v.clone() for k, v in model.state_dict().items()}
+        state = engine.optimizer.state_dict()
+    else:
+        weights, state = ref.state_dict(), opt.state_dict()
+    torch.manual_seed(5)
+    model2 = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+    engine2 = outcore.initialize(model2, {
+        "dtype": "fp32", "optimizer": {"type": "adamw", **HP},
+        "offload": {"params": "nvme", "optimizer": "nvme", "nvme_path": str(root / "b")}})
+    model2.load_state_dict(weights)
+    engine2.optimizer.load_state_dict(state)
+    out = {"steps": [], "resumed": []}
+    for step in range(2, 4):
+        out["steps"].append(_both(engine, ref, opt, step)[0])
+        x = _batch(step)
+        loss = engine2(x).pow(2).mean()
+        engine2.backward(loss)
+        engine2.optimizer.step()
+        out["resumed"].append(loss.item())
+    engine.close()
+    engine2.close()
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("source", ["outcore", "torch"])
+def test_state_dict_round_trips_and_takes_plain_adamw_state(tmp_path: Path, source: str,
+                                                             world: int) -> None:
+    for rank in run_world(_resume, world, str(tmp_path), source):
+        torch.testing.assert_close(rank["resumed"], rank["steps"], rtol=1e-5, atol=1e-6)
+
+
+def test_state_dict_of_another_world_size_is_refused_in_words(tmp_path: Path) -> None:
+    _, engine, _, _ = _pair(tmp_path)
+    _both(engine, *_pair(tmp_path / "ref")[2:], 0)
+    state = engine.optimizer.state_dict()
+    state["outcore"]["world_size"] = 4
+    for entry in state["state"].values():  # slices of a 4-rank layout: a quarter each
+        entry["exp_avg"] = entry["exp_avg"][: entry["exp_avg"].numel() // 4]
+    with pytest.raises(outcore.ConfigError, match="saved at world size .*4"):
+        engine.optimizer.load_state_dict(state)
+    engine.close()

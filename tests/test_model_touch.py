@@ -76,8 +76,13 @@ _BATCHES: dict[tuple[str, int], dict[int, dict]] = {}
 def batches(tmp_path_factory: pytest.TempPathFactory):
     def get(offload: str, world: int) -> dict[int, dict]:
         key = (offload, world)
+        device = rank_device(world)
+        if (device != os.environ.get(DEVICE_ENV, "cpu")
+                and os.environ.get("OUTCORE_TEST_CPU_WORLDS") == "skip"):
+            pytest.skip(f"world {world} would run on gloo/CPU under --device cuda; the CPU "
+                        "suite runs it (OUTCORE_TEST_CPU_WORLDS=skip)")
         if key not in _BATCHES:
-            STARTED[(f"tests/test_model_touch.py ({offload})", world, rank_device(world))] += 1
+            STARTED[(f"tests/test_model_touch.py ({offload})", world, device)] += 1
             _BATCHES[key] = _run_batch(offload, world,
                                        tmp_path_factory.mktemp(f"touch-{offload}-{world}"))
         return _BATCHES[key]

@@ -42,12 +42,14 @@ class _Section(BaseModel):
 class OptimizerConfig(_Section):
     """Hyper-parameters of the sharded optimizer; per-group overrides come from param groups."""
 
-    type: Literal["adamw", "sgd"] = Field(
-        "adamw", description="torch's AdamW or SGD kernel, run over this rank's fp32 shards")
+    type: Literal["adamw", "adam", "sgd"] = Field(
+        "adamw", description="torch's AdamW, Adam (L2 weight decay) or SGD kernel, run over "
+        "this rank's fp32 shards")
     lr: float = Field(1e-4, gt=0, description="learning rate")
-    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas, each in [0, 1)")
-    eps: float = Field(1e-8, gt=0, description="AdamW epsilon")
-    weight_decay: float = Field(0.0, ge=0, description="decoupled weight decay (AdamW) or L2 (SGD)")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="Adam(W) betas, each in [0, 1)")
+    eps: float = Field(1e-8, gt=0, description="Adam(W) epsilon")
+    weight_decay: float = Field(0.0, ge=0, description="decoupled weight decay (AdamW) or L2 "
+                                "(Adam, SGD)")
     momentum: float = Field(0.0, ge=0, lt=1, description="SGD momentum")
     nesterov: bool = Field(False, description="SGD Nesterov momentum")
 
@@ -165,14 +167,18 @@ class Config(_Section):
 
     @classmethod
     def load(cls, source: Config | dict[str, Any] | str | os.PathLike[str] | None) -> Config:
-        """Accept what the public API accepts: a Config, a dict, a path, or None (defaults)."""
+        """Accept what the public API accepts: a Config, a dict, a path, or None (defaults);
+        a DeepSpeed config (dict or JSON file) is read with ``from_deepspeed``."""
         if source is None:
             return cls()
         if isinstance(source, Config):
             return source
-        if isinstance(source, dict):
-            return cls.from_dict(source)
-        return cls.from_file(source)
+        from outcore.io.deepspeed_config import from_deepspeed, is_deepspeed
+
+        data = source if isinstance(source, dict) else read_mapping(source)
+        if is_deepspeed(data):  # a DeepSpeed config works wherever a config is taken
+            return from_deepspeed(data)
+        return cls.from_dict(data) if isinstance(source, dict) else cls.from_file(source)
 
     @classmethod
     def from_deepspeed(cls, source: dict[str, Any] | str | os.PathLike[str]) -> Config:

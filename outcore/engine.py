@@ -27,14 +27,20 @@ import psutil
 import torch
 from torch import nn
 
-from outcore.config import Config
+from outcore.config import Config, merge_mappings
 from outcore.device.compute_dtype import DtypeChoice
-from outcore.errors import EngineClosedError, OutcoreError, ParamAccessError, StorageError
+from outcore.errors import (
+    ConfigError,
+    EngineClosedError,
+    OutcoreError,
+    ParamAccessError,
+    StorageError,
+)
 from outcore.guard.lock import HeldFolders
 from outcore.offload.storage import Tier
 from outcore.optim.facade import TorchOptimizer
 from outcore.optim.optimizer import ShardedOptimizer
-from outcore.optim.param_groups import HP_KEYS, check_param_groups
+from outcore.optim.param_groups import HP_KEYS, check_param_groups, from_torch_optimizer
 from outcore.optim.precision import LossScaler
 from outcore.overlap.entry import EntryHooks, entry_modules
 from outcore.overlap.hooks import Hooks
@@ -51,22 +57,32 @@ log = logging.getLogger("outcore")
 
 
 def initialize(model: nn.Module, cfg: Config | dict | str | None = None,
-               param_groups: Iterable[dict] | None = None) -> Engine:
+               param_groups: Iterable[dict] | None = None,
+               optimizer: torch.optim.Optimizer | None = None) -> Engine:
     """Shard ``model`` (if ``outcore.init`` did not already) and return its Engine.
 
     ``param_groups`` follows torch's optimizer convention: dicts with ``"params"`` and any of
     ``lr, betas, eps, weight_decay, momentum, nesterov`` overriding the config's optimizer.
+    ``optimizer``: a ``torch.optim.AdamW``, ``Adam`` or ``SGD`` over the model's parameters,
+    whose type, hyper-parameters and groups the engine adopts instead (param_groups.py's
+    [Note: adopting a torch optimizer]); schedulers bound to it keep working.
     """
-    return Engine(model, Config.load(cfg), param_groups)
+    return Engine(model, Config.load(cfg), param_groups, optimizer)
 
 
 class Engine:
     """A sharded model with its optimizer; call it like the module."""
 
     def __init__(self, module: nn.Module, cfg: Config,
-                 param_groups: Iterable[dict] | None = None) -> None:
+                 param_groups: Iterable[dict] | None = None,
+                 optimizer: torch.optim.Optimizer | None = None) -> None:
         self.module = module
         self._closed: str | None = None  # why the engine cannot be used, once it cannot
+        if optimizer is not None:
+            if param_groups is not None:
+                raise ConfigError("pass param_groups or a torch optimizer to adopt, not both")
+            keys, param_groups = from_torch_optimizer(optimizer)
+            cfg = Config.from_dict(merge_mappings(cfg.model_dump(), {"optimizer": keys}))
         groups = check_param_groups(module, param_groups)
         total, trainable = parameter_counts(module)
         fraction = trainable / total if total else 1.0  # host_memory.py: a frozen base
@@ -83,6 +99,10 @@ class Engine:
                 self.rt.close()
             raise
         self.rt.engine = weakref.ref(self)
+        if optimizer is not None:
+            self.optimizer.adopted = optimizer
+            if optimizer.state:  # a loaded state dict: its moments go into the shards
+                self.optimizer.load_state_dict(optimizer.state_dict())
 
     def _build(self, module: nn.Module, cfg: Config,
                param_groups: list[tuple[dict, list[nn.Parameter]]] | None) -> None:
@@ -163,14 +183,17 @@ class Engine:
 
     def _optimizer_groups(self, groups: list[tuple[dict, list[nn.Parameter]]] | None
                           ) -> list[tuple[dict, list[ShardedParam]]]:
-        """torch-style group dicts (``"params"``: the user's parameters) with their shards."""
-        base = self.optimizer_defaults
+        """torch-style group dicts (``"params"``: the user's parameters) with their shards.
+        A dict the user passed is the group's own (completed with the defaults, as torch's
+        optimizers do), so an edit of it later reaches the update."""
         if groups is None:
-            groups = [({}, [sp.param for sp in self.params])]
+            groups = [({"params": [sp.param for sp in self.params if sp.trainable]},
+                       [sp.param for sp in self.params])]
         out = []
-        for over, params in groups:
-            sps = [managed(p) for p in params if p.requires_grad]
-            out.append(({"params": [sp.param for sp in sps], **base, **over}, sps))
+        for spec, params in groups:
+            for key, value in self.optimizer_defaults.items():
+                spec.setdefault(key, value)
+            out.append((spec, [managed(p) for p in params if p.requires_grad]))
         return out
 
     # -- training ----------------------------------------------------------------------------

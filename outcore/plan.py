@@ -27,13 +27,15 @@ STAGING_SLOTS = 3
 """Optimizer sub-groups in host memory at once when state streams from NVMe: one being read,
 one updated, one written back (optim/optimizer.py's [Note: streamed sub-groups])."""
 
-_STATE_KINDS = {"adamw": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",)}
+_STATE_KINDS = {"adamw": ("exp_avg", "exp_avg_sq"), "adam": ("exp_avg", "exp_avg_sq"),
+                "sgd": ("momentum_buffer",)}
 
 
 def optimizer_state_kinds(optimizer: str, momentum: float = 0.0) -> tuple[str, ...]:
     """The per-parameter state tensors ``optimizer`` keeps besides the fp32 master, in the
-    names torch's optimizers give them (AdamW's two moments; SGD's buffer only with momentum)."""
-    if optimizer == "adamw" or momentum:
+    names torch's optimizers give them (Adam's and AdamW's two moments; SGD's buffer only with
+    momentum)."""
+    if optimizer != "sgd" or momentum:
         return _STATE_KINDS[optimizer]
     return ()
 

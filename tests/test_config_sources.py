@@ -55,9 +55,12 @@ def test_deepspeed_errors_name_the_key() -> None:
         outcore.Config.from_deepspeed({"zero_optimization": {"stage": 2}})
     with pytest.raises(outcore.ConfigError, match="optimizer.type: 'Lamb'"):
         outcore.Config.from_deepspeed({"optimizer": {"type": "Lamb"}})
-    with pytest.raises(outcore.ConfigError, match="adam_w_mode"):
+    with pytest.raises(outcore.ConfigError, match="amsgrad=True"):
         outcore.Config.from_deepspeed({"optimizer": {"type": "Adam",
-                                                     "params": {"adam_w_mode": False}}})
+                                                     "params": {"amsgrad": True}}})
+    adam = outcore.Config.from_deepspeed({"optimizer": {"type": "Adam",
+                                                        "params": {"adam_w_mode": False}}})
+    assert adam.optimizer.type == "adam"  # L2 weight decay, torch's Adam
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # nothing to ignore, so no warning
         cfg = outcore.Config.from_deepspeed({"fp16": {"enabled": True, "loss_scale_window": 50}})

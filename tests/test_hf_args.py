@@ -66,18 +66,26 @@ def test_deepspeed_config_with_auto_values(tmp_path: Path) -> None:
         build_config(_args(tmp_path, learning_rate=2e-4), path)
 
 
-def test_unsupported_trainer_settings_are_refused(tmp_path: Path) -> None:
+def test_trainer_optimizer_settings_are_honoured_or_refused_in_words(tmp_path: Path) -> None:
     pytest.importorskip("accelerate")
     from outcore.hf import OutcoreTrainer
 
-    with pytest.raises(ConfigError, match="optim='adafactor'"):
+    with pytest.raises(ConfigError, match="optim='adafactor'.*factored second moments"):
         build_config(_args(tmp_path, optim="adafactor"), None)
+    with pytest.raises(ConfigError, match="optim_args: 'foo'"):
+        build_config(_args(tmp_path, optim="sgd", optim_args="foo=1"), None)
+    sgd = build_config(_args(tmp_path, optim="sgd", optim_args="momentum=0.9"), None)
+    assert sgd.optimizer.type == "sgd" and sgd.optimizer.momentum == 0.9
+    import torch
+
     model = torch_model()
-    with pytest.raises(ConfigError, match="makes its own optimizer"):
+    with pytest.raises(ConfigError, match="RMSprop cannot run over outcore's shards"):
         OutcoreTrainer(model=model, args=_args(tmp_path),
-                       optimizers=(transformers_optimizer(model), None))
-    with pytest.raises(ConfigError, match="model_init"):
-        OutcoreTrainer(model=None, args=_args(tmp_path))
+                       optimizers=(torch.optim.RMSprop(model.parameters()), None))
+    trainer = OutcoreTrainer(model=model, args=_args(tmp_path),
+                             optimizers=(transformers_optimizer(model), None))
+    assert trainer.outcore_engine.optimizer.param_groups[0]["lr"] == 0.25  # the optimizer's
+    trainer.close()
 
 
 def torch_model():
@@ -89,7 +97,7 @@ def torch_model():
 def transformers_optimizer(model):
     import torch
 
-    return torch.optim.AdamW(model.parameters())
+    return torch.optim.AdamW(model.parameters(), lr=0.25)
 
 
 def test_outcore_imports_without_the_hf_extra() -> None:

@@ -383,3 +383,94 @@ def test_optimizer_queries_and_min_lr_schedules(tmp_path: Path) -> None:
     assert {names[id(p)] for g in groups for p in g} == {n for n, _ in model.named_parameters()}
     assert ours.optimizer.defaults["lr"] == 1e-2
     ours.close()
+
+
+def _pair_losses(tmp_path: Path, ours_kw: dict, ref_kw: dict | None = None, **args_kw) -> None:
+    """Plain Trainer and OutcoreTrainer with the same extra arguments: the same losses and
+    learning rates (ref_kw: the plain side's, where it needs its own objects)."""
+    ref_model, model = build("gpt2"), build("gpt2")
+    extra = ref_kw if ref_kw is not None else ours_kw
+    ref = transformers.Trainer(model=ref_model, args=arguments(tmp_path / "r", **args_kw),
+                               train_dataset=dataset(), **extra(ref_model) if callable(extra)
+                               else extra)
+    ref.train()
+    ours = OutcoreTrainer(model=model, args=arguments(tmp_path / "o", **args_kw),
+                          train_dataset=dataset(), outcore_config=nvme(tmp_path),
+                          **ours_kw(model) if callable(ours_kw) else ours_kw)
+    ours.train()
+    torch.testing.assert_close(logged(ours, "loss"), logged(ref, "loss"), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(logged(ours, "learning_rate"), logged(ref, "learning_rate"))
+    ours.close()
+
+
+def _adamw_and_lambda(model: torch.nn.Module) -> dict:
+    opt = torch.optim.AdamW(model.parameters(), lr=5e-3, weight_decay=0.01)
+    return {"optimizers": (opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (1 + s)))}
+
+
+@pytest.mark.parametrize(("name", "kw", "args_kw"), [
+    ("optimizers", _adamw_and_lambda, {}),
+    ("optimizer_cls_and_kwargs",
+     {"optimizer_cls_and_kwargs": (torch.optim.SGD, {"lr": 5e-2, "momentum": 0.9})}, {}),
+    ("optim-sgd", {}, {"optim": "sgd", "optim_args": "momentum=0.9", "learning_rate": 5e-2}),
+    ("polynomial", {}, {"lr_scheduler_type": "polynomial",
+                        "lr_scheduler_kwargs": {"power": 2.0, "lr_end": 1e-4}}),
+    ("cosine-restarts", {}, {"lr_scheduler_type": "cosine_with_restarts",
+                             "lr_scheduler_kwargs": {"num_cycles": 2}}),
+])
+def test_optimizers_and_schedules_as_plain_trainer(tmp_path: Path, name: str, kw, args_kw) -> None:
+    _pair_losses(tmp_path, kw, **args_kw)
+
+
+def test_model_init_gives_each_run_a_fresh_engine(tmp_path: Path) -> None:
+    """``model_init``: each ``train()`` shards a fresh model (the last engine closes), and the
+    losses are plain Trainer's."""
+    kw = {"model_init": lambda: build("gpt2"), "model": None}
+    ref = transformers.Trainer(args=arguments(tmp_path / "r", max_steps=3),
+                               train_dataset=dataset(), **kw)
+    ref.train()
+    ours = OutcoreTrainer(args=arguments(tmp_path / "o", max_steps=3), train_dataset=dataset(),
+                          outcore_config=nvme(tmp_path), **kw)
+    first = ours.outcore_engine
+    ours.train()
+    assert first.closed and ours.outcore_engine is not first
+    torch.testing.assert_close(logged(ours, "loss"), logged(ref, "loss"), rtol=1e-4, atol=1e-5)
+    ours.close()
+
+
+def test_a_deepspeed_config_in_training_arguments_is_honoured(tmp_path: Path) -> None:
+    """``TrainingArguments.deepspeed`` (set after construction here: transformers' own check
+    wants the deepspeed package) is outcore's config; its scheduler drives the rate."""
+    ds = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+          "bf16": {"enabled": "auto"},
+          "scheduler": {"type": "WarmupDecayLR", "params": {
+              "warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": 3,
+              "total_num_steps": "auto", "warmup_type": "linear"}},
+          "zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": "auto",
+                                "offload_param": {"device": "nvme",
+                                                  "nvme_path": str(tmp_path)},
+                                "offload_optimizer": {"device": "cpu"}}}
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(ds))
+    args = arguments(tmp_path / "o", max_steps=6)
+    args.deepspeed = str(path)
+    trainer = OutcoreTrainer(model=build("gpt2"), args=args, train_dataset=dataset())
+    cfg = trainer.outcore_config
+    assert (cfg.offload.params, cfg.offload.optimizer) == ("nvme", "cpu")
+    assert cfg.zero.prefetch_bytes == int(0.9 * 64 * 64) * 2  # "auto" from hidden size 64
+    assert args.deepspeed is None
+    trainer.train()
+    lr, steps = 1e-2, 6
+    want = [lr * s / 3 if s < 3 else lr * (steps - s) / (steps - 3) for s in range(steps)]
+    got = logged(trainer, "learning_rate")
+    assert len(got) == steps and len(set(got)) > 3  # the rate moved as the recipe says
+    torch.testing.assert_close(got, want)
+    trainer.close()
+
+
+def test_resume_from_a_missing_folder_says_what_transformers_says(tmp_path: Path) -> None:
+    trainer = OutcoreTrainer(model=build("gpt2"), args=arguments(tmp_path / "o"),
+                             train_dataset=dataset(), outcore_config=nvme(tmp_path))
+    with pytest.raises(ValueError, match="Can't find a valid checkpoint at"):
+        trainer.train(resume_from_checkpoint=str(tmp_path / "nowhere"))
+    trainer.close()

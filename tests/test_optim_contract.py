@@ -223,3 +223,48 @@ def test_state_dict_of_another_world_size_is_refused_in_words(tmp_path: Path) ->
     with pytest.raises(outcore.ConfigError, match="saved at world size .*4"):
         engine.optimizer.load_state_dict(state)
     engine.close()
+
+
+@pytest.mark.parametrize("cls", [torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD])
+def test_a_users_torch_optimizer_and_its_scheduler_are_adopted(tmp_path: Path, cls) -> None:
+    """``initialize(model, cfg, optimizer=opt)``: the shards are updated as ``opt`` would
+    update the model, and a scheduler made for ``opt`` drives them (param_groups.py's
+    [Note: adopting a torch optimizer])."""
+    kw = {"lr": 1e-2, "momentum": 0.9} if cls is torch.optim.SGD else {"lr": 1e-2}
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+    ref = copy.deepcopy(model).to(default_device())
+    groups = [{"params": [model[0].weight, model[2].weight], "weight_decay": 0.1},
+              {"params": [model[0].bias, model[2].bias], "weight_decay": 0.0}]
+    opt = cls(groups, **kw)
+    sched = sched_for(opt)
+    ref_opt = cls([{"params": [ref[0].weight, ref[2].weight], "weight_decay": 0.1},
+                   {"params": [ref[0].bias, ref[2].bias], "weight_decay": 0.0}], **kw)
+    ref_sched = sched_for(ref_opt)
+    engine = outcore.initialize(model, {"dtype": "fp32", "offload": {
+        "params": "nvme", "optimizer": "nvme", "nvme_path": str(tmp_path)}}, optimizer=opt)
+    assert engine.optimizer.param_groups[0] is opt.param_groups[0]
+    for step in range(4):
+        _both(engine, ref, ref_opt, step)
+        sched.step()
+        ref_sched.step()
+    assert [g["lr"] for g in opt.param_groups] == [g["lr"] for g in ref_opt.param_groups]
+    with engine.gathered_parameters():
+        for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+            torch.testing.assert_close(p.data, q.detach(), rtol=1e-4, atol=1e-5)
+    engine.close()
+
+
+def sched_for(opt: torch.optim.Optimizer):
+    return sched.StepLR(opt, step_size=1, gamma=0.7)
+
+
+def test_an_optimizer_outcore_cannot_run_is_refused_in_words() -> None:
+    model = nn.Linear(4, 4)
+    with pytest.raises(outcore.ConfigError, match="RMSprop cannot run over outcore's shards"):
+        outcore.initialize(model, {"dtype": "fp32"},
+                           optimizer=torch.optim.RMSprop(model.parameters()))
+    with pytest.raises(outcore.ConfigError, match="amsgrad=True is not supported"):
+        outcore.initialize(model, {"dtype": "fp32"},
+                           optimizer=torch.optim.AdamW(model.parameters(), amsgrad=True))
+    assert type(model.weight) is nn.Parameter  # refused before anything was sharded

@@ -42,6 +42,7 @@ from outcore.config import merge_mappings, read_mapping
 from outcore.errors import ConfigError
 from outcore.guard.lock import lock_run_folder
 from outcore.guard.preemption import EXIT_PREEMPTED, Preemption
+from outcore.io.deepspeed_config import is_deepspeed
 from outcore.offload.storage import Tier
 from outcore.planning.placement import check_fits
 from outcore.units import format_bytes, format_count
@@ -97,7 +98,7 @@ def _read_config_file(path: str | None) -> dict[str, Any]:
     if path is None:
         return {}
     loaded = read_mapping(path)
-    if "zero_optimization" in loaded:  # a DeepSpeed config: keep the keys that mean something
+    if is_deepspeed(loaded):  # a DeepSpeed config: keep the keys that mean something
         from outcore import Config
 
         return Config.from_deepspeed(loaded).model_dump(mode="json")

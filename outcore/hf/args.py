@@ -18,47 +18,81 @@ from typing import Any
 
 from outcore.config import Config, merge_mappings, read_mapping
 from outcore.errors import ConfigError
+from outcore.io.deepspeed_config import Auto, is_deepspeed, translate_and_warn
 
-# TrainingArguments.optim values whose update is torch's AdamW with decoupled weight decay
-ADAMW_NAMES = ("adamw_torch", "adamw_torch_fused", "adamw_hf")
+# TrainingArguments.optim values outcore runs over its shards, and the update each one is
+OPTIM_NAMES = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_hf": "adamw",
+               "sgd": "sgd"}
+_OPTIM_ARGS = {"momentum": float, "nesterov": lambda v: v.lower() in ("1", "true", "yes")}
+
+
+def optimizer_type(optim: str, optim_args: str | None = None) -> str:
+    """outcore's optimizer type for a ``TrainingArguments.optim`` name, or a refusal that
+    says what works and why the rest does not."""
+    if optim in OPTIM_NAMES:
+        return OPTIM_NAMES[optim]
+    why = ("its factored second moments need whole rows and columns of each weight, and "
+           "outcore keeps flat slices" if optim == "adafactor" else
+           "outcore runs Adam(W) and SGD over its shards with torch's own kernels")
+    raise ConfigError(f"TrainingArguments.optim={optim!r} is not supported by OutcoreTrainer: "
+                      f"{why}; use one of {', '.join(OPTIM_NAMES)}, or pass a torch Adam, "
+                      "AdamW or SGD as optimizers=(optimizer, scheduler)")
+
+
+def _optim_args(optim_args: str | None) -> dict[str, tuple[str, Any]]:
+    """``TrainingArguments.optim_args`` ("momentum=0.9,nesterov=True" for SGD)."""
+    keys: dict[str, tuple[str, Any]] = {}
+    for item in filter(None, (optim_args or "").replace(" ", "").split(",")):
+        name, _, value = item.partition("=")
+        if name not in _OPTIM_ARGS:
+            raise ConfigError(f"TrainingArguments.optim_args: {name!r} is not supported by "
+                              f"OutcoreTrainer; it takes {', '.join(_OPTIM_ARGS)} (SGD); the "
+                              "Adam(W) keys are learning_rate, adam_beta1/2, adam_epsilon and "
+                              "weight_decay")
+        keys[f"optimizer.{name}"] = (f"optim_args {name}", _OPTIM_ARGS[name](value))
+    return keys
 
 OutcoreConfigSource = Config | dict[str, Any] | str | os.PathLike[str] | None
 
 
-def given_keys(source: OutcoreConfigSource) -> dict[str, Any]:
-    """The outcore keys ``source`` sets explicitly, as a nested mapping (DeepSpeed configs
-    translated, their ``"auto"`` values dropped)."""
+def given_keys(source: OutcoreConfigSource, hidden_size: int | None = None) -> dict[str, Any]:
+    """The outcore keys ``source`` sets explicitly, as a nested mapping (a DeepSpeed config
+    translated, its ``"auto"`` values as the Trainer fills them: deepspeed_config.py's
+    [Note: what "auto" means])."""
     if source is None:
         return {}
     if isinstance(source, Config):
         return source.model_dump(exclude_unset=True)
     raw = dict(source) if isinstance(source, dict) else read_mapping(source)
-    if "zero_optimization" in raw:
-        from outcore.io.deepspeed_config import translate_and_warn
-
-        return translate_and_warn(_without_auto(raw), stacklevel=3)
+    if is_deepspeed(raw):
+        return translate_and_warn(raw, stacklevel=3,
+                                  auto=Auto(trainer=True, hidden_size=hidden_size))
     return raw
 
 
-def _without_auto(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: _without_auto(v) for k, v in value.items() if v != "auto"}
-    return value
+def hidden_size(model: Any) -> int | None:
+    """The model's hidden size, where its config names one (for DeepSpeed's "auto" buckets)."""
+    config = getattr(model, "config", None)
+    for name in ("hidden_size", "n_embd", "d_model"):
+        value = getattr(config, name, None)
+        if isinstance(value, int):
+            return value
+    sizes = getattr(config, "hidden_sizes", None)
+    return max(sizes) if isinstance(sizes, (list, tuple)) and sizes else None
 
 
-def trainer_keys(args: Any) -> dict[str, tuple[str, Any]]:
-    """outcore key -> (the TrainingArguments spelling, its value) for the keys the Trainer owns."""
-    optim = str(getattr(args.optim, "value", args.optim))
-    if optim not in ADAMW_NAMES:
-        raise ConfigError(f"TrainingArguments.optim={optim!r} is not supported by "
-                          f"OutcoreTrainer; use one of {', '.join(ADAMW_NAMES)} (outcore runs "
-                          "torch's AdamW over its shards)")
-    if args.optim_args:
-        raise ConfigError(f"TrainingArguments.optim_args={args.optim_args!r} is not supported "
-                          "by OutcoreTrainer; the AdamW keys are learning_rate, adam_beta1, "
-                          "adam_beta2, adam_epsilon and weight_decay")
-    keys = {
-        "optimizer.type": (f"optim={optim!r}", "adamw"),
+def trainer_keys(args: Any, optimizer_given: bool = False) -> dict[str, tuple[str, Any]]:
+    """outcore key -> (the TrainingArguments spelling, its value) for the keys the Trainer owns.
+
+    ``optimizer_given``: the config names its optimizer type (a DeepSpeed config's
+    ``optimizer`` section), which then wins over ``optim``, as under transformers' DeepSpeed
+    integration; its numbers still come from the Trainer."""
+    keys: dict[str, tuple[str, Any]] = {}
+    if not optimizer_given:
+        optim = str(getattr(args.optim, "value", args.optim))
+        keys["optimizer.type"] = (f"optim={optim!r}", optimizer_type(optim, args.optim_args))
+        keys.update(_optim_args(args.optim_args))
+    keys.update({
         "optimizer.lr": ("learning_rate", float(args.learning_rate)),
         "optimizer.betas": ("adam_beta1, adam_beta2", (float(args.adam_beta1),
                                                         float(args.adam_beta2))),
@@ -68,7 +102,7 @@ def trainer_keys(args: Any) -> dict[str, tuple[str, Any]]:
                                         int(args.gradient_accumulation_steps)),
         "gradient_clipping": ("max_grad_norm", float(args.max_grad_norm or 0.0)),
         "seed": ("seed", int(args.seed)),
-    }
+    })
     if args.bf16 and args.fp16:
         raise ConfigError("TrainingArguments: bf16=True and fp16=True; choose one")
     if args.bf16 or args.fp16:
@@ -76,10 +110,10 @@ def trainer_keys(args: Any) -> dict[str, tuple[str, Any]]:
     return keys
 
 
-def build_config(args: Any, source: OutcoreConfigSource) -> Config:
+def build_config(args: Any, source: OutcoreConfigSource, model: Any = None) -> Config:
     """The engine's Config: ``source``'s keys plus the Trainer's, with clashes refused."""
-    given = given_keys(source)
-    owned = trainer_keys(args)
+    given = given_keys(source, hidden_size(model))
+    owned = trainer_keys(args, optimizer_given=_lookup(given, "optimizer.type") is not _MISSING)
     clashes = []
     for key, (spelling, value) in owned.items():
         mine = _lookup(given, key)
@@ -128,3 +162,27 @@ def _normal(value: Any) -> Any:
         return value
     return float(value)
 
+
+
+def deepspeed_from_args(args: Any, source: OutcoreConfigSource) -> OutcoreConfigSource:
+    """``TrainingArguments.deepspeed`` as the engine's config source.
+
+    [Note: a DeepSpeed config in TrainingArguments]
+    A script written for transformers' DeepSpeed integration passes its config as
+    ``TrainingArguments(deepspeed=path)``. Under ``OutcoreTrainer`` that config is outcore's
+    (read as ``outcore_config`` would be), and the argument is cleared, with the flags that
+    tell accelerate to start DeepSpeed, so neither transformers nor accelerate wraps the
+    model in DeepSpeed's engine. transformers refuses ``deepspeed=`` unless the deepspeed
+    package is installed; without it, pass the same file as ``outcore_config``.
+    """
+    given = getattr(args, "deepspeed", None)
+    if not given:
+        return source
+    if source is not None and source != given:
+        raise ConfigError("OutcoreTrainer got both outcore_config and TrainingArguments."
+                          "deepspeed; pass the config once")
+    args.deepspeed = None
+    if hasattr(args, "hf_deepspeed_config"):
+        args.hf_deepspeed_config = None
+    os.environ.pop("ACCELERATE_USE_DEEPSPEED", None)
+    return given

@@ -30,12 +30,14 @@ import torch
 from torch import nn
 from transformers import Trainer
 
-from outcore.config import Config
+from outcore.config import Config, read_mapping
 from outcore.engine import Engine
 from outcore.errors import ConfigError
 from outcore.hf import saving
-from outcore.hf.args import OutcoreConfigSource, build_config
+from outcore.hf.args import OutcoreConfigSource, build_config, deepspeed_from_args
+from outcore.hf.schedule import deepspeed_scheduler
 from outcore.io.checkpoint import MANIFEST
+from outcore.io.deepspeed_config import is_deepspeed
 from outcore.optim.facade import TorchOptimizer
 
 # Trainer methods OutcoreTrainer overrides; private ones move between transformers releases
@@ -111,27 +113,61 @@ class OutcoreTrainer(Trainer):
     def __init__(self, model: nn.Module | None = None, args: Any = None, *more: Any,
                  outcore_config: OutcoreConfigSource = None, **kwargs: Any) -> None:
         check_transformers()
-        if model is None:
-            raise ConfigError("OutcoreTrainer needs a model (model_init is not supported: the "
-                              "model is sharded once, when the trainer is made)")
-        if kwargs.get("model_init") is not None:
-            raise ConfigError("OutcoreTrainer: model_init is not supported; pass the model")
-        optimizers = kwargs.get("optimizers", (None, None))
-        if any(o is not None for o in optimizers) or kwargs.get("optimizer_cls_and_kwargs"):
-            raise ConfigError("OutcoreTrainer makes its own optimizer over the shards; drop "
-                              "the optimizers / optimizer_cls_and_kwargs argument and set "
-                              "learning_rate, adam_beta1/2, adam_epsilon, weight_decay and "
-                              "lr_scheduler_type in TrainingArguments")
+        self._source = deepspeed_from_args(args, outcore_config)
+        self._given_optimizer = (kwargs.get("optimizers") or (None, None))[0]
+        self._optimizer_cls_and_kwargs = kwargs.get("optimizer_cls_and_kwargs")
+        self.outcore_engine: Engine | None = None
         super().__init__(model, args, *more, **kwargs)
-        cfg = build_config(self.args, outcore_config)
+        self._take(self.model)
+
+    def _take(self, model: nn.Module) -> None:
+        """Shard ``model`` under a new engine (at construction, and for each fresh model
+        ``model_init`` makes), with the optimizer the arguments ask for."""
+        cfg = build_config(self.args, self._source, model)
+        optimizer = self._given_optimizer
         decay = set(self.get_decay_parameter_names(model))
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        groups = [{"params": [p for n, p in named if n in decay],
-                   "weight_decay": self.args.weight_decay},
-                  {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
-        self.outcore_engine = Engine(model, cfg, [g for g in groups if g["params"]])
+        groups = [g for g in (
+            {"params": [p for n, p in named if n in decay], "weight_decay": self.args.weight_decay},
+            {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0})
+            if g["params"]]
+        if optimizer is None and self._optimizer_cls_and_kwargs is not None:
+            cls, kw = self._optimizer_cls_and_kwargs
+            optimizer = cls(groups, **kw)
+        if optimizer is not None:  # param_groups.py's [Note: adopting a torch optimizer]
+            self.outcore_engine = Engine(model, cfg, optimizer=optimizer)
+        else:
+            self.outcore_engine = Engine(model, cfg, groups)
         self._engine_model = EngineModel(self.outcore_engine)
         self._engine_optimizer = EngineOptimizer(self.outcore_engine)
+
+    def call_model_init(self, trial: Any = None) -> nn.Module:
+        """A fresh model for this run (``model_init``): the engine of the last one closes,
+        and the new model is sharded under its own."""
+        model = super().call_model_init(trial)
+        if self.outcore_engine is not None:
+            self.outcore_engine.close(keep_values=False)
+            self._given_optimizer = None  # it was built over the old model's parameters
+            self._take(model)
+        return model
+
+    def create_scheduler(self, num_training_steps: int,
+                         optimizer: torch.optim.Optimizer | None = None) -> Any:
+        """The Trainer's scheduler, or the DeepSpeed config's (schedule.py's note)."""
+        spec = self._deepspeed_scheduler()
+        if self.lr_scheduler is None and spec is not None:
+            self.lr_scheduler = deepspeed_scheduler(spec, optimizer or self.optimizer,
+                                                    self.args, num_training_steps)
+            self._created_lr_scheduler = True
+        return super().create_scheduler(num_training_steps, optimizer)
+
+    def _deepspeed_scheduler(self) -> dict[str, Any] | None:
+        source = self._source
+        if isinstance(source, (str, os.PathLike)):
+            source = read_mapping(source)
+        if isinstance(source, dict) and is_deepspeed(source):
+            return source.get("scheduler")
+        return None
 
     @property
     def outcore_config(self) -> Config:
@@ -228,10 +264,12 @@ class OutcoreTrainer(Trainer):
     def _load_from_checkpoint(self, resume_from_checkpoint: str,
                               model: nn.Module | None = None) -> None:
         folder = Path(resume_from_checkpoint)
+        if not folder.is_dir():  # transformers' own words and exception type
+            raise ValueError(f"Can't find a valid checkpoint at {resume_from_checkpoint}")
         if not (folder / MANIFEST).is_file():
-            raise ConfigError(f"{folder} is not a checkpoint OutcoreTrainer wrote (no "
-                              f"{MANIFEST}); resume from a checkpoint-N folder of an "
-                              "OutcoreTrainer run")
+            raise ConfigError(f"Can't find a valid checkpoint at {resume_from_checkpoint}: "
+                              f"it is no checkpoint OutcoreTrainer wrote (no {MANIFEST}); "
+                              "resume from a checkpoint-N folder of an OutcoreTrainer run")
         self.outcore_engine.load_checkpoint(folder)
 
     def _load_best_model(self) -> None:

@@ -34,6 +34,7 @@ class TorchOptimizer(torch.optim.Optimizer):
         self._engine = engine
         self._built = False
         self.skipped = False  # the last step() changed nothing (fp16 overflow, or no boundary)
+        self.adopted: torch.optim.Optimizer | None = None  # param_groups.py's adopting note
         super().__init__(engine.sharded_optimizer.param_groups, dict(engine.optimizer_defaults))
         self._built = True
 
@@ -45,6 +46,8 @@ class TorchOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self.skipped = not self._engine.step()
+        if self.adopted is not None:  # what a scheduler bound to it checks (torch's lr_scheduler)
+            self.adopted._opt_called = True
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:

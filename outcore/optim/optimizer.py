@@ -14,9 +14,10 @@ any other. Slices are cut at multiples of ``ALIGN_ELEMS`` elements so every piec
 a 4 KiB boundary of its extent in both the fp32 and the 16-bit files (O_DIRECT needs that).
 
 [Note: torch's own kernels]
-The update itself is ``torch.optim.adamw.adamw`` / ``torch.optim.sgd.sgd`` (fused when the
-device supports it) over lists of shard tensors, so the arithmetic is exactly PyTorch's and a
-parameter group's hyper-parameters (e.g. no weight decay on biases) apply per parameter.
+The update itself is ``torch.optim.adam.adam`` (AdamW's decoupled weight decay, or Adam's L2)
+or ``torch.optim.sgd.sgd`` (fused when the device supports it) over lists of shard tensors, so
+the arithmetic is exactly PyTorch's and a parameter group's hyper-parameters (e.g. no weight
+decay on biases) apply per parameter.
 Parameters that received no gradient in this step are skipped, as torch optimizers skip
 parameters whose ``.grad`` is None.
 """
@@ -28,7 +29,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
-from torch.optim.adamw import adamw
+from torch.optim.adam import adam
 from torch.optim.sgd import sgd
 
 from outcore.config import OptimizerConfig
@@ -426,14 +427,15 @@ class ShardedOptimizer:
         if not work.params:
             return
         grads = [self._fp32_grad(work, i, sl) for i, sl in enumerate(work.params)]
-        if self.kind == "adamw":
+        if self.kind in ("adamw", "adam"):
             # each slice gets its own copy of the parameter's step count: the kernel
             # increments it, and a parameter cut in several slices must advance only once
             steps = [torch.tensor(float(self.state[sl.sp].step), dtype=torch.float32)
                      for sl in work.params]
-            adamw(
+            adam(
                 work.master, grads, work.states["exp_avg"], work.states["exp_avg_sq"], [], steps,
                 fused=self._fused, foreach=False if self._fused else None, amsgrad=False,
+                decoupled_weight_decay=self.kind == "adamw",
                 beta1=hp["betas"][0], beta2=hp["betas"][1], lr=hp["lr"],
                 weight_decay=hp["weight_decay"], eps=hp["eps"], maximize=False,
             )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import torch
 from torch import nn
 
 from outcore.errors import ConfigError
@@ -16,20 +17,56 @@ from outcore.errors import ConfigError
 HP_KEYS = ("lr", "betas", "eps", "weight_decay", "momentum", "nesterov")
 """The hyper-parameters a group may set (the engine's optimizer's ``defaults``)."""
 
+# keys torch's Adam, AdamW and SGD keep in their groups, with the values outcore's kernels
+# match (None: any value, e.g. foreach/fused, which outcore picks itself)
+_TORCH_KEYS = {"foreach": None, "fused": None, "capturable": False, "differentiable": False,
+               "maximize": False, "amsgrad": False, "dampening": 0, "initial_lr": None,
+               "decoupled_weight_decay": None}
+_TORCH_TYPES = {"AdamW": "adamw", "Adam": "adam", "SGD": "sgd"}
+
+
+def from_torch_optimizer(opt: torch.optim.Optimizer) -> tuple[dict, list[dict]]:
+    """(the optimizer config keys, the group dicts) of a torch optimizer outcore adopts.
+
+    [Note: adopting a torch optimizer]
+    A user (or the Trainer's ``optimizers=``) may bring a ``torch.optim.AdamW``, ``Adam`` or
+    ``SGD`` built over the model's parameters. outcore runs the same update with the same
+    kernels over its shards, so it takes the type and hyper-parameters from it and uses its
+    ``param_groups`` dicts themselves as the engine's groups: a scheduler bound to the user's
+    optimizer edits the dicts the shards' update reads. The user's optimizer is never stepped;
+    any state it holds (a loaded state dict) is cut into the shards' moments.
+    """
+    kind = _TORCH_TYPES.get(type(opt).__name__) if type(opt).__module__.startswith(
+        "torch.optim") else None
+    if kind is None:
+        raise ConfigError(f"optimizer {type(opt).__module__}.{type(opt).__name__} cannot run "
+                          "over outcore's shards; outcore runs torch's AdamW, Adam and SGD "
+                          "(pass one of those, or set the optimizer in the config)")
+    if kind == "adam" and opt.defaults.get("decoupled_weight_decay"):
+        kind = "adamw"
+    keys = {"type": kind, **{k: opt.defaults[k] for k in HP_KEYS if k in opt.defaults}}
+    if "betas" in keys:
+        keys["betas"] = list(keys["betas"])
+    return keys, opt.param_groups
+
 
 def check_param_groups(module: nn.Module, param_groups: Iterable[dict] | None
                         ) -> list[tuple[dict, list[nn.Parameter]]] | None:
     """Validate torch-style param groups before anything is sharded (a typo must not
-    leave the model half converted); returns (overrides, parameters) per group."""
+    leave the model half converted); returns (the group dict, parameters) per group."""
     if param_groups is None:
         return None
     names = {id(p): n for n, p in module.named_parameters()}
     out, seen = [], set()
     for i, spec in enumerate(param_groups):
-        unknown = set(spec) - {"params", *HP_KEYS}
+        unknown = set(spec) - {"params", *HP_KEYS, *_TORCH_KEYS}
         if unknown:
             raise ConfigError(f"param_groups[{i}]: unknown keys {sorted(unknown)}; "
                               f"allowed: params, {', '.join(HP_KEYS)}")
+        for key, neutral in _TORCH_KEYS.items():
+            if key in spec and neutral is not None and spec[key] != neutral:
+                raise ConfigError(f"param_groups[{i}]: {key}={spec[key]!r} is not supported; "
+                                  f"outcore's kernels run with {key}={neutral!r}")
         params = list(spec.get("params", []))
         for p in params:
             if id(p) not in names:
@@ -38,7 +75,7 @@ def check_param_groups(module: nn.Module, param_groups: Iterable[dict] | None
             if id(p) in seen:
                 raise ConfigError(f"parameter {names[id(p)]} appears in two param groups")
             seen.add(id(p))
-        out.append(({k: v for k, v in spec.items() if k != "params"}, params))
+        out.append((spec, params))
     missing = [n for n, p in module.named_parameters() if p.requires_grad and id(p) not in seen]
     if missing:
         raise ConfigError(f"trainable parameters in no param group: {missing[:5]}")

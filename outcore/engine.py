@@ -118,7 +118,11 @@ class Engine:
         self.sharded_optimizer = ShardedOptimizer(self._optimizer_groups(param_groups),
                                                   cfg.optimizer, self.rt)
         self.optimizer = TorchOptimizer(self)  # torch's contract: facade.py's note
-        self.rt.await_updates = self.sharded_optimizer.wait
+        # weakly: the runtime is reachable from the process-wide registry (registry.py), and a
+        # strong path to the optimizer (whose groups hold the parameters) would keep the model
+        # and its swap files alive after the user dropped both
+        wait = weakref.WeakMethod(self.sharded_optimizer.wait)
+        self.rt.await_updates = lambda: (w := wait()) is not None and w()
         self.scaler = LossScaler(cfg.loss_scale, enabled=self.rt.plan.loss_scaling)
         self.hooks = Hooks(module_groups, self.groups, self.schedule, self.rt)
         cast = None
@@ -432,6 +436,12 @@ class Engine:
             return checkpoint.save(self, path, client_state)
         finally:  # saving read every shard through the I/O pool
             self.rt.release_idle_io_buffers()
+
+    def release_folders(self) -> None:
+        """Let go of the checkpoint roots this engine holds (guard/lock.py's [Note: two
+        runs, one folder]) before ``close()``: the next save takes them again. A Trainer does
+        this when training ends, so the output folder holds no lock file afterwards."""
+        self._folders.release_all()
 
     def load_checkpoint(self, path: str | os.PathLike[str]) -> dict[str, Any]:
         """Restore weights, optimizer state, step, scaler and RNG; return the client state.

@@ -417,6 +417,9 @@ def _adamw_and_lambda(model: torch.nn.Module) -> dict:
                         "lr_scheduler_kwargs": {"power": 2.0, "lr_end": 1e-4}}),
     ("cosine-restarts", {}, {"lr_scheduler_type": "cosine_with_restarts",
                              "lr_scheduler_kwargs": {"num_cycles": 2}}),
+    ("plateau", {"eval_dataset": dataset(4)},
+     {"lr_scheduler_type": "reduce_lr_on_plateau", "eval_strategy": "steps", "eval_steps": 2,
+      "lr_scheduler_kwargs": {"patience": 0, "factor": 0.5}}),
 ])
 def test_optimizers_and_schedules_as_plain_trainer(tmp_path: Path, name: str, kw, args_kw) -> None:
     _pair_losses(tmp_path, kw, **args_kw)
@@ -474,3 +477,100 @@ def test_resume_from_a_missing_folder_says_what_transformers_says(tmp_path: Path
     with pytest.raises(ValueError, match="Can't find a valid checkpoint at"):
         trainer.train(resume_from_checkpoint=str(tmp_path / "nowhere"))
     trainer.close()
+
+
+def _neox():
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    torch.manual_seed(0)
+    return GPTNeoXForCausalLM(GPTNeoXConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+        vocab_size=128, max_position_embeddings=64, hidden_dropout=0.0, attention_dropout=0.0))
+
+
+@pytest.mark.parametrize("max_shard_size", ["50GB", "40KB"])
+def test_saved_files_and_names_are_save_pretrained_s(tmp_path: Path,
+                                                     max_shard_size: str) -> None:
+    """The files, tensor names (GPT-NeoX's embed_out) and index save_pretrained writes, from
+    live shards, one parameter at a time."""
+    from safetensors import safe_open
+
+    from outcore.hf import saving
+
+    plain = _neox()
+    plain.save_pretrained(tmp_path / "plain", max_shard_size=max_shard_size)
+    model = _neox()
+    engine = outcore.initialize(model, {"dtype": "fp32", **nvme(tmp_path)})
+    saving.save_full(model, 0, tmp_path / "ours", max_shard_size=max_shard_size)
+    engine.close(keep_values=False)
+    files = sorted(p.name for p in (tmp_path / "plain").iterdir())
+    assert sorted(p.name for p in (tmp_path / "ours").iterdir()) == files
+    weights = [f for f in files if f.endswith(".safetensors")]
+    assert (len(weights) > 1) == (max_shard_size == "40KB")
+    saved = set()
+    for name in weights:
+        with safe_open(tmp_path / "plain" / name, "pt") as a, \
+                safe_open(tmp_path / "ours" / name, "pt") as b:
+            names = sorted(a.keys())
+            assert sorted(b.keys()) == names
+            saved.update(names)
+            for key in names:
+                assert torch.equal(a.get_tensor(key), b.get_tensor(key)), key
+    assert "embed_out.weight" in saved and "lm_head.weight" not in saved
+    if len(weights) > 1:
+        index = json.loads((tmp_path / "ours" / "model.safetensors.index.json").read_text())
+        plain_index = json.loads((tmp_path / "plain" / "model.safetensors.index.json").read_text())
+        assert index["weight_map"] == plain_index["weight_map"]
+    loaded = type(plain).from_pretrained(tmp_path / "ours")
+    for key, value in plain.state_dict().items():
+        assert torch.equal(loaded.state_dict()[key], value), key
+
+
+def test_checkpoint_folders_load_with_from_pretrained(tmp_path: Path) -> None:
+    """A checkpoint-N folder: from_pretrained loads it, and it resumes exactly; nothing of
+    outcore's is left in output_dir once training ends (no lock file)."""
+    args = arguments(tmp_path / "o", max_steps=4, save_strategy="steps", save_steps=2)
+    trainer = OutcoreTrainer(model=build("gpt2"), args=args, train_dataset=dataset(),
+                             outcore_config=nvme(tmp_path))
+    trainer.train()
+    assert sorted(os.listdir(tmp_path / "o")) == ["checkpoint-2", "checkpoint-4"]
+    ckpt = tmp_path / "o" / "checkpoint-4"
+    loaded = transformers.GPT2LMHeadModel.from_pretrained(ckpt)
+    with trainer.outcore_engine.gathered_parameters():
+        for key, value in trainer.model.state_dict().items():
+            if key in loaded.state_dict():
+                assert torch.equal(loaded.state_dict()[key], value), key
+    trainer.close()
+
+
+def test_a_trainer_never_closed_leaves_no_swap_behind(tmp_path: Path) -> None:
+    """Every Trainer script: train, save, exit, no close(). The swap goes at exit, and with
+    the trainer and model once the garbage collector has them."""
+    code = f"""
+import gc, sys
+sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})
+from pathlib import Path
+from tests.test_hf_trainer import arguments, build, dataset, nvme
+from outcore.hf import OutcoreTrainer
+tmp = Path({str(tmp_path)!r})
+def run():
+    trainer = OutcoreTrainer(model=build("gpt2"), args=arguments(tmp / "o", max_steps=2),
+                             train_dataset=dataset(), outcore_config=nvme(tmp / "gc"))
+    trainer.train()
+(tmp / "gc").mkdir()
+run()
+gc.collect(); gc.collect()
+print("after gc:", len(list((tmp / "gc").rglob("*.swap"))))
+trainer = OutcoreTrainer(model=build("gpt2"), args=arguments(tmp / "o2", max_steps=2),
+                         train_dataset=dataset(), outcore_config=nvme(tmp))
+trainer.train()
+print("before exit:", len(list((tmp / "swap").rglob("*.swap"))))
+"""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "after gc: 0" in out.stdout and "before exit: 1" in out.stdout
+    assert not list((tmp_path / "swap").rglob("*.swap")), "the swap is gone at exit"

@@ -13,6 +13,7 @@ are exactly PEFT's format, with full-shaped tensors.
 
 from __future__ import annotations
 
+import json
 import os
 from collections import Counter
 from collections.abc import Iterator
@@ -22,11 +23,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from outcore.errors import ConfigError
 from outcore.io import safetensors_stream as sts
 from outcore.io.safetensors_stream import StreamWriter, TensorSpec
 from outcore.zero.registry import managed
 
 WEIGHTS_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
 
 
 def is_peft_model(model: nn.Module) -> bool:
@@ -62,34 +65,82 @@ def _full_values(entries: list[tuple[str, torch.Tensor]]
         yield name, full
 
 
-def save_full(model: nn.Module, rank: int, out: str | os.PathLike[str]) -> Path | None:
-    """Write ``out/model.safetensors`` (fp32 parameters, persistent buffers as they are) and the
-    model's config files; a collective. Returns the weights path on rank 0."""
+def save_full(model: nn.Module, rank: int, out: str | os.PathLike[str],
+              max_shard_size: int | str = "50GB") -> Path | None:
+    """Write what ``save_pretrained`` writes (see [Note: the names save_pretrained writes]):
+    fp32 parameters and persistent buffers in its files, under its names, and the config
+    files; a collective. Returns the folder's first weights file on rank 0."""
     folder = Path(out)
-    entries = _entries(model)
-    writer = None
-    if rank == 0:
-        folder.mkdir(parents=True, exist_ok=True)
-        specs = []
-        for name, t in entries:
-            dtype = torch.float32 if managed(t) is not None else t.dtype
-            specs.append(TensorSpec(name, dtype, tuple(t.shape)))
-        writer = StreamWriter(folder / WEIGHTS_NAME, specs, {"format": "pt"})
-    try:
-        for name, full in _full_values(entries):
+    files, index = _plan(model, _entries(model), max_shard_size)
+    for filename, pairs in files:
+        writer = None
+        if rank == 0:
+            folder.mkdir(parents=True, exist_ok=True)
+            specs = [TensorSpec(name, torch.float32 if managed(t) is not None else t.dtype,
+                                tuple(t.shape)) for name, t in pairs]
+            writer = StreamWriter(folder / filename, specs, {"format": "pt"})
+        try:
+            for name, full in _full_values(pairs):
+                if writer is not None:
+                    writer.write(name, full.detach().cpu().contiguous())
             if writer is not None:
-                writer.write(name, full.detach().cpu().contiguous())
-        if writer is not None:
-            writer.finish()
-    except BaseException:
-        if writer is not None:
-            writer.abort()
-        raise
+                writer.finish()
+        except BaseException:
+            if writer is not None:
+                writer.abort()
+            raise
     if rank != 0:
         return None
+    if index is not None:
+        (folder / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     save_configs(model, folder)
     sts.fsync_dir(folder)
-    return folder / WEIGHTS_NAME
+    return folder / files[0][0]
+
+
+def _plan(model: nn.Module, entries: list[tuple[str, torch.Tensor]], max_shard_size: int | str
+          ) -> tuple[list[tuple[str, list[tuple[str, torch.Tensor]]]], dict | None]:
+    """[Note: the names save_pretrained writes]
+    transformers 5 does not write a model's attribute names as they are: it drops tied
+    aliases, drops ``_keys_to_ignore_on_save``, reverts its weight conversions (GPT-NeoX's
+    ``lm_head`` is written ``embed_out``) and splits files at ``max_shard_size``. Those steps
+    run here on meta tensors that stand for the parameters (transformers' own functions), so
+    the plan of files and names is save_pretrained's while the values are still only shards;
+    then each file is streamed one gathered parameter at a time. A conversion that computes a
+    new tensor from several (none in the tested models) cannot be streamed, and is refused.
+    Returns ([(file name, [(saved name, source tensor)])], the index for a split model).
+    """
+    stand_in = {name: torch.empty(t.shape, device="meta", dtype=torch.float32
+                                  if managed(t) is not None else t.dtype) for name, t in entries}
+    by_name = dict(entries)
+    source = {id(m): by_name[name] for name, m in stand_in.items()}
+    names = stand_in
+    if hasattr(model, "get_parameter_or_buffer"):  # a transformers model
+        from huggingface_hub import split_torch_state_dict_into_shards
+        from transformers.modeling_utils import (
+            remove_tied_weights_from_state_dict,
+            revert_weight_conversion,
+        )
+
+        for key in getattr(model, "_keys_to_ignore_on_save", None) or ():
+            names.pop(key, None)
+        names = revert_weight_conversion(model, remove_tied_weights_from_state_dict(names, model))
+        made = [k for k, v in names.items() if id(v) not in source]
+        if made:
+            raise ConfigError(f"cannot stream {type(model).__name__}'s weights: transformers "
+                              f"computes {made[:3]} from several parameters when saving")
+        split = split_torch_state_dict_into_shards(
+            names, filename_pattern=WEIGHTS_NAME.replace(".safetensors", "{suffix}.safetensors"),
+            max_shard_size=max_shard_size)
+        files = [(f, [(n, source[id(names[n])]) for n in tensors])
+                 for f, tensors in split.filename_to_tensors.items()]
+        index = None
+        if split.is_sharded:
+            total = sum(p.numel() for p in model.parameters())  # tied ones once
+            index = {"metadata": {"total_parameters": total, **split.metadata},
+                     "weight_map": split.tensor_to_filename}
+        return files, index
+    return [(WEIGHTS_NAME, [(n, source[id(m)]) for n, m in names.items()])], None
 
 
 def save_configs(model: nn.Module, folder: Path) -> None:

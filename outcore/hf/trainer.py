@@ -41,9 +41,10 @@ from outcore.io.deepspeed_config import is_deepspeed
 from outcore.optim.facade import TorchOptimizer
 
 # Trainer methods OutcoreTrainer overrides; private ones move between transformers releases
-OVERRIDDEN = ("_move_model_to_device", "_wrap_model", "create_optimizer", "_prepare_for_training",
-              "training_step", "_clip_grad_norm", "_get_grad_norm", "_maybe_log_save_evaluate",
-              "save_model", "_load_from_checkpoint", "_load_best_model", "end")
+OVERRIDDEN = ("_move_model_to_device", "_wrap_model", "create_optimizer", "create_scheduler",
+              "_prepare_for_training", "training_step", "_clip_grad_norm", "_get_grad_norm",
+              "_maybe_log_save_evaluate", "save_model", "_load_from_checkpoint",
+              "_load_best_model", "call_model_init", "train", "end")
 TESTED = ">=5.23,<6"
 
 
@@ -231,18 +232,18 @@ class OutcoreTrainer(Trainer):
         """A folder ``from_pretrained`` loads: consolidated fp32 safetensors and config (a PEFT
         model: the adapter files ``PeftModel.from_pretrained`` loads). Every rank calls it.
 
-        Inside ``checkpoint-N`` folders (``_internal_call``) the folder is an outcore
-        checkpoint instead (sharded; ``outcore consolidate`` turns it into weights), plus the
-        adapter files for a PEFT model."""
+        Inside ``checkpoint-N`` folders (``_internal_call``) the folder is also an outcore
+        checkpoint (every rank's shards, for an exact resume), so ``from_pretrained`` and
+        ``resume_from_checkpoint`` both work on it."""
         out = Path(output_dir if output_dir is not None else self.args.output_dir)
         engine, rank = self.outcore_engine, self.outcore_engine.rank
         peft = saving.is_peft_model(self.model)
-        if _internal_call:
+        if _internal_call:  # checkpoint-N: what save_pretrained writes, and the shards
             engine.save_checkpoint(out)
             if peft:
                 saving.save_adapters(self.model, rank, out)
-            elif rank == 0:
-                saving.save_configs(self.model, out)
+            else:
+                saving.save_full(self.model, rank, out)
         elif peft:
             saving.save_adapters(self.model, rank, out)
         else:
@@ -276,6 +277,15 @@ class OutcoreTrainer(Trainer):
         best = self.state.best_model_checkpoint
         if best is not None:
             self.outcore_engine.load_checkpoint(best)
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """``Trainer.train``; when it ends, the output folder's lock is released (the next
+        save takes it again), so nothing of outcore's is left in ``output_dir``."""
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            if self.outcore_engine is not None and not self.outcore_engine.closed:
+                self.outcore_engine.release_folders()
 
     # -- lifetime ---------------------------------------------------------------------------
     def close(self) -> None:

@@ -175,6 +175,7 @@ class ShardedOptimizer:
             self._pump(feed)
             first_error(job.done for job in jobs)
         if not self._submitted:
+            self._retire_worker()
             return []
         first_error(job.done for job, _ in self._submitted if job.done.done())
         self._submitted = [(job, n) for job, n in self._submitted if not job.done.done()]
@@ -196,7 +197,19 @@ class ShardedOptimizer:
     def wait(self) -> None:
         """Wait for every submitted update; then raise the first error, if any."""
         submitted, self._submitted = self._submitted, []
-        first_error(job.done for job, _ in submitted)
+        try:
+            first_error(job.done for job, _ in submitted)
+        finally:
+            self._retire_worker()
+
+    def _retire_worker(self) -> None:
+        """Stop the idle worker (the next submit starts another). A thread waiting for work
+        would hold this optimizer, and through its groups the model, alive after the user
+        dropped both: its swap files would then outlive them."""
+        if self._worker is not None and not self._submitted:
+            self._feed.jobs.put(None)
+            self._worker.join()
+            self._worker = self._feed = None
 
     def take_freed_norm_sq(self) -> float:
         """Squared L2 norm of the gradients that background updates consumed and freed."""
@@ -251,10 +264,8 @@ class ShardedOptimizer:
 
     def close(self) -> None:
         """Stop the worker and give back the staging buffers and every moment's storage."""
-        if self._worker is not None:
-            self._feed.jobs.put(None)
-            self._worker.join()
-            self._worker = self._feed = None
+        self._submitted = []
+        self._retire_worker()
         if self._slot_list:  # no update runs any more: give the staging buffers back
             self._slot_list = []
             self.rt.ledger.add(Tier.HOST.value, "io_buffers",

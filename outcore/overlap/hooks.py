@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
@@ -260,13 +261,22 @@ class Hooks:
         self._frozen_held = still
 
     def _make_grad_hook(self, sp: ShardedParam) -> Callable[[torch.Tensor], None]:
+        """The parameter's post-accumulate-grad hook. It holds these hooks weakly: torch keeps
+        a tensor's hooks on the C++ side, where the garbage collector cannot see a cycle
+        (parameter -> hook -> hooks -> model -> parameter), so a strong reference would keep
+        a dropped model, and its swap files, alive until the process exits."""
+        me = weakref.ref(self)
+
         def hook(_: torch.Tensor) -> None:
+            hooks = me()
+            if hooks is None:
+                return
             g = sp.group
             if g.grad_arrived(sp):
-                with self.mode.suspended():
-                    self._reduce(g)
+                with hooks.mode.suspended():
+                    hooks._reduce(g)
                     if g.holds == 0:
-                        self.schedule.done(g)
+                        hooks.schedule.done(g)
 
         return hook
 

@@ -47,11 +47,10 @@ from outcore.overlap.hooks import Hooks
 from outcore.overlap.schedule import Schedule
 from outcore.plan import ExecutionPlan
 from outcore.profiling import STEP, record_function
-from outcore.zero import lifetime
+from outcore.zero import build, lifetime
 from outcore.zero.gathered import gathered_parameters
-from outcore.zero.group import ParamGroup
 from outcore.zero.param import ShardedParam
-from outcore.zero.registry import managed, parameter_counts, register
+from outcore.zero.registry import managed, parameter_counts
 
 log = logging.getLogger("outcore")
 
@@ -106,12 +105,13 @@ class Engine:
 
     def _build(self, module: nn.Module, cfg: Config,
                param_groups: list[tuple[dict, list[nn.Parameter]]] | None) -> None:
-        self.params = self._shard_params(module)
-        self.groups, module_groups = self._build_groups(module)
+        self.params = build.shard_params(module, self.rt)
+        self.groups, module_groups = build.build_groups(
+            module, self.rt, cfg.zero.persistence_threshold_bytes)
         for g in self.groups:
             if g.zero_copy:  # its shards are the full tensors: show them once, for good
                 g.wait_unshard()
-        self.buffer_places = self._cast_buffers(module)
+        self.buffer_places = build.cast_buffers(module, self.rt)
         self.schedule = Schedule(cfg.zero.prefetch_bytes, self.groups,
                                  carry=self.rt.plan.carries_head)
         self.optimizer_defaults = {k: getattr(cfg.optimizer, k) for k in HP_KEYS}
@@ -128,7 +128,7 @@ class Engine:
         cast = None
         if self.rt.compute_dtype != torch.float32:
             dtype = self.rt.compute_dtype
-            cast = lambda inputs: _cast_floats(inputs, dtype)  # noqa: E731
+            cast = lambda inputs: build.cast_floats(inputs, dtype)  # noqa: E731
         # model(...) and generate() called directly: entry.py's notes
         self.entries = EntryHooks(entry_modules(module), lambda: self.hooks.active,
                                   self.hooks.forward_context,
@@ -141,50 +141,6 @@ class Engine:
         self._folders = HeldFolders()  # checkpoint roots: guard/lock.py's notes
 
     # -- construction ------------------------------------------------------------------------
-    def _shard_params(self, module: nn.Module) -> list[ShardedParam]:
-        sps = []
-        for name, p in module.named_parameters():
-            sp = managed(p)
-            if sp is None:
-                sp = ShardedParam(p, self.rt)
-                register(p, sp)
-            sp.name = name
-            sp.prepare_for_training()
-            sps.append(sp)
-        return sps
-
-    def _build_groups(self, module: nn.Module) -> tuple[list[ParamGroup],
-                                                          dict[nn.Module, list[ParamGroup]]]:
-        """One group per module's own parameters; tied parameters join their first owner."""
-        groups: list[ParamGroup] = []
-        module_groups: dict[nn.Module, list[ParamGroup]] = {}
-        threshold = self.cfg.zero.persistence_threshold_bytes
-        for name, m in module.named_modules():
-            own = list({id(sp): sp for p in m._parameters.values()
-                        if p is not None and (sp := managed(p))}.values())
-            new = [sp for sp in own if sp.group is None]
-            if new:
-                groups.append(ParamGroup(len(groups), name or "<root>", new, self.rt, threshold))
-            uses: list[ParamGroup] = []
-            for sp in own:
-                if sp.group not in uses:
-                    uses.append(sp.group)
-            module_groups[m] = uses
-        return groups, module_groups
-
-    def _cast_buffers(self, module: nn.Module) -> list[tuple[nn.Module, str, torch.dtype,
-                                                             torch.device]]:
-        """Floating buffers follow the compute dtype, as ``module.to(dtype)`` would do;
-        returns where each was, for ``close()`` to put it back."""
-        before = []
-        for m in module.modules():
-            for key, buf in m._buffers.items():
-                if buf is not None:
-                    before.append((m, key, buf.dtype, buf.device))
-                    dtype = self.rt.compute_dtype if buf.is_floating_point() else buf.dtype
-                    m._buffers[key] = buf.to(device=self.rt.device, dtype=dtype)
-        return before
-
     def _optimizer_groups(self, groups: list[tuple[dict, list[nn.Parameter]]] | None
                           ) -> list[tuple[dict, list[ShardedParam]]]:
         """torch-style group dicts (``"params"``: the user's parameters) with their shards.
@@ -524,14 +480,4 @@ class Engine:
     def _check_open(self) -> None:
         if self._closed is not None:
             raise EngineClosedError(self._closed)
-
-
-def _cast_floats(obj: Any, dtype: torch.dtype) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.to(dtype) if obj.is_floating_point() else obj
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_cast_floats(o, dtype) for o in obj)
-    if isinstance(obj, dict):
-        return {k: _cast_floats(v, dtype) for k, v in obj.items()}
-    return obj
 

@@ -1,0 +1,78 @@
+"""What the engine builds over a model: its sharded parameters, their groups, its buffers.
+
+Each step is a free function over the model and the runtime, so the engine's constructor
+reads as the list of them (engine.py), and each one is tested by what it leaves behind.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from outcore.runtime import Runtime
+from outcore.zero.group import ParamGroup
+from outcore.zero.param import ShardedParam
+from outcore.zero.registry import managed, register
+
+
+def shard_params(module: nn.Module, rt: Runtime) -> list[ShardedParam]:
+    """Every parameter of ``module`` sharded (once: a model built under ``outcore.init``
+    already is) and given its training-dtype shard; tied parameters once."""
+    sps = []
+    for name, p in module.named_parameters():
+        sp = managed(p)
+        if sp is None:
+            sp = ShardedParam(p, rt)
+            register(p, sp)
+        sp.name = name
+        sp.prepare_for_training()
+        sps.append(sp)
+    return sps
+
+
+def build_groups(module: nn.Module, rt: Runtime, persistence_threshold_bytes: int
+                 ) -> tuple[list[ParamGroup], dict[nn.Module, list[ParamGroup]]]:
+    """One group per module's own parameters; tied parameters join their first owner.
+    Returns the groups and, per module, the groups it uses."""
+    groups: list[ParamGroup] = []
+    module_groups: dict[nn.Module, list[ParamGroup]] = {}
+    for name, m in module.named_modules():
+        own = list({id(sp): sp for p in m._parameters.values()
+                    if p is not None and (sp := managed(p))}.values())
+        new = [sp for sp in own if sp.group is None]
+        if new:
+            groups.append(ParamGroup(len(groups), name or "<root>", new, rt,
+                                     persistence_threshold_bytes))
+        uses: list[ParamGroup] = []
+        for sp in own:
+            if sp.group not in uses:
+                uses.append(sp.group)
+        module_groups[m] = uses
+    return groups, module_groups
+
+
+def cast_buffers(module: nn.Module, rt: Runtime
+                 ) -> list[tuple[nn.Module, str, torch.dtype, torch.device]]:
+    """Floating buffers follow the compute dtype, as ``module.to(dtype)`` would do;
+    returns where each was, for ``close()`` to put it back (lifetime.py)."""
+    before = []
+    for m in module.modules():
+        for key, buf in m._buffers.items():
+            if buf is not None:
+                before.append((m, key, buf.dtype, buf.device))
+                dtype = rt.compute_dtype if buf.is_floating_point() else buf.dtype
+                m._buffers[key] = buf.to(device=rt.device, dtype=dtype)
+    return before
+
+
+def cast_floats(obj: Any, dtype: torch.dtype) -> Any:
+    """Floating tensors in ``obj`` (nested lists, tuples, dicts) cast to ``dtype``."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(dtype) if obj.is_floating_point() else obj
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(cast_floats(o, dtype) for o in obj)
+    if isinstance(obj, dict):
+        return {k: cast_floats(v, dtype) for k, v in obj.items()}
+    return obj

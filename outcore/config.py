@@ -42,9 +42,9 @@ class _Section(BaseModel):
 class OptimizerConfig(_Section):
     """Hyper-parameters of the sharded optimizer; per-group overrides come from param groups."""
 
-    type: Literal["adamw", "adam", "sgd"] = Field(
-        "adamw", description="torch's AdamW, Adam (L2 weight decay) or SGD kernel, run over "
-        "this rank's fp32 shards")
+    type: Literal["adamw", "adam", "sgd", "adafactor"] = Field(
+        "adamw", description="torch's AdamW, Adam (L2 weight decay) or SGD kernel, or "
+        "transformers' Adafactor (state in memory), run over this rank's fp32 shards")
     lr: float = Field(1e-4, gt=0, description="learning rate")
     betas: tuple[float, float] = Field((0.9, 0.999), description="Adam(W) betas, each in [0, 1)")
     eps: float = Field(1e-8, gt=0, description="Adam(W) epsilon")

@@ -38,6 +38,7 @@ from outcore.errors import (
 )
 from outcore.guard.lock import HeldFolders
 from outcore.offload.storage import Tier
+from outcore.optim import adafactor
 from outcore.optim.facade import TorchOptimizer
 from outcore.optim.optimizer import ShardedOptimizer
 from outcore.optim.param_groups import HP_KEYS, check_param_groups, from_torch_optimizer
@@ -82,6 +83,8 @@ class Engine:
                 raise ConfigError("pass param_groups or a torch optimizer to adopt, not both")
             keys, param_groups = from_torch_optimizer(optimizer)
             cfg = Config.from_dict(merge_mappings(cfg.model_dump(), {"optimizer": keys}))
+        if cfg.optimizer.type == "adafactor" and cfg.offload.optimizer == "nvme":
+            adafactor.check({"lr": 1.0}, cfg.offload.optimizer)  # refused before any sharding
         groups = check_param_groups(module, param_groups)
         total, trainable = parameter_counts(module)
         fraction = trainable / total if total else 1.0  # host_memory.py: a frozen base
@@ -93,8 +96,15 @@ class Engine:
         except BaseException as err:
             # Swap files this engine cannot use any more are deleted now, not at exit: always
             # when the engine made the runtime, and on storage errors (a full disk) in any case.
-            # A model built under outcore.init keeps its shards after, say, a param-group typo.
+            # A model built under outcore.init keeps its shards after, say, a param-group typo;
+            # one this engine sharded gets its values back, plain, as it came.
             if own_runtime or isinstance(err, StorageError):
+                if own_runtime:
+                    for part in ("entries", "hooks"):
+                        if hasattr(self, part):
+                            getattr(self, part).remove()
+                    lifetime.restore_buffers(getattr(self, "buffer_places", []))
+                    lifetime.abandon(module, self.rt)
                 self.rt.close()
             raise
         self.rt.engine = weakref.ref(self)

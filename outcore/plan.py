@@ -28,7 +28,7 @@ STAGING_SLOTS = 3
 one updated, one written back (optim/optimizer.py's [Note: streamed sub-groups])."""
 
 _STATE_KINDS = {"adamw": ("exp_avg", "exp_avg_sq"), "adam": ("exp_avg", "exp_avg_sq"),
-                "sgd": ("momentum_buffer",)}
+                "sgd": ("momentum_buffer",), "adafactor": ("exp_avg_sq", "exp_avg")}
 
 
 def optimizer_state_kinds(optimizer: str, momentum: float = 0.0) -> tuple[str, ...]:
@@ -215,7 +215,8 @@ def _decide(i: Inputs) -> Iterator[tuple[str, tuple[Any, str]]]:
     yield "loss_scaling", (loss_scaling, f"{i.dtype} compute")
 
     hides = s is Tier.NVME or cuda
-    overlap = (i.overlap_optimizer and i.gradient_clipping == 0 and not loss_scaling and hides)
+    overlap = (i.overlap_optimizer and i.gradient_clipping == 0 and not loss_scaling and hides
+               and i.optimizer_type != "adafactor")
     yield "overlaps_optimizer", (overlap, _overlap_reason(i, loss_scaling, hides))
 
     defer = (overlap and i.overlap_step_with_forward and s is Tier.NVME
@@ -247,6 +248,8 @@ def _decide(i: Inputs) -> Iterator[tuple[str, tuple[Any, str]]]:
 def _overlap_reason(i: Inputs, loss_scaling: bool, hides: bool) -> str:
     if not i.overlap_optimizer:
         return "zero.overlap_optimizer is off"
+    if i.optimizer_type == "adafactor":
+        return "Adafactor all-reduces whole-parameter statistics (adafactor.py's note)"
     if i.gradient_clipping:
         return "clipping needs the global norm of every gradient before any update"
     if loss_scaling:

@@ -268,3 +268,60 @@ def test_an_optimizer_outcore_cannot_run_is_refused_in_words() -> None:
         outcore.initialize(model, {"dtype": "fp32"},
                            optimizer=torch.optim.AdamW(model.parameters(), amsgrad=True))
     assert type(model.weight) is nn.Parameter  # refused before anything was sharded
+
+
+def _adafactor_run(tmp: str, kw: dict, offload: str) -> dict:
+    """Four Adafactor steps on this rank, beside transformers' Adafactor on a plain copy
+    (every rank the same batch), then a checkpoint round trip and two steps more."""
+    from transformers.optimization import Adafactor
+
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 24), nn.Tanh(), nn.Linear(24, 5))
+    ref = copy.deepcopy(model).to(default_device())
+    ref_opt = Adafactor(ref.parameters(), **kw)
+    cfg = {"dtype": "fp32", "offload": {"params": offload, "optimizer": offload}}
+    engine = outcore.initialize(model, cfg, optimizer=Adafactor(model.parameters(), **kw))
+    out = {"gap": [], "resumed": [], "uninterrupted": []}
+    for step in range(4):
+        _both(engine, ref, ref_opt, step)
+    with engine.gathered_parameters():
+        out["gap"] = max(float((p.data - q.detach()).abs().max())
+                         for p, q in zip(model.parameters(), ref.parameters(), strict=True))
+    engine.save_checkpoint(Path(tmp) / "ckpt" / "step-4")
+    torch.manual_seed(9)
+    model2 = nn.Sequential(nn.Linear(16, 24), nn.Tanh(), nn.Linear(24, 5))
+    engine2 = outcore.initialize(model2, cfg, optimizer=Adafactor(model2.parameters(), **kw))
+    engine2.load_checkpoint(Path(tmp) / "ckpt" / "step-4")
+    for step in range(4, 6):
+        for e, key in ((engine, "uninterrupted"), (engine2, "resumed")):
+            loss = e(_batch(step)).pow(2).mean()
+            e.backward(loss)
+            e.step()
+            out[key].append(loss.item())
+    engine.close()
+    engine2.close()
+    return {**out, "rank": rank}
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("kw", [{"lr": None},
+                                {"lr": 1e-2, "relative_step": False, "scale_parameter": False,
+                                 "beta1": 0.9, "weight_decay": 0.01}], ids=["relative", "beta1"])
+def test_adafactor_over_slices_equals_transformers(tmp_path: Path, world: int,
+                                                   kw: dict) -> None:
+    """transformers' Adafactor, its factored statistics all-reduced from the ranks' slices
+    (adafactor.py's note): the weights it gives, and a checkpoint that resumes it exactly."""
+    pytest.importorskip("transformers")
+    for result in run_world(_adafactor_run, world, str(tmp_path), kw, "cpu"):
+        assert result["gap"] < 1e-5
+        assert result["resumed"] == result["uninterrupted"]
+
+
+def test_adafactor_with_its_state_on_nvme_is_refused_in_words(tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    model = nn.Linear(4, 4)
+    with pytest.raises(outcore.ConfigError, match="Adafactor needs offload.optimizer cpu"):
+        outcore.initialize(model, {"dtype": "fp32", "offload": {
+            "optimizer": "nvme", "nvme_path": str(tmp_path)}},
+            optimizer=transformers.optimization.Adafactor(model.parameters()))

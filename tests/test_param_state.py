@@ -192,3 +192,26 @@ def test_bf16_reads_show_the_training_dtype_and_writes_keep_fp32(tmp_path: Path)
     with engine.gathered_parameters([model[2].weight]):
         assert torch.equal(model[2].weight.data, exact)
     engine.close()
+
+
+def test_a_build_that_fails_leaves_the_model_as_it_came(tmp_path: Path) -> None:
+    """initialize refusing before it shards (a bad param group, Adafactor with its state on
+    NVMe) or after (the optimizer's own check) leaves the parameters plain, with their
+    values, and no swap file."""
+    transformers = pytest.importorskip("transformers")
+    model = _model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(outcore.ConfigError, match="Adafactor needs offload.optimizer"):
+        outcore.initialize(model, {**_cfg(tmp_path), "optimizer": {"type": "adafactor"}})
+    with pytest.raises(outcore.ConfigError, match="param_groups"):
+        outcore.initialize(model, _cfg(tmp_path), [{"params": list(model.parameters()),
+                                                     "amsgrad": True}])
+    opt = transformers.optimization.Adafactor(model.parameters(), lr=None)
+    opt.param_groups[0]["relative_step"] = False  # checked once the shards exist
+    with pytest.raises(outcore.ConfigError, match="lr=None needs relative_step"):
+        outcore.initialize(model, {"dtype": "fp32", "offload": {"optimizer": "cpu"}},
+                           optimizer=opt)
+    assert all(type(p) is nn.Parameter and managed(p) is None for p in model.parameters())
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key])
+    assert not list(tmp_path.rglob("*.swap"))

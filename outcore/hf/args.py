@@ -22,7 +22,7 @@ from outcore.io.deepspeed_config import Auto, is_deepspeed, translate_and_warn
 
 # TrainingArguments.optim values outcore runs over its shards, and the update each one is
 OPTIM_NAMES = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_hf": "adamw",
-               "sgd": "sgd"}
+               "sgd": "sgd", "adafactor": "adafactor"}
 _OPTIM_ARGS = {"momentum": float, "nesterov": lambda v: v.lower() in ("1", "true", "yes")}
 
 
@@ -31,12 +31,10 @@ def optimizer_type(optim: str, optim_args: str | None = None) -> str:
     says what works and why the rest does not."""
     if optim in OPTIM_NAMES:
         return OPTIM_NAMES[optim]
-    why = ("its factored second moments need whole rows and columns of each weight, and "
-           "outcore keeps flat slices" if optim == "adafactor" else
-           "outcore runs Adam(W) and SGD over its shards with torch's own kernels")
     raise ConfigError(f"TrainingArguments.optim={optim!r} is not supported by OutcoreTrainer: "
-                      f"{why}; use one of {', '.join(OPTIM_NAMES)}, or pass a torch Adam, "
-                      "AdamW or SGD as optimizers=(optimizer, scheduler)")
+                      "outcore runs Adam(W), SGD and Adafactor over its shards; use one of "
+                      f"{', '.join(OPTIM_NAMES)}, or pass a torch Adam, AdamW or SGD or "
+                      "transformers' Adafactor as optimizers=(optimizer, scheduler)")
 
 
 def _optim_args(optim_args: str | None) -> dict[str, tuple[str, Any]]:

@@ -135,6 +135,9 @@ class OutcoreTrainer(Trainer):
         if optimizer is None and self._optimizer_cls_and_kwargs is not None:
             cls, kw = self._optimizer_cls_and_kwargs
             optimizer = cls(groups, **kw)
+        elif optimizer is None and cfg.optimizer.type == "adafactor":
+            cls, kw = self.get_optimizer_cls_and_kwargs(self.args, model)  # transformers' own
+            optimizer = cls(groups, **kw)
         if optimizer is not None:  # param_groups.py's [Note: adopting a torch optimizer]
             self.outcore_engine = Engine(model, cfg, optimizer=optimizer)
         else:

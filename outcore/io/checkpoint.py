@@ -54,6 +54,7 @@ FORMAT, VERSION, MANIFEST = "outcore-checkpoint", 1, "manifest.json"
 _PARTIAL, _ASIDE = ".partial", ".replaced-"
 _OURS = re.compile(r"^(rank\d{5}-of-\d{5}\.safetensors|manifest\.json|config\.json)(\.tmp)?$")
 _RNG_CPU, _RNG_CUDA = "__rng__::torch_cpu", "__rng__::torch_cuda"
+_OPTIM = "__optimizer__::"  # replicated optimizer state (rank 0's file)
 
 
 def rank_file(rank: int, world: int) -> str:
@@ -133,6 +134,13 @@ def _state(engine: Any, sp: Any) -> list[tuple[str, Any]]:
     return [("values", sp.master if sp.master is not None else sp.compute)]
 
 
+def _replicated(engine: Any) -> dict[str, torch.Tensor]:
+    """Optimizer state every rank holds whole (Adafactor's row and column factors: rank 0
+    saves them, every rank loads them), by ``<parameter>::<kind>``."""
+    runner = engine.sharded_optimizer.adafactor
+    return runner.replicated({id(sp): sp.name for sp in engine.params}) if runner else {}
+
+
 def _rng_states(engine: Any) -> dict[str, torch.Tensor]:
     out = {_RNG_CPU: torch.get_rng_state()}
     if engine.rt.accel.is_cuda:
@@ -153,6 +161,7 @@ def _write_rank_file(engine: Any, folder: Path) -> FileInfo:
     extra = _rng_states(engine)
     if rank == 0:
         extra.update({f"__buffer__::{k}": v for k, v in _buffers(engine.module).items()})
+        extra.update({f"{_OPTIM}{k}": v for k, v in _replicated(engine).items()})
     specs = [TensorSpec(f"{sp.name}::{kind}", st.dtype, (sp.layout.valid_numel,))
              for sp in engine.params for kind, st in _state(engine, sp)]
     specs += [TensorSpec(k, t.dtype, tuple(t.shape)) for k, t in extra.items()]
@@ -186,7 +195,8 @@ def _manifest(engine: Any, client_state: dict[str, Any], files: dict[str, dict])
            "dtype": engine.cfg.dtype, "dtype_reason": engine.dtype_choice.reason,
            "global_steps": engine.global_steps,
            "optimizer": {"type": engine.sharded_optimizer.kind,
-                         "states": list(engine.sharded_optimizer.state_kinds)},
+                         "states": list(engine.sharded_optimizer.state_kinds),
+                         "replicated": sorted(_replicated(engine))},
            "params": params, "buffers": list(_buffers(engine.module)),
            "scaler": engine.scaler.state_dict(), "param_groups": groups,
            "config": engine.cfg.model_dump(mode="json"), "client_state": client_state,
@@ -364,6 +374,13 @@ def _load(engine: Any, path: Path) -> dict[str, Any]:
                 _load_param(engine.sharded_optimizer, sp, plan["entries"][sp.name], man, handles)
             for name, buf in _buffers(engine.module).items():
                 buf.copy_(handles[0].get_tensor(f"__buffer__::{name}"))
+            mine = _replicated(engine)
+            for sp in engine.params:  # saved under the checkpoint's name of the parameter
+                canon = plan["entries"][sp.name][0]
+                for kind in ("exp_avg_sq_row", "exp_avg_sq_col"):
+                    if f"{sp.name}::{kind}" in mine:
+                        mine[f"{sp.name}::{kind}"].copy_(
+                            handles[0].get_tensor(f"{_OPTIM}{canon}::{kind}"))
             rng = handles[plan["rng_rank"]]
             torch.set_rng_state(rng.get_tensor(_RNG_CPU))
             if engine.rt.accel.is_cuda and _RNG_CUDA in rng.keys():  # noqa: SIM118
@@ -413,8 +430,11 @@ def _plan(engine: Any, man: dict) -> dict[str, Any]:
     old, rank = man["world_size"], engine.rt.rank
     rng_rank = rank if rank < old else 0  # a new rank past the old world takes rank 0's RNG
     ranks = {rng_rank}
-    if bufs:
+    if bufs or man["optimizer"].get("replicated"):
         ranks.add(0)
+    if _replicated(engine) and not man["optimizer"].get("replicated"):
+        raise ConfigError(f"checkpoint has no Adafactor factors (optimizer "
+                          f"{man['optimizer']['type']}); this engine's Adafactor needs them")
     for sp in engine.params:
         ranks.update(sts.pieces_overlapping(sp.numel, old, sp.layout.start, sp.layout.valid_numel))
     return {"entries": {sp.name: by_name[sp.name] for sp in engine.params}, "ranks": ranks,

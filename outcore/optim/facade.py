@@ -22,9 +22,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from outcore.errors import ConfigError
+from outcore.offload.storage import load_now
 
 if TYPE_CHECKING:
     from outcore.engine import Engine
+    from outcore.optim.optimizer import ShardedOptimizer
+    from outcore.zero.param import ShardedParam
 
 
 class TorchOptimizer(torch.optim.Optimizer):
@@ -78,7 +81,7 @@ class TorchOptimizer(torch.optim.Optimizer):
         for group, members in zip(self.param_groups, sharded.members, strict=True):
             ids = []
             for sp in members:
-                moments = sharded.moments_of(sp)
+                moments = moments_of(sharded, sp)
                 if moments is not None:
                     state[index] = {"step": torch.tensor(float(sharded.step_of(sp))), **moments}
                 ids.append(index)
@@ -106,9 +109,46 @@ class TorchOptimizer(torch.optim.Optimizer):
             for sp, key in zip(members, saved["params"], strict=True):
                 entry = saved_state.get(key)
                 if entry:
-                    sharded.load_moments(sp, entry, saved_world=world)
+                    load_moments(sharded, sp, entry, saved_world=world)
             mine.update({k: v for k, v in saved.items() if k != "params"})
 
     def __repr__(self) -> str:
         hp = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
         return f"{type(self).__name__}({self._engine.cfg.optimizer.type}, {hp})"
+
+
+def moments_of(opt: ShardedOptimizer, sp: ShardedParam) -> dict[str, torch.Tensor] | None:
+    """Copies of ``sp``'s moment shards (fp32, this rank's slice), or None before its
+    first update (torch keeps no state for a parameter until then)."""
+    state = opt.state.get(sp)
+    if state is None or state.step == 0:
+        return None
+    out = {k: load_now(stored, opt.rt.device).clone() for k, stored in state.moments.items()}
+    return {**out, **opt.adafactor.factors_of(sp)} if opt.adafactor else out
+
+def load_moments(opt: ShardedOptimizer, sp: ShardedParam, entry: dict,
+                 saved_world: int | None) -> None:
+    """Restore ``sp``'s step and moments from a torch-style state entry: full-shape moments
+    (any torch optimizer's) are cut into this rank's slice; slices (``moments_of``) are
+    taken as they are, from a state dict of the same world size."""
+    state = opt.state[sp]
+    if opt.adafactor is not None:
+        opt.adafactor.load_factors(sp, entry)
+    for kind in state.moments:
+        if kind not in entry:
+            raise ConfigError(f"optimizer state for {sp.label()} has no {kind!r} "
+                              f"({sorted(entry)}); this engine's {opt.kind} needs it")
+    for kind, stored in state.moments.items():
+        t = torch.as_tensor(entry[kind]).to(opt.rt.device, torch.float32)
+        if tuple(t.shape) == tuple(sp.shape):
+            shard = sp.layout.cut(t, torch.float32)
+        elif t.numel() == sp.shard_numel and saved_world == opt.rt.world_size:
+            shard = t.reshape(-1)
+        else:
+            raise ConfigError(
+                f"optimizer state {kind!r} for {sp.label()} has shape {list(t.shape)}: "
+                f"neither the parameter's {list(sp.shape)} nor this rank's slice of "
+                f"{sp.shard_numel} saved at world size {opt.rt.world_size} (it was saved "
+                f"at {saved_world}); engine.save_checkpoint loads at any world size")
+        stored.save(shard).result()
+    state.step = int(float(entry.get("step", state.step)))

@@ -33,8 +33,8 @@ from torch.optim.adam import adam
 from torch.optim.sgd import sgd
 
 from outcore.config import OptimizerConfig
-from outcore.errors import ConfigError
-from outcore.offload.storage import Stored, Tier, load_now
+from outcore.offload.storage import Stored, Tier
+from outcore.optim import adafactor
 from outcore.optim.work import ALIGN_ELEMS, Feed, Job, Slice, Slot, Work, first_error, settle
 from outcore.profiling import OPTIM_READ, OPTIM_UPDATE, OPTIM_WRITE, record_function
 from outcore.runtime import Runtime
@@ -85,10 +85,13 @@ class ShardedOptimizer:
                 self._hp_index[id(sp)] = i
         plan = rt.plan
         self.state_kinds = plan.state_kinds
+        self.adafactor = (adafactor.Runner(self.param_groups, self._members, rt)
+                          if self.kind == "adafactor" else None)
         self.state: dict[ShardedParam, ParamState] = {
             sp: ParamState({k: rt.store(torch.zeros(sp.shard_numel, dtype=torch.float32,
                                                     device=rt.device), rt.state_tier, "optimizer")
-                            for k in self.state_kinds})
+                            for k in (self.adafactor.kinds_of(sp) if self.adafactor
+                                      else self.state_kinds)})
             for sp in self.params}
         # what a slice stages in host memory per element (work.py's [Note: staging without
         # copies]); the plan says which tensors that is
@@ -159,6 +162,11 @@ class ShardedOptimizer:
         are returned, re-ordered for the next forward (engine.py's [Note: the step's tail runs
         into the next forward])."""
         rest = [sp for sp in self.params if sp.has_grad and self.state[sp].round != self._round]
+        if self.adafactor is not None:  # never submitted during backward (the plan)
+            self.adafactor.step(rest, self.state)
+            self.stats["updates_at_step"] += len(rest)
+            self._round += 1
+            return []
         if rest or not defer:  # the rest goes through the worker's three slots: let it finish
             self.wait()
         for sp in rest:
@@ -229,38 +237,6 @@ class ShardedOptimizer:
     def members(self) -> list[list[ShardedParam]]:
         """The parameters of each of ``param_groups``, in order."""
         return self._members
-
-    def moments_of(self, sp: ShardedParam) -> dict[str, torch.Tensor] | None:
-        """Copies of ``sp``'s moment shards (fp32, this rank's slice), or None before its
-        first update (torch keeps no state for a parameter until then)."""
-        state = self.state.get(sp)
-        if state is None or state.step == 0:
-            return None
-        return {k: load_now(stored, self.rt.device).clone() for k, stored in state.moments.items()}
-
-    def load_moments(self, sp: ShardedParam, entry: dict, saved_world: int | None) -> None:
-        """Restore ``sp``'s step and moments from a torch-style state entry: full-shape moments
-        (any torch optimizer's) are cut into this rank's slice; slices (``moments_of``) are
-        taken as they are, from a state dict of the same world size."""
-        state = self.state[sp]
-        for kind in state.moments:
-            if kind not in entry:
-                raise ConfigError(f"optimizer state for {sp.label()} has no {kind!r} "
-                                  f"({sorted(entry)}); this engine's {self.kind} needs it")
-        for kind, stored in state.moments.items():
-            t = torch.as_tensor(entry[kind]).to(self.rt.device, torch.float32)
-            if tuple(t.shape) == tuple(sp.shape):
-                shard = sp.layout.cut(t, torch.float32)
-            elif t.numel() == sp.shard_numel and saved_world == self.rt.world_size:
-                shard = t.reshape(-1)
-            else:
-                raise ConfigError(
-                    f"optimizer state {kind!r} for {sp.label()} has shape {list(t.shape)}: "
-                    f"neither the parameter's {list(sp.shape)} nor this rank's slice of "
-                    f"{sp.shard_numel} saved at world size {self.rt.world_size} (it was saved "
-                    f"at {saved_world}); engine.save_checkpoint loads at any world size")
-            stored.save(shard).result()
-        state.step = int(float(entry.get("step", state.step)))
 
     def close(self) -> None:
         """Stop the worker and give back the staging buffers and every moment's storage."""

@@ -21,8 +21,12 @@ HP_KEYS = ("lr", "betas", "eps", "weight_decay", "momentum", "nesterov")
 # match (None: any value, e.g. foreach/fused, which outcore picks itself)
 _TORCH_KEYS = {"foreach": None, "fused": None, "capturable": False, "differentiable": False,
                "maximize": False, "amsgrad": False, "dampening": 0, "initial_lr": None,
-               "decoupled_weight_decay": None}
-_TORCH_TYPES = {"AdamW": "adamw", "Adam": "adam", "SGD": "sgd"}
+               "decoupled_weight_decay": None, "clip_threshold": None, "decay_rate": None,
+               "beta1": None, "scale_parameter": None, "relative_step": None,
+               "warmup_init": None}
+_TORCH_TYPES = {("torch.optim", "AdamW"): "adamw", ("torch.optim", "Adam"): "adam",
+                ("torch.optim", "SGD"): "sgd",
+                ("transformers.optimization", "Adafactor"): "adafactor"}
 
 
 def from_torch_optimizer(opt: torch.optim.Optimizer) -> tuple[dict, list[dict]]:
@@ -30,20 +34,24 @@ def from_torch_optimizer(opt: torch.optim.Optimizer) -> tuple[dict, list[dict]]:
 
     [Note: adopting a torch optimizer]
     A user (or the Trainer's ``optimizers=``) may bring a ``torch.optim.AdamW``, ``Adam`` or
-    ``SGD`` built over the model's parameters. outcore runs the same update with the same
-    kernels over its shards, so it takes the type and hyper-parameters from it and uses its
+    ``SGD``, or transformers' ``Adafactor`` (adafactor.py), built over the model's parameters.
+    outcore runs the same update with the same kernels over its shards, so it takes the type
+    and hyper-parameters from it and uses its
     ``param_groups`` dicts themselves as the engine's groups: a scheduler bound to the user's
     optimizer edits the dicts the shards' update reads. The user's optimizer is never stepped;
     any state it holds (a loaded state dict) is cut into the shards' moments.
     """
-    kind = _TORCH_TYPES.get(type(opt).__name__) if type(opt).__module__.startswith(
-        "torch.optim") else None
+    module = type(opt).__module__
+    kind = next((k for (where, name), k in _TORCH_TYPES.items()
+                 if module.startswith(where) and type(opt).__name__ == name), None)
     if kind is None:
-        raise ConfigError(f"optimizer {type(opt).__module__}.{type(opt).__name__} cannot run "
-                          "over outcore's shards; outcore runs torch's AdamW, Adam and SGD "
-                          "(pass one of those, or set the optimizer in the config)")
+        raise ConfigError(f"optimizer {module}.{type(opt).__name__} cannot run over outcore's "
+                          "shards; outcore runs torch's AdamW, Adam and SGD and transformers' "
+                          "Adafactor (pass one of those, or set the optimizer in the config)")
     if kind == "adam" and opt.defaults.get("decoupled_weight_decay"):
         kind = "adamw"
+    if kind == "adafactor":  # its numbers stay in its groups (lr may be None)
+        return {"type": kind}, opt.param_groups
     keys = {"type": kind, **{k: opt.defaults[k] for k in HP_KEYS if k in opt.defaults}}
     if "betas" in keys:
         keys["betas"] = list(keys["betas"])

@@ -99,10 +99,34 @@ def detach(engine: Engine) -> None:
         if sp.alive:
             sp.release_grads()
             sp.group = None
-    for module, key, dtype, device in engine.buffer_places:
+    restore_buffers(engine.buffer_places)
+
+
+def restore_buffers(places: list) -> None:
+    """Buffers back in the dtype and on the device they had before the engine."""
+    for module, key, dtype, device in places:
         buf = module._buffers.get(key)
         if buf is not None:
             module._buffers[key] = buf.to(device=device, dtype=dtype)
+
+
+def abandon(module: nn.Module, rt: Runtime) -> None:
+    """An engine failed while building over a model it sharded itself: every parameter of
+    ``rt`` goes back to plain, with its values (the user's model is as it came), before the
+    runtime closes. A model built under ``outcore.init`` is not this runtime's to undo."""
+    for p in module.parameters():
+        sp = managed(p)
+        if sp is None or sp.rt is not rt:
+            continue
+        if sp.group is not None:
+            sp.group.reshard()
+            sp.group.hide_resident()
+        try:
+            values = sp.gather_values().to(sp.user_dtype)
+        except Exception:  # noqa: BLE001 - the build's error is the one to see
+            sp.drop()
+            continue
+        sp.hand_back(values)
 
 
 def hand_back(engine: Engine, keep_values: bool | None) -> None:

@@ -390,6 +390,7 @@ def _pair_losses(tmp_path: Path, kw, check_lr: bool = True, **args_kw) -> None:
     function of the model for objects each side needs its own of): the same losses and
     learning rates."""
     ref_model, model = build("gpt2"), build("gpt2")
+    args_kw = {"max_steps": 4, **args_kw}
     ref = transformers.Trainer(model=ref_model, args=arguments(tmp_path / "r", **args_kw),
                                train_dataset=dataset(), **kw(ref_model) if callable(kw)
                                else kw)

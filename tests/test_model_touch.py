@@ -19,6 +19,7 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -69,24 +70,36 @@ def _run_batch(offload: str, world: int, folder: Path, **env: str) -> dict[int, 
     return results
 
 
-_BATCHES: dict[tuple[str, int], dict[int, dict]] = {}
+_BATCHES: dict[tuple[str, int], Future] = {}
 
 
 @pytest.fixture(scope="module")
 def batches(tmp_path_factory: pytest.TempPathFactory):
+    """Every (offload, world size) batch, two at a time in the background (each is one or
+    two single-threaded processes), started when the first case asks."""
+    pool = ThreadPoolExecutor(max_workers=2)
+
+    def start(offload: str, world: int) -> Future:
+        device = rank_device(world)
+        STARTED[(f"tests/test_model_touch.py ({offload})", world, device)] += 1
+        return pool.submit(_run_batch, offload, world,
+                           tmp_path_factory.mktemp(f"touch-{offload}-{world}"))
+
     def get(offload: str, world: int) -> dict[int, dict]:
-        key = (offload, world)
         device = rank_device(world)
         if (device != os.environ.get(DEVICE_ENV, "cpu")
                 and os.environ.get("OUTCORE_TEST_CPU_WORLDS") == "skip"):
             pytest.skip(f"world {world} would run on gloo/CPU under --device cuda; the CPU "
                         "suite runs it (OUTCORE_TEST_CPU_WORLDS=skip)")
-        if key not in _BATCHES:
-            STARTED[(f"tests/test_model_touch.py ({offload})", world, device)] += 1
-            _BATCHES[key] = _run_batch(offload, world,
-                                       tmp_path_factory.mktemp(f"touch-{offload}-{world}"))
-        return _BATCHES[key]
-    return get
+        if not _BATCHES:
+            for key in [(o, w) for o, worlds in WORLDS.items() for w in worlds]:
+                if not (rank_device(key[1]) != os.environ.get(DEVICE_ENV, "cpu")
+                        and os.environ.get("OUTCORE_TEST_CPU_WORLDS") == "skip"):
+                    _BATCHES[key] = start(*key)
+        return _BATCHES[(offload, world)].result()
+
+    yield get
+    pool.shutdown(wait=True)
 
 
 def _params():

@@ -420,6 +420,10 @@ def _plan(engine: Any, man: dict) -> dict[str, Any]:
         raise ConfigError(f"checkpoint buffers differ from the model's: missing "
                           f"{sorted(set(bufs) - set(saved_bufs))}, "
                           f"extra {sorted(set(saved_bufs) - set(bufs))}")
+    kinds = {man["optimizer"]["type"], engine.sharded_optimizer.kind}
+    if "adafactor" in kinds and len(kinds) > 1:  # its state has another shape altogether
+        raise ConfigError(f"checkpoint holds {man['optimizer']['type']} state; this engine "
+                          f"runs {engine.sharded_optimizer.kind}")
     need = set(engine.sharded_optimizer.state_kinds) - set(man["optimizer"]["states"])
     if need:
         raise ConfigError(f"checkpoint has optimizer states {man['optimizer']['states']}, this "

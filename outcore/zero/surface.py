@@ -42,6 +42,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from outcore.errors import ConfigError
 from outcore.zero import access, registry
 from outcore.zero.calls import DETACH, Kind, kind_of
 from outcore.zero.state import HAS_VALUES, USER_OWNED, Phase
@@ -79,11 +80,16 @@ def dress(param: nn.Parameter) -> type:
     if cls in access.DRESSED:
         return next(c for c, d in _CLASSES.items() if d is cls)
     sub = _CLASSES.get(cls)
-    if sub is None:
-        sub = type(cls)(f"Sharded{cls.__name__}", (ShardedParameter, cls), {})
-        _CLASSES[cls] = sub
-        access.DRESSED.add(sub)
-    param.__class__ = sub
+    try:
+        if sub is None:
+            sub = type(cls)(f"Sharded{cls.__name__}", (ShardedParameter, cls), {})
+            _CLASSES[cls] = sub
+            access.DRESSED.add(sub)
+        param.__class__ = sub
+    except TypeError as e:  # a parameter class with its own memory layout (__slots__)
+        raise ConfigError(f"outcore cannot shard a parameter of class {cls.__module__}."
+                          f"{cls.__name__}: {e}; outcore shards torch.nn.Parameter and its "
+                          "plain Python subclasses") from None
     return cls
 
 

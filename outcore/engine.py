@@ -83,8 +83,12 @@ class Engine:
                 raise ConfigError("pass param_groups or a torch optimizer to adopt, not both")
             keys, param_groups = from_torch_optimizer(optimizer)
             cfg = Config.from_dict(merge_mappings(cfg.model_dump(), {"optimizer": keys}))
-        if cfg.optimizer.type == "adafactor" and cfg.offload.optimizer == "nvme":
-            adafactor.check({"lr": 1.0}, cfg.offload.optimizer)  # refused before any sharding
+        if cfg.optimizer.type == "adafactor":
+            adafactor.check_placement(cfg.offload.optimizer)
+        # what groups are completed with, and the facade's ``defaults``: an adopted
+        # optimizer's own (its groups get no keys of another optimizer's), else the config's
+        self.optimizer_defaults = (dict(optimizer.defaults) if optimizer is not None else
+                                   {k: getattr(cfg.optimizer, k) for k in HP_KEYS})
         groups = check_param_groups(module, param_groups)
         total, trainable = parameter_counts(module)
         fraction = trainable / total if total else 1.0  # host_memory.py: a frozen base
@@ -108,10 +112,11 @@ class Engine:
                 self.rt.close()
             raise
         self.rt.engine = weakref.ref(self)
-        if optimizer is not None:
-            self.optimizer.adopted = optimizer
-            if optimizer.state:  # a loaded state dict: its moments go into the shards
-                self.optimizer.load_state_dict(optimizer.state_dict())
+        # the user's optimizer, never stepped: every facade's step() marks it stepped for
+        # schedulers bound to it (facade.py), the Trainer's included
+        self.adopted_optimizer = optimizer
+        if optimizer is not None and optimizer.state:  # a loaded state dict: into the shards
+            self.optimizer.load_state_dict(optimizer.state_dict())
 
     def _build(self, module: nn.Module, cfg: Config,
                param_groups: list[tuple[dict, list[nn.Parameter]]] | None) -> None:
@@ -124,7 +129,6 @@ class Engine:
         self.buffer_places = build.cast_buffers(module, self.rt)
         self.schedule = Schedule(cfg.zero.prefetch_bytes, self.groups,
                                  carry=self.rt.plan.carries_head)
-        self.optimizer_defaults = {k: getattr(cfg.optimizer, k) for k in HP_KEYS}
         self.sharded_optimizer = ShardedOptimizer(self._optimizer_groups(param_groups),
                                                   cfg.optimizer, self.rt)
         self.optimizer = TorchOptimizer(self)  # torch's contract: facade.py's note

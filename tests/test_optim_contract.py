@@ -241,9 +241,12 @@ def test_a_users_torch_optimizer_and_its_scheduler_are_adopted(tmp_path: Path, c
     ref_opt = cls([{"params": [ref[0].weight, ref[2].weight], "weight_decay": 0.1},
                    {"params": [ref[0].bias, ref[2].bias], "weight_decay": 0.0}], **kw)
     ref_sched = sched_for(ref_opt)
+    keys = [set(g) for g in opt.param_groups]
     engine = outcore.initialize(model, {"dtype": "fp32", "offload": {
         "params": "nvme", "optimizer": "nvme", "nvme_path": str(tmp_path)}}, optimizer=opt)
     assert engine.optimizer.param_groups[0] is opt.param_groups[0]
+    assert [set(g) for g in opt.param_groups] == keys  # no other optimizer's keys added
+    assert engine.optimizer.defaults == opt.defaults
     for step in range(4):
         _both(engine, ref, ref_opt, step)
         sched.step()

@@ -4,6 +4,8 @@ model is after ``close()``, a hand-over and a failed forward."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -192,6 +194,53 @@ def test_bf16_reads_show_the_training_dtype_and_writes_keep_fp32(tmp_path: Path)
     with engine.gathered_parameters([model[2].weight]):
         assert torch.equal(model[2].weight.data, exact)
     engine.close()
+
+
+def test_a_bf16_forward_inside_gathered_parameters_is_refused_in_words(tmp_path: Path) -> None:
+    """The context shows fp32 values that cannot meet bf16 activations: calling the model
+    there is refused by outcore, not by a kernel's dtype mismatch, and leaves it usable."""
+    model = _model()
+    engine = outcore.initialize(model, _cfg(tmp_path, dtype="bf16"))
+    x = torch.randn(2, 16)
+    with engine.gathered_parameters([model[0].weight]), pytest.raises(
+            outcore.ParamAccessError, match="inside gathered_parameters.*torch.float32"):
+        model(x)
+    assert engine.rt.phase is Phase.IDLE
+    assert managed(model[0].weight).state is ParamState.SHARDED
+    assert engine(x).dtype == torch.bfloat16
+    engine.close()
+
+
+VIEW_DATA_SET = """
+import sys, torch, outcore
+from torch import nn
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(16, 16))
+engine = outcore.initialize(model, {"dtype": "fp32", "zero": {"persistence_threshold_bytes": 0},
+    "offload": {"params": "nvme", "optimizer": "nvme", "nvme_path": sys.argv[1]}})
+before = model[0].weight.detach().clone()
+for view in (model[0].weight.data[0], model[0].weight.data.t()[1:3]):
+    try:
+        view.data = torch.zeros(view.shape)
+    except outcore.ParamAccessError as e:
+        assert "view of parameter 0.weight" in str(e), e
+    else:
+        raise AssertionError("view.data = t was not refused")
+assert torch.equal(model[0].weight.detach(), before)
+engine.close()
+print("refused, values kept")
+"""
+
+
+def test_assigning_data_of_a_view_is_refused_not_lost(tmp_path: Path) -> None:
+    """``view.data = t`` rebinds only the view in plain PyTorch; a view of a sharded
+    parameter holds no bytes to rebind, so the assignment is refused rather than dropped,
+    and the parameter keeps its values. In a subprocess: before the refusal the call rebound
+    a view onto a zero-byte storage, which took the test process down."""
+    proc = subprocess.run([sys.executable, "-c", VIEW_DATA_SET, str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "refused, values kept" in proc.stdout
 
 
 def test_a_build_that_fails_leaves_the_model_as_it_came(tmp_path: Path) -> None:

@@ -26,7 +26,7 @@ OPTIM_NAMES = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_hf":
 _OPTIM_ARGS = {"momentum": float, "nesterov": lambda v: v.lower() in ("1", "true", "yes")}
 
 
-def optimizer_type(optim: str, optim_args: str | None = None) -> str:
+def optimizer_type(optim: str) -> str:
     """outcore's optimizer type for a ``TrainingArguments.optim`` name, or a refusal that
     says what works and why the rest does not."""
     if optim in OPTIM_NAMES:
@@ -49,6 +49,7 @@ def _optim_args(optim_args: str | None) -> dict[str, tuple[str, Any]]:
                               "weight_decay")
         keys[f"optimizer.{name}"] = (f"optim_args {name}", _OPTIM_ARGS[name](value))
     return keys
+
 
 OutcoreConfigSource = Config | dict[str, Any] | str | os.PathLike[str] | None
 
@@ -88,7 +89,7 @@ def trainer_keys(args: Any, optimizer_given: bool = False) -> dict[str, tuple[st
     keys: dict[str, tuple[str, Any]] = {}
     if not optimizer_given:
         optim = str(getattr(args.optim, "value", args.optim))
-        keys["optimizer.type"] = (f"optim={optim!r}", optimizer_type(optim, args.optim_args))
+        keys["optimizer.type"] = (f"optim={optim!r}", optimizer_type(optim))
         keys.update(_optim_args(args.optim_args))
     keys.update({
         "optimizer.lr": ("learning_rate", float(args.learning_rate)),

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from outcore.errors import ConfigError
+from outcore.io.deepspeed_config import number
 
 SUPPORTED = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
 
@@ -38,13 +39,7 @@ def deepspeed_scheduler(spec: dict[str, Any], optimizer: torch.optim.Optimizer, 
 
     def value(key: str, auto: float) -> float:
         given = params.get(key, "auto")
-        if given == "auto":
-            return auto
-        try:
-            return float(given)
-        except (TypeError, ValueError):
-            raise ConfigError(f"DeepSpeed config scheduler.params.{key}: expected a number or "
-                              f"\"auto\", got {given!r}") from None
+        return auto if given == "auto" else number(f"scheduler.params.{key}", given)
 
     warmup = max(2, int(value("warmup_num_steps", args.get_warmup_steps(num_training_steps))))
     total = int(value("total_num_steps", num_training_steps))

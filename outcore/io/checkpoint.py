@@ -374,13 +374,10 @@ def _load(engine: Any, path: Path) -> dict[str, Any]:
                 _load_param(engine.sharded_optimizer, sp, plan["entries"][sp.name], man, handles)
             for name, buf in _buffers(engine.module).items():
                 buf.copy_(handles[0].get_tensor(f"__buffer__::{name}"))
-            mine = _replicated(engine)
-            for sp in engine.params:  # saved under the checkpoint's name of the parameter
-                canon = plan["entries"][sp.name][0]
-                for kind in ("exp_avg_sq_row", "exp_avg_sq_col"):
-                    if f"{sp.name}::{kind}" in mine:
-                        mine[f"{sp.name}::{kind}"].copy_(
-                            handles[0].get_tensor(f"{_OPTIM}{canon}::{kind}"))
+            for key, target in _replicated(engine).items():
+                name, kind = key.rsplit("::", 1)  # saved under the checkpoint's name for it
+                saved = f"{_OPTIM}{plan['entries'][name][0]}::{kind}"
+                target.copy_(handles[0].get_tensor(saved))
             rng = handles[plan["rng_rank"]]
             torch.set_rng_state(rng.get_tensor(_RNG_CPU))
             if engine.rt.accel.is_cuda and _RNG_CUDA in rng.keys():  # noqa: SIM118

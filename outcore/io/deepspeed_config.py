@@ -125,15 +125,21 @@ class _Reader:
         if value != "auto":
             return False
         if not (self.auto.trainer and path in _TRAINER_AUTO):
-            self.ignored.append(f"{path}: \"auto\" outside the Trainer keeps outcore's default")
+            where = "the Trainer does not fill it" if self.auto.trainer else "outside the Trainer"
+            self.ignored.append(f"{path}: \"auto\" {where}; outcore's default stays")
         return True
 
     def number(self, path: str, value: Any, kind: type = float) -> Any:
-        try:
-            return kind(float(value)) if kind is int else kind(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"DeepSpeed config {path}: expected a number or \"auto\", got "
-                              f"{value!r}") from None
+        return number(path, value, kind)
+
+
+def number(path: str, value: Any, kind: type = float) -> Any:
+    """``value`` of the DeepSpeed key at ``path`` as a number (JSON may hold "1e-4")."""
+    try:
+        return kind(float(value)) if kind is int else kind(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"DeepSpeed config {path}: expected a number or \"auto\", got "
+                          f"{value!r}") from None
 
 
 def translate(ds: dict[str, Any], auto: Auto | None = None) -> tuple[dict[str, Any], list[str]]:

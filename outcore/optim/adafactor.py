@@ -50,13 +50,18 @@ class Factors:
 
 def check(group: dict[str, Any], optimizer_placement: str) -> None:
     """Refuse what cannot run (see the note)."""
+    check_placement(optimizer_placement)
+    if group["lr"] is None and not group.get("relative_step", True):
+        raise ConfigError("Adafactor: lr=None needs relative_step=True (transformers refuses "
+                          "it too)")
+
+
+def check_placement(optimizer_placement: str) -> None:
+    """Adafactor's state must be in memory: refused before anything is sharded."""
     if optimizer_placement == "nvme":
         raise ConfigError("Adafactor needs offload.optimizer cpu or none: its statistics need "
                           "each parameter's whole slice before any of it is updated, which "
                           "outcore's NVMe streaming does not give (adafactor.py's note)")
-    if group["lr"] is None and not group.get("relative_step", True):
-        raise ConfigError("Adafactor: lr=None needs relative_step=True (transformers refuses "
-                          "it too)")
 
 
 def shape3(shape: torch.Size) -> tuple[int, int, int]:

@@ -37,7 +37,6 @@ class TorchOptimizer(torch.optim.Optimizer):
         self._engine = engine
         self._built = False
         self.skipped = False  # the last step() changed nothing (fp16 overflow, or no boundary)
-        self.adopted: torch.optim.Optimizer | None = None  # param_groups.py's adopting note
         super().__init__(engine.sharded_optimizer.param_groups, dict(engine.optimizer_defaults))
         self._built = True
 
@@ -49,14 +48,15 @@ class TorchOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self.skipped = not self._engine.step()
-        if self.adopted is not None:  # what a scheduler bound to it checks (torch's lr_scheduler)
-            self.adopted._opt_called = True
+        adopted = self._engine.adopted_optimizer  # param_groups.py's adopting note
+        if adopted is not None:  # what a scheduler bound to it checks (torch's lr_scheduler)
+            adopted._opt_called = True
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Drop the gradients accumulated since the last step (the engine's shards). Updates
-        that already ran during a boundary backward (optimizer.py's [Note: updating during
-        backward]) stay applied."""
+        """``engine.zero_grad()``: drop the gradients accumulated since the last step (the
+        engine's shards). Refused between a boundary backward that already applied the updates
+        (optimizer.py's [Note: updating during backward]) and ``step()``."""
         self._engine.zero_grad()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:

@@ -64,8 +64,10 @@ class ParamAccessMode(TorchFunctionMode):
         and what it allocates must not become an inference tensor (a forward under
         ``torch.inference_mode()`` fetches into buffers that training writes later)."""
         self.suspended_depth += 1
+        outside = (torch.inference_mode(False) if torch.is_inference_mode_enabled()
+                   else contextlib.nullcontext())  # entering it costs per module per step
         try:
-            with torch.inference_mode(False):
+            with outside:
                 yield
         finally:
             self.suspended_depth -= 1

@@ -182,6 +182,16 @@ def _resolve(t: Touch) -> torch.Tensor:
     return apply_chain(raw_data(t.param), t.chain)
 
 
+def _values_of(found: list[Touch]) -> dict[int, torch.Tensor]:
+    """The values each touched object stands for, keyed by ``id`` (for ``_run``)."""
+    return {id(t.obj): _value(t)[0] for t in found}
+
+
+def _geometry(sp: Any, chain: tuple) -> torch.Tensor:
+    """A meta tensor with the shape, strides and offset of ``chain`` cut from ``sp``."""
+    return apply_chain(torch.empty(sp.shape, dtype=sp.dtype, device="meta"), chain)
+
+
 def apply_chain(base: torch.Tensor, chain: tuple) -> torch.Tensor:
     for func, rest, kw, index in chain:
         base = raw(func, (base, *rest), kw)
@@ -315,7 +325,7 @@ def _same_object(func: Any, t: Touch, args: tuple, kwargs: dict) -> torch.Tensor
 def _view(func: Any, args: tuple, kwargs: dict, t: Touch) -> Any:
     """A ``ParamView`` (or several) if ``func`` returns views of ``t``; else None. Found by
     running ``func`` on a meta tensor of ``t``'s geometry and seeing what shares its storage."""
-    meta = apply_chain(torch.empty(t.sp.shape, dtype=t.sp.dtype, device="meta"), t.chain)
+    meta = _geometry(t.sp, t.chain)
     try:
         out = raw(func, (meta, *args[1:]), kwargs)
     except Exception:  # noqa: BLE001 - not runnable on meta: read the values instead
@@ -340,8 +350,7 @@ def _data_get(t: Touch) -> torch.Tensor:
         return raw(DATA_GET, (t.obj,), {}) if sp is not None else _resolve(t).detach()
     if sp.state is ParamState.DROPPED:
         raise ParamAccessError(dropped_message(sp))
-    meta = apply_chain(torch.empty(sp.shape, dtype=sp.dtype, device="meta"), t.chain)
-    return ParamView(t.param, t.chain, True, meta)
+    return ParamView(t.param, t.chain, True, _geometry(sp, t.chain))
 
 
 def _repr(func: Any, args: tuple, kwargs: dict, found: list[Touch]) -> Any:
@@ -383,13 +392,13 @@ def _write(func: Any, args: tuple, kwargs: dict, t: Touch, others: list[Touch]) 
             "by other ranks; do it inside `with engine.gathered_parameters([p], modify=True):` "
             "on every rank (writes that overwrite or are pointwise, like copy_, fill_, "
             "nn.init's random fills or mul_, work as they are)")
-    if world > 1:
-        full = sp.local_values()
-    elif not t.chain and func in registry.OVERWRITE_CALLS:
+    if not t.chain and func in registry.OVERWRITE_CALLS:  # nothing old survives the call
         full = torch.empty(sp.shape, dtype=torch.float32, device=sp.rt.device)
+    elif world > 1:
+        full = sp.local_values()
     else:
         full = sp.read_value(exact=True)
-    values = {id(o.obj): _value(o)[0] for o in others}
+    values = _values_of(others)
     values[id(t.obj)] = apply_chain(full, t.chain)
     with torch.no_grad():
         _run(func, args, kwargs, values)
@@ -400,7 +409,7 @@ def _write(func: Any, args: tuple, kwargs: dict, t: Touch, others: list[Touch]) 
 def _in_place(func: Any, args: tuple, kwargs: dict, t: Touch, others: list[Touch]) -> Any:
     """Run the write where ``t``'s values live in place: on the parameter itself (so
     autograd's rules apply as in plain PyTorch), or on the tensor a view stands for."""
-    values = {id(o.obj): _value(o)[0] for o in others}
+    values = _values_of(others)
     if t.chain or t.detached or t.sp is None:
         values[id(t.obj)] = _resolve(t)
     _run(func, args, kwargs, values)
@@ -422,7 +431,7 @@ def _revive(func: Any, args: tuple, kwargs: dict, t: Touch, others: list[Touch])
     sp = t.sp
     if t.chain or func not in registry.OVERWRITE_CALLS:
         raise ParamAccessError(dropped_message(sp))
-    values = {id(o.obj): _value(o)[0] for o in others}
+    values = _values_of(others)
     full = torch.empty(sp.shape, dtype=sp.user_dtype, device=sp.rt.device)
     values[id(t.obj)] = full
     with torch.no_grad():
@@ -440,6 +449,11 @@ def _data_set(obj: Any, value: Any, found: list[Touch]) -> None:
     sp = t.sp
     if value is obj or (type(value) is ParamView and value.source is t.param and not value.chain):
         return None  # Module._apply after a move to where it already is
+    if t.chain and sp is not None and sp.state not in USER_OWNED:
+        raise ParamAccessError(
+            f"assigning .data of a view of parameter {sp.label()}: the view holds no bytes of "
+            "its own to rebind (outcore keeps the parameter sharded); assign to a copy "
+            "(view.clone()), or write the values with view.copy_(...)")
     if sp is None or t.chain or not isinstance(value, torch.Tensor) or sp.state in USER_OWNED:
         if sp is not None and sp.state is ParamState.SHOWN and not sp.shown_modify:
             raise ParamAccessError(f"assigning parameter {sp.label()}.data inside "

@@ -33,6 +33,7 @@ from outcore.offload.buffers import ALIGN, aligned_empty, round_up
 from outcore.offload.storage import Tier
 from outcore.profiling import ALL_GATHER, FETCH, REDUCE_SCATTER, UNSHARD, record_function
 from outcore.runtime import Runtime
+from outcore.zero.access import raw_data
 from outcore.zero.param import ShardedParam
 from outcore.zero.state import ParamState
 
@@ -117,15 +118,21 @@ class ParamGroup:
         those are used as shown (the user's full fp32 values, edits included) and only the
         group's other parameters are fetched. Shown values in another dtype than the compute
         dtype cannot enter the same kernels, which is refused in words here."""
+        if not self.rt.shown:
+            return
         for sp in self.params:
-            if sp.state is ParamState.SHOWN and sp.dtype != self.rt.compute_dtype:
+            shown = raw_data(sp.param) if sp.state is ParamState.SHOWN else None
+            if shown is not None and shown.dtype != self.rt.compute_dtype:
                 raise ParamAccessError(
                     f"the model runs parameter {sp.label()} inside gathered_parameters, which "
-                    f"shows it in fp32 while the engine computes in {self.rt.compute_dtype}; "
-                    "call the model outside the context (or with dtype fp32)")
+                    f"shows it in {shown.dtype} while the engine computes in "
+                    f"{self.rt.compute_dtype}; call the model outside the context (or train "
+                    "with dtype fp32)")
 
     def _fetched(self) -> list[ShardedParam]:
         """The parameters a fetch fills: all but those ``gathered_parameters`` shows."""
+        if not self.rt.shown:  # the hot path: nothing is shown outside that context
+            return self.params
         return [sp for sp in self.params if sp.state is not ParamState.SHOWN]
 
     def _issue_reads(self) -> None:

@@ -114,19 +114,13 @@ def abandon(module: nn.Module, rt: Runtime) -> None:
     """An engine failed while building over a model it sharded itself: every parameter of
     ``rt`` goes back to plain, with its values (the user's model is as it came), before the
     runtime closes. A model built under ``outcore.init`` is not this runtime's to undo."""
-    for p in module.parameters():
-        sp = managed(p)
-        if sp is None or sp.rt is not rt:
-            continue
-        if sp.group is not None:
-            sp.group.reshard()
-            sp.group.hide_resident()
-        try:
-            values = sp.gather_values().to(sp.user_dtype)
-        except Exception:  # noqa: BLE001 - the build's error is the one to see
-            sp.drop()
-            continue
-        sp.hand_back(values)
+    sps = [sp for p in module.parameters() if (sp := managed(p)) is not None and sp.rt is rt]
+    for g in {id(sp.group): sp.group for sp in sps if sp.group is not None}.values():
+        g.reshard()
+        g.hide_resident()
+    error = _give_back(sps)
+    if error is not None:  # the build's error is the one to see
+        log.debug("outcore: values dropped while undoing a failed build: %s", error)
 
 
 def hand_back(engine: Engine, keep_values: bool | None) -> None:
@@ -136,17 +130,27 @@ def hand_back(engine: Engine, keep_values: bool | None) -> None:
         for sp in sps:
             sp.drop()
         return
+    error = _give_back(sps)
+    if error is not None and keep_values:  # asked for: the caller hears why it failed
+        raise error
+    if error is not None:
+        log.warning("outcore: close() could not keep the model's values (%s); they were "
+                    "dropped", error)
+
+
+def _give_back(sps: list[ShardedParam]) -> Exception | None:
+    """Hand each SHARDED parameter its values in its own dtype; after the first failure
+    (a read, or memory) the rest are dropped rather than left half-owned."""
     try:
         for sp in sps:
-            sp.hand_back(sp.gather_values().to(sp.user_dtype))
-    except Exception as e:
+            if sp.state is ParamState.SHARDED:
+                sp.hand_back(sp.gather_values().to(sp.user_dtype))
+    except Exception as e:  # noqa: BLE001 - returned to the caller, which decides
         for sp in sps:
             if sp.state is ParamState.SHARDED:
                 sp.drop()
-        if keep_values:  # asked for: the caller hears why it could not be done
-            raise
-        log.warning("outcore: close() could not keep the model's values (%s); they were "
-                    "dropped", e)
+        return e
+    return None
 
 
 def _keep(engine: Engine, sps: list[ShardedParam], keep_values: bool | None) -> bool:

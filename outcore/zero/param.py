@@ -109,11 +109,11 @@ class ShardedParam:
             self.param.data = tensor
 
     def alloc_full(self) -> torch.Tensor:
-        """SHARDED -> FETCHING: give the full tensor storage (contents undefined), show it."""
+        """SHARDED -> FETCHING: give the full tensor storage (contents undefined). ``.data``
+        already is that tensor: a SHARDED parameter always shows it."""
         self._alloc_storage()
         if self.state is ParamState.SHARDED:
             self._move(ParamState.FETCHING)
-            self._show(self.full)
         return self.full
 
     def _alloc_storage(self) -> None:
@@ -383,7 +383,8 @@ class ShardedParam:
         in the parameter's dtype, or fp32 from the master with ``exact``."""
         assert self.rt.world_size == 1
         self._check_values()
-        src = self.master if exact and self.master is not None else (self.compute or self.master)
+        src = self.master if exact and self.master is not None else (
+            self.compute if self.compute is not None else self.master)
         assert src is not None
         t = load_now(src, self.rt.device)
         if src.resident() is not None or t.dtype != (torch.float32 if exact else self.dtype):

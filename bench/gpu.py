@@ -34,7 +34,7 @@ host) at the measured page-locked copy rates.
 The sweep (``--sweep-row``, default cpu+opt, on the first model) times the ``none`` row and
 the offload row at several tokens per step in the same two processes (the engine is built
 once): efficiency measured (no-offload step ÷ offload step) beside the paper's prediction
-(``outcore.planning.estimate.predict_efficiency``) at the tier's bandwidth, the link's for
+(``outcore.sizing.estimate.predict_efficiency``) at the tier's bandwidth, the link's for
 the host tier, the disk's for NVMe: params/grads traffic only where the optimizer runs on the
 host (its state never crosses the link), all of it where the state streams from NVMe.
 """
@@ -293,7 +293,7 @@ def summarize(run: dict) -> dict:
 
 
 def sweep(run: dict, by: dict, peak: float, link: float) -> dict:
-    from outcore.planning.estimate import predict_efficiency
+    from outcore.sizing.efficiency import predict_efficiency
 
     s = run["settings"]
     model, row = s.get("models", "").split(",")[0], s.get("sweep_row", "cpu+opt")

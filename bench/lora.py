@@ -483,7 +483,7 @@ def main(argv: list[str] | None = None) -> int:
         f"({args.warmup} warm-up); swap under {root}; logs in {logs}")
     probe = None
     if args.probe:
-        from outcore.planning.probe import measure
+        from outcore.sizing.probe import measure
 
         folder = Path(tempfile.mkdtemp(prefix="probe-", dir=root))
         try:

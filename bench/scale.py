@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.probe:
         probe = json.loads(Path(args.probe).read_text())
     else:
-        from outcore.planning.probe import measure
+        from outcore.sizing.probe import measure
 
         probe = measure(args.nvme_path).to_json()
     gpt = PRESETS[args.model]

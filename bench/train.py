@@ -25,7 +25,7 @@ model, avx512_bf16/amx, cores, torch, dtype, threads, date). Rows:
 Columns: median step time after warm-up, tokens/s, ratio to plain PyTorch, peak RSS, bytes
 read/written per step (outcore's NVMe store counters; /proc/<pid>/io for DeepSpeed), the
 floor ``max(compute, read/read_bw + written/write_bw)`` with the bandwidths from
-``outcore.planning.probe.measure()`` on the swap folder and compute = the ``none`` row's step time,
+``outcore.sizing.probe.measure()`` on the swap folder and compute = the ``none`` row's step time,
 CPU seconds per step and per GB moved (bench/train_report.py), and step time / floor
 (``--probe-each-row``: the bandwidths measured right after that row, as the disk's speed
 drifts during a run). Then a sweep of tokens per step for ``nvme+opt``

@@ -129,7 +129,7 @@ def peak_TFLOPs(pr: dict, dtype: str) -> float:
 
 def sweep_table(pairs: list[tuple[Row, Row]], pr: dict, n_params: int,
                 dtype: str) -> tuple[str, list[dict]]:
-    from outcore.planning.estimate import predict_efficiency
+    from outcore.sizing.efficiency import predict_efficiency
 
     out = ["| tokens/step (batch×seq) | no offload s/step | offload s/step | "
            "read / written GB per step | floor s | step ÷ floor | efficiency measured | "
@@ -164,7 +164,7 @@ def plot(points: list[dict], pr: dict, path: Path, title: str, dtype: str) -> No
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from outcore.planning.estimate import predict_efficiency
+    from outcore.sizing.efficiency import predict_efficiency
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     dense = [int(2 ** (k / 8)) for k in range(8 * 5, 8 * 13 + 1)]  # 32 .. 8192 tokens

@@ -258,7 +258,7 @@ def run_outcore(spec: dict) -> dict:
 
 
 def run_probe(spec: dict) -> dict:
-    from outcore.planning.probe import measure
+    from outcore.sizing.probe import measure
 
     return measure(spec["nvme_path"], **spec.get("probe_kwargs", {})).to_json()
 

@@ -1,7 +1,7 @@
 """The ``outcore`` command: ``train``, ``probe``, ``estimate`` and ``consolidate``.
 
 Each subcommand's work lives in its own module (``outcore.app.train``,
-``outcore.planning.probe``, ``outcore.planning.estimate``, ``outcore.io.checkpoint``), imported
+``outcore.sizing.probe``, ``outcore.sizing.estimate``, ``outcore.io.checkpoint``), imported
 only when that subcommand runs, so ``outcore estimate`` answers without building anything and
 one missing part does not break the others. This file only parses arguments, prints results
 and applies the error policy.
@@ -33,8 +33,10 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, NoReturn
 
+from outcore.app.models import preset_shape
 from outcore.errors import ConfigError, DataError, OutcoreError
-from outcore.planning import estimate as est
+from outcore.sizing import efficiency as eff
+from outcore.sizing import estimate as est
 from outcore.units import format_bytes, format_count, parse_count, parse_size
 
 __all__ = ["build_parser", "main"]
@@ -198,12 +200,7 @@ def _shape(args: argparse.Namespace) -> est.ModelShape | None:
 
 
 def _preset_shape(name: str) -> est.ModelShape:
-    """A preset's shape; the presets (and torch) are imported only when a name is asked for."""
-    try:
-        from outcore.app.models import preset_shape
-    except ImportError:
-        raise ConfigError(f"no model presets in this build, so {name!r} is not "
-                          "a model; give --params, --layers/--hidden or a config.json") from None
+    """A preset's shape (ConfigError listing the presets if there is none by that name)."""
     return preset_shape(name)
 
 
@@ -227,7 +224,7 @@ def _run_estimate(args: argparse.Namespace) -> int:
                                    state_bytes=state_bytes, tiles=args.tiles)
     if args.probe is not None:
         tokens = args.tokens_per_step or args.batch * seq
-        out["efficiency"] = est.efficiency_from_probe(
+        out["efficiency"] = eff.efficiency_from_probe(
             _read_probe(args.probe), tokens, devices_per_node=args.gpus // args.nodes,
             hidden=shape.hidden if shape else None, source=args.probe)
     if args.json:
@@ -300,7 +297,7 @@ def _render(kind: str, value: Any) -> str:
             f"{a['seq_len']} per device, GPT shape, usable fraction "
             + ", ".join(f"{t} {f:.0%}" for t, f in a["usable_fraction"].items()),
             "", _table(rows)])
-    effs: dict[str, est.Efficiency] = value
+    effs: dict[str, eff.Efficiency] = value
     first = next(iter(effs.values()))
     rows = [["tier", "read GB/s", "params+grads", "optimizer", "both, no overlap",
              "act. checkpoints"]] + [
@@ -321,7 +318,7 @@ _PROBE_LABELS = {"disk_read_GBps": ("disk read", "GB/s"), "disk_write_GBps": ("d
 def _run_probe(args: argparse.Namespace) -> int:
     if not Path(args.path).is_dir():
         raise ConfigError(f"--path {args.path} is not a folder")
-    probe = _import_part("outcore.planning.probe", "the machine probe")
+    probe = _import_part("outcore.sizing.probe", "the machine probe")
     kwargs: dict[str, Any] = {} if args.size is None else {"size_bytes": args.size}
     if not args.json:
         kwargs["progress"] = True  # progress goes to stderr; a person is waiting ~20 s

@@ -32,6 +32,10 @@ from torch import nn
 
 from outcore.app import models
 from outcore.errors import ConfigError
+from outcore.hf import require
+from outcore.hf.lora import apply_lora, parse_spec
+from outcore.hf.saving import save_adapters
+from outcore.io.checkpoint import read_manifest
 from outcore.units import format_bytes, format_count
 from outcore.zero.registry import parameter_counts
 
@@ -77,9 +81,6 @@ def prepare(spec: Any, model: str) -> LoraJob | None:
     if not isinstance(spec, str):
         raise ConfigError(f"train.lora: expected a spec like 'r=8,alpha=16,targets=q_proj,"
                           f"v_proj', got {spec!r}")
-    from outcore.hf import require
-    from outcore.hf.lora import parse_spec
-
     kwargs = parse_spec(spec)
     if not models.is_hf_folder(model):
         raise ConfigError(f"--lora adapts pretrained weights, so it needs --model HF_FOLDER (a "
@@ -98,8 +99,6 @@ def _check_targets(job: LoraJob, folder: str) -> int:
     modules peft cannot adapt, fail here with the names the model has. Returns the number of
     adapter parameters (what trains: placement prices only those with optimizer state)."""
     from transformers import AutoConfig, AutoModelForCausalLM
-
-    from outcore.hf.lora import apply_lora
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(
@@ -129,8 +128,6 @@ def check_resume(job: LoraJob | None, checkpoint: Path | None) -> None:
     [Note: a LoRA checkpoint resumes only the same LoRA run]); reads only its manifest."""
     if checkpoint is None:
         return
-    from outcore.io.checkpoint import read_manifest
-
     saved = (read_manifest(checkpoint).get("client_state") or {}).get("lora")
     if saved is None and job is None:
         return
@@ -150,8 +147,6 @@ def wrap(model: nn.Module, job: LoraJob, folder: str) -> nn.Module:
     """The PEFT model over ``model`` (built, its weights loaded, not yet given to the engine):
     the base frozen, the adapters the only trainable parameters, so the only ones the engine's
     optimizer gets. The adapter config names ``folder`` as its base model."""
-    from outcore.hf.lora import apply_lora
-
     peft_model = apply_lora(model, job.kwargs)
     for config in peft_model.peft_config.values():
         config.base_model_name_or_path = str(Path(folder).resolve())
@@ -174,7 +169,7 @@ def footprint(engine: Any) -> dict[str, Any]:
     out = {"base_params": 0, "base_bytes": base, "base_extra": 0, "adapter_params": 0,
            "adapter_bytes": 0, "dtype": str(engine.rt.compute_dtype).removeprefix("torch.")}
     for sp in engine.params:
-        stored = list({id(s): s for s in (sp.master, sp.compute) if s is not None}.values())
+        stored = sp.stored_shards()
         state = engine.sharded_optimizer.state.get(sp)
         moments = list(state.moments.values()) if state is not None else []
         if sp.trainable:
@@ -183,7 +178,7 @@ def footprint(engine: Any) -> dict[str, Any]:
             continue
         out["base_params"] += sp.numel
         for s in stored:
-            if s is sp.compute:
+            if s is sp.compute_shard:
                 base[s.tier.value] = base.get(s.tier.value, 0) + s.nbytes
             else:  # an fp32 master beside a 16-bit shard: should not exist for frozen params
                 out["base_extra"] += s.nbytes
@@ -212,8 +207,6 @@ def adapter_dir(out: Path) -> Path:
 def save(engine: Any, model: nn.Module, out: Path) -> str:
     """Write the adapters in PEFT's format to ``out/adapter`` (a collective: every rank calls)
     and return the summary's line saying where and how to load them."""
-    from outcore.hf.saving import save_adapters
-
     folder = adapter_dir(out)
     save_adapters(model, engine.rank, folder)
     return (f"  adapter: {folder} (PEFT format; load with "

@@ -11,16 +11,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from outcore.errors import ConfigError
-
-if TYPE_CHECKING:
-    from outcore.planning.estimate import ModelShape
+from outcore.sizing.estimate import ModelShape
 
 __all__ = ["GPT", "GPTConfig", "PRESETS", "build_model", "hf_has_weights", "is_hf_folder",
            "load_hf_model", "load_hf_tokenizer", "num_params", "preset_shape", "resolve_config"]
@@ -214,8 +212,6 @@ def resolve_config(name_or_config: str | GPTConfig) -> GPTConfig:
 def preset_shape(name: str) -> ModelShape:
     """Preset ``name`` as the estimator's ``ModelShape`` (for ``outcore estimate --model``);
     ConfigError listing the presets if there is none by that name."""
-    from outcore.planning.estimate import ModelShape
-
     if name not in PRESETS:
         raise ConfigError(f"unknown model {name!r}; give a preset "
                           f"({', '.join(PRESETS)}), a config.json or a Hugging Face model folder")

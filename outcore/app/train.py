@@ -28,7 +28,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -38,17 +38,19 @@ from outcore.app import data as datamod
 from outcore.app import lora as loramod
 from outcore.app import models
 from outcore.app.report import MetricsWriter, read_metrics, write_report
-from outcore.config import merge_mappings, read_mapping
+from outcore.config import Config, merge_mappings, read_mapping
+from outcore.config.deepspeed import is_deepspeed
+from outcore.engine import initialize
 from outcore.errors import ConfigError
 from outcore.guard.lock import lock_run_folder
-from outcore.guard.preemption import EXIT_PREEMPTED, Preemption
-from outcore.io.deepspeed_config import is_deepspeed
+from outcore.guard.preemption import EXIT_PREEMPTED, Preemption, preemption
+from outcore.io.checkpoint import latest_checkpoint
+from outcore.io.pretrained import load_pretrained
 from outcore.offload.storage import Tier
-from outcore.planning.placement import check_fits
+from outcore.sizing.estimate import shape_from_hf_config
+from outcore.sizing.placement import check_fits
 from outcore.units import format_bytes, format_count
-
-if TYPE_CHECKING:
-    from outcore.config import Config
+from outcore.zero.init import init
 
 __all__ = ["JOB_DEFAULTS", "add_arguments", "run"]
 
@@ -99,8 +101,6 @@ def _read_config_file(path: str | None) -> dict[str, Any]:
         return {}
     loaded = read_mapping(path)
     if is_deepspeed(loaded):  # a DeepSpeed config: keep the keys that mean something
-        from outcore import Config
-
         return Config.from_deepspeed(loaded).model_dump(mode="json")
     return loaded
 
@@ -139,8 +139,6 @@ def _engine_config(args: argparse.Namespace, file_cfg: dict[str, Any], job: dict
     names explicitly wins over the job's default tier. ``auto`` asks ``Config.auto`` to choose
     from the model size and this machine's free memory and disk (it prints the plan and why).
     """
-    from outcore import Config
-
     def section(key: str) -> dict[str, Any]:
         value = file_cfg.get(key)
         return value if isinstance(value, dict) else {}  # a non-mapping fails validation below
@@ -175,8 +173,6 @@ def _engine_config(args: argparse.Namespace, file_cfg: dict[str, Any], job: dict
 def _describe_model(name: str) -> tuple[int, int, int]:
     """(parameter count, longest sequence, vocabulary size) without building the model."""
     if models.is_hf_folder(name):
-        from outcore.planning.estimate import shape_from_hf_config
-
         hf = json.loads((Path(name) / "config.json").read_text())
         seq = int(hf.get("max_position_embeddings") or hf.get("n_positions") or 1024)
         vocab = int(hf.get("vocab_size") or 0)
@@ -260,11 +256,9 @@ def run(args: argparse.Namespace) -> int:
 def _run_holding_out(args: argparse.Namespace, job: dict[str, Any], cfg: Config, n_params: int,
                      vocab: int, seq: int, lora: loramod.LoraJob | None) -> int:
     """The run itself, with ``--out`` held: data, model, training, the report."""
-    import outcore
-
     out: Path = job["out"]
     ckpt_root = out / "checkpoints"
-    latest = outcore.latest_checkpoint(ckpt_root)
+    latest = latest_checkpoint(ckpt_root)
     if latest is not None and not args.resume:
         # its checkpoints would mix with this run's, and a later --resume pick the wrong one
         raise ConfigError(f"--out {out} holds the checkpoints of an earlier run (latest: "
@@ -280,15 +274,15 @@ def _run_holding_out(args: argparse.Namespace, job: dict[str, Any], cfg: Config,
     out.mkdir(parents=True, exist_ok=True)  # the default swap folder lives inside it
     torch.manual_seed(cfg.seed)
     # a LoRA base is born frozen: its 16-bit shards only, never an fp32 master (param.py)
-    with outcore.init(cfg, frozen=lora is not None):
+    with init(cfg, frozen=lora is not None):
         model = _build(job["model"])
     if is_hf and latest is None and models.hf_has_weights(job["model"]):
         _say(f"fine-tuning: loading the weights in {job['model']}")
-        outcore.load_pretrained(model, job["model"])  # shard by shard, straight into the tiers
+        load_pretrained(model, job["model"])  # shard by shard, straight into the tiers
     if lora is not None:  # before the engine: its optimizer gets the adapters only
         model = loramod.wrap(model, lora, job["model"])
     # SIGTERM or Ctrl-C: finish the step, save, close (swap removed), then exit 75 or 130
-    with outcore.preemption() as stop, outcore.initialize(model, cfg) as engine:
+    with preemption() as stop, initialize(model, cfg) as engine:
         rank, world = engine.rank, engine.world_size
         client: dict[str, Any] = {}
         if latest is not None:
@@ -385,11 +379,9 @@ def _loop(engine: Any, sampler: datamod.BatchSampler, job: dict[str, Any], seq: 
 
 def _stopped(stop: Preemption, step: int, ckpt_root: Path) -> int:
     """Say where a stopped run can go on from (rank 0) and return its exit code."""
-    import outcore
-
     name = stop.signal.name if stop.signal else "a signal"
     what = "preempted" if stop.exit_code == EXIT_PREEMPTED else "interrupted"
-    latest = outcore.latest_checkpoint(ckpt_root)
+    latest = latest_checkpoint(ckpt_root)
     _say(f"outcore train: {what} ({name}) after step {step}; checkpoint: "
          f"{latest or 'none yet'}; run the same command with --resume to continue")
     return stop.exit_code
@@ -421,9 +413,7 @@ def _finish(out: Path, job: dict[str, Any], n_params: int, start: int,
     this_run = [r for r in records if r["step"] > start] or records
     # Every step moves the same number of tokens, so the run's rate is the harmonic mean.
     tok_s = len(this_run) / sum(1.0 / r["tokens_per_s"] for r in this_run)
-    import outcore
-
-    latest = outcore.latest_checkpoint(out / "checkpoints")
+    latest = latest_checkpoint(out / "checkpoints")
     _say(f"done: {records[-1]['step']} steps, loss {records[0]['loss']:.3f} -> "
          f"{records[-1]['loss']:.3f}, {tok_s:,.0f} tokens/s, "
          f"{records[-1]['elapsed_s']:.0f} s of training\n"

@@ -46,16 +46,14 @@ import warnings
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
+from outcore.device.accel import Accelerator
 from outcore.errors import FolderInUseError, StorageError
 from outcore.offload.stale import pid_alive
-
-if TYPE_CHECKING:
-    from outcore.device.accel import Accelerator
-    from outcore.zero.comm import Comm
+from outcore.runtime.bootstrap import join_world
+from outcore.runtime.comm import Comm
 
 LOCK_NAME = ".outcore-lock"
 """The lock file's name inside a locked folder."""
@@ -266,11 +264,8 @@ def lock_run_folder(out: Path, timeout_s: float) -> contextlib.AbstractContextMa
     """``outcore train``'s hold on ``--out``, taken before the model or any swap file exists;
     leaving the returned context gives it back (a no-op on ranks other than 0). Joins the
     process group ``torchrun`` describes first; the Runtime finds it joined."""
-    from outcore.device.accel import Accelerator
-    from outcore.zero.comm import Comm
-
     accel = Accelerator.detect()
-    comm = Comm.from_env(accel.backend, timeout_s)
+    comm = join_world(accel.backend, timeout_s)
     lock, _ = lock_folder(out, "outcore train",
                           "wait for it to finish, or give another --out", comm, accel)
     return lock if lock is not None else contextlib.nullcontext()

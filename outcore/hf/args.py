@@ -17,8 +17,8 @@ import os
 from typing import Any
 
 from outcore.config import Config, merge_mappings, read_mapping
+from outcore.config.deepspeed import Auto, is_deepspeed, translate_and_warn
 from outcore.errors import ConfigError
-from outcore.io.deepspeed_config import Auto, is_deepspeed, translate_and_warn
 
 # TrainingArguments.optim values outcore runs over its shards, and the update each one is
 OPTIM_NAMES = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_hf": "adamw",
@@ -56,7 +56,7 @@ OutcoreConfigSource = Config | dict[str, Any] | str | os.PathLike[str] | None
 
 def given_keys(source: OutcoreConfigSource, hidden_size: int | None = None) -> dict[str, Any]:
     """The outcore keys ``source`` sets explicitly, as a nested mapping (a DeepSpeed config
-    translated, its ``"auto"`` values as the Trainer fills them: deepspeed_config.py's
+    translated, its ``"auto"`` values as the Trainer fills them: config/deepspeed.py's
     [Note: what "auto" means])."""
     if source is None:
         return {}
@@ -185,3 +185,19 @@ def deepspeed_from_args(args: Any, source: OutcoreConfigSource) -> OutcoreConfig
         args.hf_deepspeed_config = None
     os.environ.pop("ACCELERATE_USE_DEEPSPEED", None)
     return given
+
+
+def check_world(args: Any) -> None:
+    """Refuse a Trainer that sees fewer processes than ``torchrun`` started.
+
+    On a machine without a GPU, transformers joins the process group only with
+    ``TrainingArguments(use_cpu=True)``; without it every rank believes it is the only
+    process and rank 0, so all of them train on the same batches and write the same files,
+    while outcore's engine shards over every rank. Nothing fails; the run just silently
+    loses its data parallelism. So it is refused here, in words, before any sharding."""
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched > 1 and args.world_size != launched:
+        raise ConfigError(
+            f"torchrun started {launched} processes but the Trainer sees {args.world_size} "
+            "(transformers joins the process group on a machine without a GPU only with "
+            "TrainingArguments(use_cpu=True)); pass use_cpu=True, or start one process")

@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
+from outcore.config.deepspeed import number
 from outcore.errors import ConfigError
-from outcore.io.deepspeed_config import number
 
 SUPPORTED = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
 

@@ -31,14 +31,14 @@ from torch import nn
 from transformers import Trainer
 
 from outcore.config import Config, read_mapping
+from outcore.config.deepspeed import is_deepspeed
 from outcore.engine import Engine
+from outcore.engine.torch_optimizer import TorchOptimizer
 from outcore.errors import ConfigError
 from outcore.hf import saving
-from outcore.hf.args import OutcoreConfigSource, build_config, deepspeed_from_args
+from outcore.hf.args import OutcoreConfigSource, build_config, check_world, deepspeed_from_args
 from outcore.hf.schedule import deepspeed_scheduler
 from outcore.io.checkpoint import MANIFEST
-from outcore.io.deepspeed_config import is_deepspeed
-from outcore.optim.facade import TorchOptimizer
 
 # Trainer methods OutcoreTrainer overrides; private ones move between transformers releases
 OVERRIDDEN = ("_move_model_to_device", "_wrap_model", "create_optimizer", "create_scheduler",
@@ -62,9 +62,9 @@ def check_transformers() -> None:
 
 class EngineOptimizer(TorchOptimizer):
     """The engine's optimizer as the Trainer and its scheduler see it: ``engine.optimizer``'s
-    torch contract (facade.py's note), plus what accelerate's wrapper is told about skipped
-    steps. Its ``state_dict()`` holds the hyper-parameters only: the moments live in the
-    outcore checkpoint of the same ``checkpoint-N`` folder."""
+    torch contract (engine/torch_optimizer.py's note), plus what accelerate's wrapper is told
+    about skipped steps. Its ``state_dict()`` holds the hyper-parameters only: the moments live
+    in the outcore checkpoint of the same ``checkpoint-N`` folder."""
 
     def __init__(self, engine: Engine) -> None:
         super().__init__(engine)
@@ -119,6 +119,7 @@ class OutcoreTrainer(Trainer):
         self._optimizer_cls_and_kwargs = kwargs.get("optimizer_cls_and_kwargs")
         self.outcore_engine: Engine | None = None
         super().__init__(model, args, *more, **kwargs)
+        check_world(self.args)
         self._take(self.model)
 
     def _take(self, model: nn.Module) -> None:

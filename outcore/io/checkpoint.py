@@ -127,11 +127,11 @@ def check_client_state(client_state: dict[str, Any]) -> None:
 
 
 def _state(engine: Any, sp: Any) -> list[tuple[str, Any]]:
-    """(key suffix, Stored) saved for one parameter: master + optimizer states, or values."""
+    """(key suffix, StoredShard) saved for one parameter: master + optimizer states, or values."""
     state = engine.sharded_optimizer.state.get(sp)
-    if sp.trainable and sp.master is not None:
-        return [("master", sp.master), *(state.moments.items() if state else ())]
-    return [("values", sp.master if sp.master is not None else sp.compute)]
+    if sp.trainable and sp.master_shard is not None:
+        return [("master", sp.master_shard), *(state.moments.items() if state else ())]
+    return [("values", sp.master_shard if sp.master_shard is not None else sp.compute_shard)]
 
 
 def _replicated(engine: Any) -> dict[str, torch.Tensor]:
@@ -455,13 +455,13 @@ def _load_param(optimizer: Any, sp: Any, found: tuple[str, dict], man: dict,
         return out
 
     src = "master" if entry["trainable"] else "values"
-    if sp.master is not None:
+    if sp.master_shard is not None:
         master = read(src, torch.float32)
-        sp.master.save(master).result()
-        if sp.compute is not sp.master:
-            sp.compute.save(master.to(sp.compute.dtype)).result()
+        sp.master_shard.save(master).result()
+        if sp.compute_shard is not sp.master_shard:
+            sp.compute_shard.save(master.to(sp.compute_shard.dtype)).result()
     else:
-        sp.compute.save(read(src, sp.compute.dtype)).result()
+        sp.compute_shard.save(read(src, sp.compute_shard.dtype)).result()
     state = optimizer.state.get(sp)
     if state is None:
         return

@@ -64,9 +64,11 @@ from torch.overrides import _get_current_function_mode_stack
 from torch.utils.checkpoint import checkpoint
 
 from outcore.config import Placement
+from outcore.errors import ConfigError
 from outcore.offload.buffers import aligned_empty
+from outcore.offload.ledger import Kind
 from outcore.offload.storage import Tier
-from outcore.overlap.hooks import ParamAccessMode
+from outcore.zero.access_mode import ParamAccessMode
 from outcore.zero.registry import managed, owner
 
 if TYPE_CHECKING:
@@ -277,8 +279,6 @@ class _ToDisk(_Offloading):
 
 def _check_nvme_path(rt: Runtime) -> None:
     if rt.cfg.offload.nvme_path is None:
-        from outcore.errors import ConfigError
-
         raise ConfigError("offload='nvme' for activations needs offload.nvme_path in the config")
 
 
@@ -286,10 +286,10 @@ class _DiskIO:
     """One saved tensor's extent and transfers; freed by ``release`` (its owner's finalizer)."""
 
     def __init__(self, rt: Runtime, host: torch.Tensor) -> None:
-        self.store, self.ledger = rt.nvme, rt.ledger
+        self.store = rt.nvme
         self.nbytes = host.numel() * host.element_size()
         self.extent = self.store.allocate(self.nbytes)
-        self.ledger.add(Tier.NVME.value, "activations", self.extent.capacity)
+        self._charge = rt.ledger.charge(Tier.NVME, Kind.ACTIVATIONS, self.extent.capacity)
         self.src: torch.Tensor | None = host  # kept until the write completes
         self.version = host._version
         self.modified = False
@@ -328,7 +328,7 @@ class _DiskIO:
         self.reading = None
         if not self.store.closed:
             self.store.free(self.extent)
-        self.ledger.add(Tier.NVME.value, "activations", -self.extent.capacity)
+        self._charge.release()
 
 
 class _OnDisk:

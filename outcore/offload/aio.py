@@ -104,22 +104,24 @@ class IOFuture:
             return cls.completed(0)
         combined = cls()
         lock = threading.Lock()
-        state = {"pending": len(parts), "nbytes": 0, "error": None}
+        pending, nbytes = len(parts), 0
+        first: BaseException | None = None
 
         def on_part_done(part: IOFuture) -> None:
+            nonlocal pending, nbytes, first
             error = part.exception()
             with lock:
-                state["pending"] -= 1
+                pending -= 1
                 if error is None:
-                    state["nbytes"] += part._nbytes
-                elif state["error"] is None:
-                    state["error"] = error
-                last = state["pending"] == 0
+                    nbytes += part._nbytes
+                elif first is None:
+                    first = error
+                last = pending == 0
             if last:
-                if state["error"] is not None:
-                    combined.set_exception(state["error"])
+                if first is not None:
+                    combined.set_exception(first)
                 else:
-                    combined.set_result(state["nbytes"])
+                    combined.set_result(nbytes)
 
         for part in parts:
             part.add_done_callback(on_part_done)
@@ -219,7 +221,7 @@ class _Request:
         # The memoryview over ``buf`` is a raw-address view that does not own the memory, so
         # the request holds the tensor until its last block is done; otherwise a caller that
         # drops its source right after submitting would free bytes still being written.
-        self._buf = buf
+        self._buf: torch.Tensor | None = buf
         self._lock = threading.Lock()
         self._pending = blocks
         self._nbytes = 0
@@ -287,7 +289,11 @@ def transfer(op: str, fd: int, view: memoryview, offset: int, path: str) -> int:
     return done
 
 
-def _worker(tasks: queue.SimpleQueue) -> None:
+_Task = tuple[str, int, memoryview, int, str, _Request]
+"""One block for a worker: (op, fd, view, file offset, file name, the request it is part of)."""
+
+
+def _worker(tasks: queue.SimpleQueue[_Task | None]) -> None:
     while True:
         task = tasks.get()
         if task is None:
@@ -302,7 +308,7 @@ def _worker(tasks: queue.SimpleQueue) -> None:
             request.block_done(offset, moved, None)
 
 
-def _stop(tasks: queue.SimpleQueue, threads: list[threading.Thread]) -> None:
+def _stop(tasks: queue.SimpleQueue[_Task | None], threads: list[threading.Thread]) -> None:
     for _ in threads:
         tasks.put(None)
     for thread in threads:
@@ -344,7 +350,7 @@ class AioEngine:
             raise ValueError(f"block_bytes must be a positive multiple of 4096, got {block_bytes}")
         self.threads = threads
         self.block_bytes = block_bytes
-        self._tasks: queue.SimpleQueue = queue.SimpleQueue()
+        self._tasks: queue.SimpleQueue[_Task | None] = queue.SimpleQueue()
         self._workers = [
             threading.Thread(
                 target=_worker, args=(self._tasks,), name=f"outcore-aio-{i}", daemon=True
@@ -361,19 +367,19 @@ class AioEngine:
         return not self._closer.alive
 
     def pread(
-        self, fd: int, buf: torch.Tensor, offset: int, *, path: str | os.PathLike | None = None
+        self, fd: int, buf: torch.Tensor, offset: int, *, path: str | os.PathLike[str] | None = None
     ) -> IOFuture:
         """Fill all of ``buf`` from ``fd`` at ``offset``; ``path`` names the file in errors."""
         return self._submit("read", fd, buf, offset, path)
 
     def pwrite(
-        self, fd: int, buf: torch.Tensor, offset: int, *, path: str | os.PathLike | None = None
+        self, fd: int, buf: torch.Tensor, offset: int, *, path: str | os.PathLike[str] | None = None
     ) -> IOFuture:
         """Write all of ``buf`` to ``fd`` at ``offset``; ``path`` names the file in errors."""
         return self._submit("write", fd, buf, offset, path)
 
     def _submit(
-        self, op: str, fd: int, buf: torch.Tensor, offset: int, path: str | os.PathLike | None
+        self, op: str, fd: int, buf: torch.Tensor, offset: int, path: str | os.PathLike[str] | None
     ) -> IOFuture:
         if self.closed:
             raise RuntimeError("AioEngine is closed")

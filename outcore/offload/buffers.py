@@ -47,6 +47,7 @@ import numpy as np
 import torch
 
 from outcore.offload.host_memory import libc
+from outcore.offload.ledger import Charge
 
 ALIGN = 4096
 """Alignment in bytes of buffer addresses, lengths and file offsets (see [Note: alignment])."""
@@ -64,7 +65,8 @@ def _madvise(address: int, length: int, advice: int) -> int:
     if fn is None:
         return -1
     fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
-    return fn(address, length, advice)
+    rc: int = fn(address, length, advice)  # restype c_int: ctypes hands back a Python int
+    return rc
 
 
 def round_up(nbytes: int, alignment: int = ALIGN) -> int:
@@ -137,12 +139,12 @@ class AlignedRegions:
     (layers repeat, so sizes do) up to ``cap_bytes``; beyond that it is unmapped at once.
     """
 
-    def __init__(self, cap_bytes: int, on_cached=None) -> None:
+    def __init__(self, cap_bytes: int, charge: Charge | None = None) -> None:
         self.cap_bytes = cap_bytes
         self.cached_bytes = 0
         self._free: dict[int, list[torch.UntypedStorage]] = {}
         self._lock = threading.Lock()
-        self._on_cached = on_cached  # called with +/- bytes kept for reuse (the ledger)
+        self._charge = charge  # the bytes kept for reuse, on the ledger
         self.fills = 0
         """Storages given memory so far."""
         self.mapped = 0
@@ -164,9 +166,9 @@ class AlignedRegions:
         if donor is None:
             self.mapped += 1
             donor = huge_page_mapping(nbytes).untyped_storage()
-        elif self._on_cached is not None:
-            self._on_cached(-nbytes)
-        storage._swap_data_ptr_(donor)
+        elif self._charge is not None:
+            self._charge.change(-nbytes)
+        storage._swap_data_ptr_(donor)  # type: ignore[attr-defined]  # private torch API
 
     def release(self, storage: torch.UntypedStorage) -> None:
         """Free a storage's memory in place (to zero bytes), whoever allocated it."""
@@ -175,14 +177,15 @@ class AlignedRegions:
             return
         nbytes = storage.nbytes()
         holder = torch.empty(0, dtype=torch.uint8).untyped_storage()
-        storage._swap_data_ptr_(holder)  # the holder now owns the mapping
+        # the holder now owns the mapping
+        storage._swap_data_ptr_(holder)  # type: ignore[attr-defined]  # private torch API
         with self._lock:
             keep = self.cached_bytes + nbytes <= self.cap_bytes
             if keep:
                 self._free.setdefault(nbytes, []).append(holder)
                 self.cached_bytes += nbytes
-        if keep and self._on_cached is not None:
-            self._on_cached(nbytes)
+        if keep and self._charge is not None:
+            self._charge.change(nbytes)
 
 
 class PooledBuffer:

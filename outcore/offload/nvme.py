@@ -67,7 +67,7 @@ def _gib(nbytes: int) -> str:
     return f"{nbytes / 2**30:.2f} GiB"
 
 
-def check_space(path: str | os.PathLike, nbytes: int) -> None:
+def check_space(path: str | os.PathLike[str], nbytes: int) -> None:
     """Raise ``StorageError`` if the filesystem holding ``path`` has less than ``nbytes`` free."""
     free = shutil.disk_usage(path).free
     if free < nbytes:
@@ -206,7 +206,8 @@ def _open_swap(path: Path, direct: bool) -> tuple[int, bool]:
 def _direct_io_works(fd: int, path: Path) -> bool:
     """Write and read back one page: some filesystems accept O_DIRECT at open, fail at I/O."""
     page = aligned_empty(ALIGN).zero_()
-    view = memoryview(page.numpy())
+    # numpy's stubs give ndarray ``__buffer__`` only on Python >= 3.12; it is a buffer on all
+    view = memoryview(page.numpy())  # type: ignore[arg-type]
     try:
         transfer("write", fd, view, 0, str(path))
         transfer("read", fd, view, 0, str(path))
@@ -249,7 +250,7 @@ class NvmeStore:
 
     def __init__(
         self,
-        root: str | os.PathLike,
+        root: str | os.PathLike[str],
         *,
         rank: int,
         engine: AioEngine,

@@ -1,8 +1,8 @@
-"""A shard's bytes in their home tier, and the per-tier byte ledger.
+"""A shard's bytes in their home tier.
 
 [Note: a shard knows its home tier]
 Every piece of model state (training-dtype parameter shard, fp32 master shard, optimizer
-moments, fp32 gradient shard) is a ``Stored`` object that knows its tier. Memory tiers keep
+moments, fp32 gradient shard) is a ``StoredShard`` object that knows its tier. Memory tiers keep
 a live tensor; the NVMe tier keeps an extent of the rank's swap file and moves bytes only
 through ``load``/``save``, which return futures so the schedule can issue them early and wait
 late. Code above this file never asks *where* a shard is, only for its bytes.
@@ -10,82 +10,27 @@ late. Code above this file never asks *where* a shard is, only for its bytes.
 
 from __future__ import annotations
 
-import threading
-from collections import defaultdict
-from enum import Enum
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import xxhash
 
 from outcore.errors import StorageError
+from outcore.offload.aio import byte_view
+from outcore.offload.ledger import Charge, Kind, Ledger
+from outcore.offload.tier import Tier
 
-
-class Tier(str, Enum):
-    """A place bytes live, fastest first: iterating ``Tier`` gives the order reports use.
-
-    [Note: two spellings of a tier]
-    The config names where state is offloaded *to* (``offload.params: none | cpu | nvme``,
-    DeepSpeed's spelling, ``none`` for not offloaded); the ledger, ``memory_report()`` and the
-    metrics name the tier itself (``device | host | nvme``). ``for_placement`` is the one
-    mapping from the first to the second; nothing else spells it out.
-    """
-
-    DEVICE = "device"
-    HOST = "host"
-    NVME = "nvme"
-
-    @classmethod
-    def for_placement(cls, placement: str) -> Tier:
-        """Map a config value (``none | cpu | nvme``) to the tier it names."""
-        return _BY_PLACEMENT[placement]
-
-
-_BY_PLACEMENT = {"none": Tier.DEVICE, "cpu": Tier.HOST, "nvme": Tier.NVME}
-
-
-class Ledger:
-    """Bytes held per (tier, kind), counted by the code that allocates them.
-
-    Thread-safe because I/O threads and the optimizer update it concurrently.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._bytes: dict[tuple[str, str], int] = defaultdict(int)
-        self._peak: dict[str, int] = defaultdict(int)
-        self._kind_peak: dict[tuple[str, str], int] = defaultdict(int)
-
-    def add(self, tier: str, kind: str, nbytes: int) -> None:
-        with self._lock:
-            self._bytes[(tier, kind)] += nbytes
-            key = (tier, kind)
-            self._kind_peak[key] = max(self._kind_peak[key], self._bytes[key])
-            total = sum(v for (t, _), v in self._bytes.items() if t == tier)
-            self._peak[tier] = max(self._peak[tier], total)
-
-    def tier_bytes(self, tier: str) -> int:
-        with self._lock:
-            return sum(v for (t, _), v in self._bytes.items() if t == tier)
-
-    def snapshot(self) -> dict[str, int]:
-        with self._lock:
-            out = {f"{t}.{k}": v for (t, k), v in sorted(self._bytes.items())}
-            out.update({f"peak.{t}": v for t, v in self._peak.items()})
-            out.update({f"peak.{t}.{k}": v for (t, k), v in sorted(self._kind_peak.items())})
-            return out
-
-    def reset_peaks(self) -> None:
-        """Start peak tracking afresh from the current values (e.g. after warm-up)."""
-        with self._lock:
-            self._kind_peak = defaultdict(int, self._bytes)
-            tiers = {t for t, _ in self._bytes}
-            self._peak = defaultdict(int, {t: sum(v for (u, _), v in self._bytes.items()
-                                                  if u == t) for t in tiers})
+if TYPE_CHECKING:
+    from outcore.offload.nvme import Extent, NvmeStore
 
 
 class Future(Protocol):
+    """What ``load``/``save`` return: an ``IOFuture`` on NVMe, ``_Ready`` in memory. The
+    update pipeline waits on them through ``exception()`` (optim/pipeline.py's first_error)."""
+
     def result(self, timeout: float | None = None) -> object: ...
+
+    def exception(self, timeout: float | None = None) -> BaseException | None: ...
 
 
 class _Ready:
@@ -97,11 +42,14 @@ class _Ready:
     def result(self, timeout: float | None = None) -> object:
         return self._value
 
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        return None
+
     def done(self) -> bool:
         return True
 
 
-class Stored:
+class StoredShard:
     """One tensor of model state, living in ``tier``; see the note above."""
 
     tier: Tier
@@ -136,14 +84,13 @@ class Stored:
         raise NotImplementedError
 
 
-class MemoryStored(Stored):
+class MemoryShard(StoredShard):
     """State kept as a tensor in device or host memory."""
 
-    def __init__(self, tensor: torch.Tensor, tier: Tier, kind: str, ledger: Ledger) -> None:
+    def __init__(self, tensor: torch.Tensor, tier: Tier, kind: Kind, ledger: Ledger) -> None:
         self.tensor = tensor
         self.tier, self.numel, self.dtype = tier, tensor.numel(), tensor.dtype
-        self._kind, self._ledger = kind, ledger
-        ledger.add(tier.value, kind, self.nbytes)
+        self._charge: Charge = ledger.charge(tier, kind, self.nbytes)
 
     def resident(self) -> torch.Tensor:
         return self.tensor
@@ -158,9 +105,8 @@ class MemoryStored(Stored):
         return _Ready()
 
     def free(self) -> None:
-        if self.tensor is not None:
-            self._ledger.add(self.tier.value, self._kind, -self.nbytes)
-            self.tensor = None  # type: ignore[assignment]
+        self._charge.release()
+        self.tensor = None  # type: ignore[assignment]
 
     def load_range(self, start: int, out: torch.Tensor) -> Future:
         out.copy_(self.tensor[start : start + out.numel()])
@@ -175,13 +121,11 @@ class MemoryStored(Stored):
 
 def digest(t: torch.Tensor) -> int:
     """xxh3-64 of a contiguous CPU tensor's bytes (several times as fast as crc32)."""
-    from outcore.offload.aio import byte_view
-
     flat = t.detach().reshape(-1).view(torch.uint8)
     return xxhash.xxh3_64_intdigest(byte_view(flat))
 
 
-class NvmeStored(Stored):
+class NvmeShard(StoredShard):
     """State kept in an extent of this rank's swap file.
 
     [Note: every extent read is verified]
@@ -198,14 +142,14 @@ class NvmeStored(Stored):
     hashes nor verifies.
     """
 
-    def __init__(self, store, numel: int, dtype: torch.dtype, kind: str, ledger: Ledger,
-                 verify: bool = True) -> None:
+    def __init__(self, store: NvmeStore, numel: int, dtype: torch.dtype, kind: Kind,
+                 ledger: Ledger, verify: bool = True) -> None:
         self.tier, self.numel, self.dtype = Tier.NVME, numel, dtype
-        self._store, self._kind, self._ledger = store, kind, ledger
+        self._store, self._kind = store, kind
         self.verify = verify
-        self.extent = store.allocate(max(self.nbytes, 1))
+        self.extent: Extent | None = store.allocate(max(self.nbytes, 1))  # None once freed
         self._sums: dict[int, tuple[int, int]] = {}  # start -> (numel, digest)
-        ledger.add(Tier.NVME.value, kind, self.nbytes)
+        self._charge: Charge = ledger.charge(Tier.NVME, kind, self.nbytes)
 
     def resident(self) -> None:
         return None
@@ -216,15 +160,17 @@ class NvmeStored(Stored):
     def save(self, src: torch.Tensor) -> Future:
         return self.save_range(0, src)
 
-    def _sub_extent(self, start: int, numel: int):
+    def _sub_extent(self, start: int, numel: int) -> Extent:
         """The part of the extent holding elements ``[start, start + numel)``.
 
         Callers cut ranges at 4 KiB boundaries (optimizer.py), as O_DIRECT needs aligned offsets.
         """
+        extent = self.extent
+        assert extent is not None, "a freed NvmeShard has no bytes to move"
         esize = self.nbytes // max(self.numel, 1)
-        offset = self.extent.offset + start * esize
+        offset = extent.offset + start * esize
         nbytes = numel * esize
-        return type(self.extent)(offset, nbytes, -(-nbytes // 4096) * 4096)
+        return type(extent)(offset, nbytes, -(-nbytes // 4096) * 4096)
 
     def load_range(self, start: int, out: torch.Tensor) -> Future:
         fut = self._store.read(self._sub_extent(start, out.numel()), out)
@@ -268,19 +214,19 @@ class NvmeStored(Stored):
             if digest(out[pos - start : pos - start + n]) != want:
                 off = self._sub_extent(pos, n).offset
                 raise StorageError(f"checksum mismatch in {self._store.path} at offset {off} "
-                                   f"({n} elements of {self._kind}): the swap file was "
+                                   f"({n} elements of {self._kind.value}): the swap file was "
                                    "corrupted or truncated on disk")
 
     def free(self) -> None:
         if self.extent is not None:
             if not self._store.closed:  # a closed store already deleted the whole file
                 self._store.free(self.extent)
-            self._ledger.add(Tier.NVME.value, self._kind, -self.nbytes)
+            self._charge.release()
             self.extent = None
             self._sums.clear()
 
 
-def load_now(stored: Stored, device: torch.device | None = None) -> torch.Tensor:
+def load_now(stored: StoredShard, device: torch.device | None = None) -> torch.Tensor:
     """The stored tensor, read synchronously (resident tensors are returned, not copied)."""
     t = stored.resident()
     if t is not None:

@@ -28,6 +28,8 @@ import torch
 from outcore.errors import ConfigError
 
 if TYPE_CHECKING:
+    from outcore.offload.storage import StoredShard
+    from outcore.optim.optimizer import ParamState
     from outcore.runtime import Runtime
     from outcore.zero.param import ShardedParam
 
@@ -40,7 +42,7 @@ DEFAULTS: dict[str, Any] = {"lr": None, "eps": (1e-30, 1e-3), "clip_threshold": 
 
 @dataclass(eq=False)
 class Factors:
-    """One parameter's Adafactor state besides its elementwise moments (those are Stored in
+    """One parameter's Adafactor state besides its elementwise moments (those are StoredShard in
     the optimizer's ``moments``): the replicated row and column averages of a factored
     weight (None for a vector)."""
 
@@ -97,6 +99,7 @@ def update(sp: ShardedParam, master: torch.Tensor, grad: torch.Tensor, f: Factor
     lr = _lr(group, step_no, rms)
     beta2t = 1.0 - math.pow(step_no, group["decay_rate"])
     if f.row is not None:
+        assert f.col is not None  # new_factors sets both or neither
         f.row.mul_(beta2t).add_(total[1:1 + b * r].view(b, r) / c, alpha=1.0 - beta2t)
         f.col.mul_(beta2t).add_(total[1 + b * r:].view(b, c) / r, alpha=1.0 - beta2t)
         r_factor = (f.row / f.row.mean(dim=-1, keepdim=True)).rsqrt().reshape(-1)
@@ -120,11 +123,12 @@ def update(sp: ShardedParam, master: torch.Tensor, grad: torch.Tensor, f: Factor
 
 def _lr(group: dict[str, Any], step: int, rms: float) -> float:
     """transformers' ``Adafactor._get_lr``."""
-    rel = group["lr"]
+    rel: float | None = group["lr"]
     if group["relative_step"]:
         low = 1e-6 * step if group["warmup_init"] else 1e-2
         rel = min(low, 1.0 / math.sqrt(step))
-    scale = max(group["eps"][1], rms) if group["scale_parameter"] else 1.0
+    assert rel is not None  # check() refused lr=None without relative_step
+    scale: float = max(group["eps"][1], rms) if group["scale_parameter"] else 1.0
     return scale * rel
 
 
@@ -135,6 +139,15 @@ def moment_kinds(sp: ShardedParam, group: dict[str, Any]) -> tuple[str, ...]:
 
 
 FACTOR_KINDS = ("exp_avg_sq_row", "exp_avg_sq_col")
+
+
+def _resident(stored: StoredShard | None) -> torch.Tensor:
+    """The live tensor of ``stored``: Adafactor's master weights and moments are in memory
+    (``check_placement`` refused NVMe), and a trainable parameter keeps its master."""
+    assert stored is not None, "Adafactor updates only parameters with an fp32 master"
+    tensor = stored.resident()
+    assert tensor is not None, "Adafactor's state is in memory (check_placement)"
+    return tensor
 
 
 class Runner:
@@ -158,27 +171,33 @@ class Runner:
     def kinds_of(self, sp: ShardedParam) -> tuple[str, ...]:
         return moment_kinds(sp, self.group_of[id(sp)])
 
-    def step(self, sps: list[ShardedParam], states: dict) -> None:
+    def step(self, sps: list[ShardedParam], states: dict[ShardedParam, ParamState]) -> None:
         """Update ``sps`` (with gradients), in the same order on every rank."""
         for sp in sps:
             state = states[sp]
             state.step += 1
-            moments = {k: stored.resident() for k, stored in state.moments.items()}
-            update(sp, sp.master.resident(), sp.grad, self.factors[id(sp)], moments,
+            moments = {k: _resident(stored) for k, stored in state.moments.items()}
+            master = _resident(sp.master_shard)
+            assert sp.grad is not None  # the optimizer passes only parameters that got one
+            update(sp, master, sp.grad, self.factors[id(sp)], moments,
                    self.group_of[id(sp)], self.rt, state.step)
-            if sp.compute is not sp.master:
-                sp.compute.save(sp.master.resident().to(sp.compute.dtype)).result()
+            if sp.compute_shard is not sp.master_shard:
+                assert sp.compute_shard is not None  # prepared for training: it has both
+                sp.compute_shard.save(master.to(sp.compute_shard.dtype)).result()
 
     def factors_of(self, sp: ShardedParam) -> dict[str, torch.Tensor]:
         f = self.factors[id(sp)]
-        return {} if f.row is None else {"exp_avg_sq_row": f.row.view(sp.shape[:-1]).clone(),
-                                         "exp_avg_sq_col": f.col.view(
-                                             (*sp.shape[:-2], sp.shape[-1])).clone()}
+        if f.row is None:
+            return {}
+        assert f.col is not None  # new_factors sets both or neither
+        return {"exp_avg_sq_row": f.row.view(sp.shape[:-1]).clone(),
+                "exp_avg_sq_col": f.col.view((*sp.shape[:-2], sp.shape[-1])).clone()}
 
     def load_factors(self, sp: ShardedParam, entry: dict[str, Any]) -> None:
         f = self.factors[id(sp)]
         if f.row is None:
             return
+        assert f.col is not None  # new_factors sets both or neither
         for kind, target in zip(FACTOR_KINDS, (f.row, f.col), strict=True):
             if kind not in entry:
                 raise ConfigError(f"Adafactor state for {sp.label()} has no {kind!r}")
@@ -186,9 +205,10 @@ class Runner:
 
     def replicated(self, name_of: dict[int, str]) -> dict[str, torch.Tensor]:
         """The factors by checkpoint key (the same on every rank: rank 0 saves them)."""
-        out = {}
+        out: dict[str, torch.Tensor] = {}
         for key, f in self.factors.items():
             if f.row is not None:
+                assert f.col is not None  # new_factors sets both or neither
                 out[f"{name_of[key]}::exp_avg_sq_row"] = f.row
                 out[f"{name_of[key]}::exp_avg_sq_col"] = f.col
         return out

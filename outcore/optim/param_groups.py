@@ -8,6 +8,7 @@ biases, another learning rate for a head). They are checked before anything is s
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -29,7 +30,7 @@ _TORCH_TYPES = {("torch.optim", "AdamW"): "adamw", ("torch.optim", "Adam"): "ada
                 ("transformers.optimization", "Adafactor"): "adafactor"}
 
 
-def from_torch_optimizer(opt: torch.optim.Optimizer) -> tuple[dict, list[dict]]:
+def from_torch_optimizer(opt: torch.optim.Optimizer) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """(the optimizer config keys, the group dicts) of a torch optimizer outcore adopts.
 
     [Note: adopting a torch optimizer]
@@ -58,8 +59,8 @@ def from_torch_optimizer(opt: torch.optim.Optimizer) -> tuple[dict, list[dict]]:
     return keys, opt.param_groups
 
 
-def check_param_groups(module: nn.Module, param_groups: Iterable[dict] | None
-                        ) -> list[tuple[dict, list[nn.Parameter]]] | None:
+def check_param_groups(module: nn.Module, param_groups: Iterable[dict[str, Any]] | None
+                        ) -> list[tuple[dict[str, Any], list[nn.Parameter]]] | None:
     """Validate torch-style param groups before anything is sharded (a typo must not
     leave the model half converted); returns (the group dict, parameters) per group."""
     if param_groups is None:

@@ -31,13 +31,20 @@ from __future__ import annotations
 import contextlib
 import functools
 import types
+import typing
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
 from outcore.overlap.hooks import inert_copy
+
+if TYPE_CHECKING:
+    from torch.utils.hooks import RemovableHandle
+
+Inputs = tuple[tuple[object, ...], dict[str, object]]
+"""A call's positional and keyword inputs, as a forward pre-hook with kwargs sees them."""
 
 
 def entry_modules(module: nn.Module) -> list[nn.Module]:
@@ -56,15 +63,16 @@ class EntryHooks:
 
     inert = False  # a deep copy's (hooks.py's Hooks.__deepcopy__)
 
-    def __deepcopy__(self, memo: dict) -> EntryHooks:
+    def __deepcopy__(self, memo: dict[int, object]) -> EntryHooks:
         return inert_copy(type(self))
 
-    def __reduce__(self) -> tuple:
+    def __reduce__(self) -> tuple[Callable[[type[EntryHooks]], EntryHooks],
+                                  tuple[type[EntryHooks]]]:
         return (inert_copy, (type(self),))
 
     def __init__(self, modules: list[nn.Module], is_inside: Callable[[], bool],
-                 context: Callable[[], contextlib.AbstractContextManager],
-                 synced_generate: bool, cast: Callable[[Any], Any] | None = None,
+                 context: Callable[[], contextlib.AbstractContextManager[object]],
+                 synced_generate: bool, cast: Callable[[Inputs], Inputs] | None = None,
                  on_zero_grad: Callable[[], None] | None = None) -> None:
         """``cast``: applied to the positional and keyword inputs of a call that opens the
         context (the compute dtype's cast of floating inputs, as the engine does).
@@ -73,8 +81,8 @@ class EntryHooks:
         self._is_inside = is_inside
         self._context = context
         self._cast = cast
-        self._open: list[contextlib.AbstractContextManager | None] = []
-        self._handles = []
+        self._open: list[contextlib.AbstractContextManager[object] | None] = []
+        self._handles: list[RemovableHandle] = []
         self._patched: list[nn.Module] = []
         for m in modules:
             self._handles.append(m.register_forward_pre_hook(self._pre, prepend=True,
@@ -85,18 +93,21 @@ class EntryHooks:
         if on_zero_grad is not None:
             self._patch_zero_grad(modules[0], on_zero_grad)
 
-    def _pre(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    def _pre(self, module: nn.Module, args: tuple[object, ...], kwargs: dict[str, object]
+             ) -> Inputs | None:
         if self.inert:
             return None
         if self._is_inside():
             self._open.append(None)
             return None
         cm = self._context()
+        # the post hook runs even when entering fails, and pops this entry, not an outer one
+        self._open.append(None)
         cm.__enter__()
-        self._open.append(cm)
+        self._open[-1] = cm
         return self._cast((args, kwargs)) if self._cast is not None else None
 
-    def _post(self, module: nn.Module, args: tuple, output: object) -> None:
+    def _post(self, module: nn.Module, args: tuple[object, ...], output: object) -> None:
         if self.inert:
             return
         cm = self._open.pop()
@@ -104,14 +115,17 @@ class EntryHooks:
             cm.__exit__(None, None, None)
 
     def _patch_generate(self, module: nn.Module) -> None:
-        original = module.generate
+        # a Hugging Face model's method, which torch's Module.__getattr__ stub cannot know
+        original = typing.cast("Callable[..., object]", module.generate)
 
         @functools.wraps(original)
-        def generate(*args: Any, **kwargs: Any) -> Any:
+        def generate(*args: Any, **kwargs: Any) -> object:
             kwargs.setdefault("synced_gpus", True)
             return original(*args, **kwargs)
 
-        module.generate = generate  # an instance attribute: the class stays untouched
+        # an instance attribute: the class stays untouched. torch's stub types
+        # Module.__setattr__ for tensors and modules only; any value is accepted
+        module.generate = generate  # type: ignore[assignment]
         self._patched.append(module)
 
     def _patch_zero_grad(self, module: nn.Module, on_zero_grad: Callable[[], None]) -> None:
@@ -122,7 +136,8 @@ class EntryHooks:
             if this is root():  # not a deep copy of the model, which has no engine
                 on_zero_grad()
 
-        module.zero_grad = types.MethodType(zero_grad, module)  # the class stays untouched
+        # an instance attribute shadowing the method on purpose: the class stays untouched
+        module.zero_grad = types.MethodType(zero_grad, module)  # type: ignore[method-assign]
         self._patched.append(module)
 
     def remove(self) -> None:

@@ -34,63 +34,35 @@ import threading
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol, TypeVar, final
 
 import torch
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
-from outcore.zero.group import GroupState, ParamGroup, PendingReduce
-from outcore.zero.registry import METADATA_CALLS, managed, owner
-from outcore.zero.state import Phase
+from outcore.runtime.phase import Phase
+from outcore.zero.access_mode import ParamAccessMode
+from outcore.zero.group import ParamGroup, PendingReduce
+from outcore.zero.registry import owner
+from outcore.zero.state import GroupState
 
 if TYPE_CHECKING:
+    from torch.utils.hooks import RemovableHandle
+
     from outcore.overlap.schedule import Schedule
     from outcore.runtime import Runtime
     from outcore.zero.param import ShardedParam
 
 
-class ParamAccessMode(TorchFunctionMode):
-    """Calls ``on_access(sp, func)`` before any torch call that reads a managed parameter."""
+class _Inert(Protocol):
+    """Hook owners a copied model may carry: their hook methods do nothing while ``inert``."""
 
-    def __init__(self, on_access: Callable[[ShardedParam, object], None]) -> None:
-        super().__init__()
-        self._on_access = on_access
-        self.suspended_depth = 0
-
-    @contextlib.contextmanager
-    def suspended(self) -> Iterator[None]:
-        """outcore's own tensor work inside hooks: it must not re-enter the mode's checks,
-        and what it allocates must not become an inference tensor (a forward under
-        ``torch.inference_mode()`` fetches into buffers that training writes later)."""
-        self.suspended_depth += 1
-        outside = (torch.inference_mode(False) if torch.is_inference_mode_enabled()
-                   else contextlib.nullcontext())  # entering it costs per module per step
-        try:
-            with outside:
-                yield
-        finally:
-            self.suspended_depth -= 1
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if not self.suspended_depth and func not in METADATA_CALLS:
-            for a in _tensor_args(args, kwargs):
-                sp = managed(a)
-                if sp is not None:
-                    self._on_access(sp, func)
-        return func(*args, **kwargs)
+    inert: bool
 
 
-def _tensor_args(args: tuple, kwargs: dict) -> Iterator[object]:
-    for a in (*args, *kwargs.values()):
-        if isinstance(a, (list, tuple)):
-            yield from a
-        else:
-            yield a
+_Owner = TypeVar("_Owner", bound=_Inert)
 
 
-def inert_copy(cls: type) -> object:
+def inert_copy(cls: type[_Owner]) -> _Owner:
     """An instance of ``cls`` whose hook methods do nothing: what a copied or pickled model
     carries in place of outcore's hooks."""
     copy = object.__new__(cls)
@@ -103,13 +75,13 @@ class Hooks:
 
     inert = False  # a deep copy's: see __deepcopy__
 
-    def __deepcopy__(self, memo: dict) -> Hooks:
+    def __deepcopy__(self, memo: dict[int, object]) -> Hooks:
         """``copy.deepcopy(model)`` copies the model's hook tables, and with them this
         object: the copy is a plain model, so its copy of the hooks does nothing (and so
         for ``torch.save(model)``, through ``__reduce__``)."""
         return inert_copy(type(self))
 
-    def __reduce__(self) -> tuple:
+    def __reduce__(self) -> tuple[Callable[[type[Hooks]], Hooks], tuple[type[Hooks]]]:
         return (inert_copy, (type(self),))
 
     def __init__(self, module_groups: dict[nn.Module, list[ParamGroup]],
@@ -127,15 +99,17 @@ class Hooks:
         # see [Note: frozen groups in backward]: (group, node that last unpacked it, thread)
         self._frozen_held: list[tuple[ParamGroup, object, int | None]] = []
         self._pinned: set[int] = set()  # groups a recomputation fetched in this backward
-        self._handles: list = []
+        self._handles: list[RemovableHandle] = []
         for m, gs in module_groups.items():
             if gs:
                 self._handles.append(m.register_forward_pre_hook(self._pre_forward))
                 self._handles.append(m.register_forward_hook(self._post_forward, always_call=True))
         for g in groups:
             for sp in g.trainable:
+                # torch leaves this method unannotated
                 self._handles.append(
-                    sp.param.register_post_accumulate_grad_hook(self._make_grad_hook(sp))
+                    sp.param.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
+                        self._make_grad_hook(sp))
                 )
 
     @property
@@ -165,8 +139,13 @@ class Hooks:
         # a recomputation inside backward continues its iteration; after a step the
         # schedule already began this one (schedule.py's [Note: prefetch across the step])
         if not self._in_backward:
-            with self.mode.suspended():
-                self.schedule.begin_forward()
+            try:
+                with self.mode.suspended():
+                    self.schedule.begin_forward()
+            except BaseException:  # (a prefetch's read failed): no forward began
+                self.frames.pop()
+                self._sync_phase()
+                raise
         if not self.schedule.movable:
             # Nothing is ever released (one rank, every shard resident on the device): every
             # parameter is always present, so the per-op checks would find nothing to fetch.
@@ -186,7 +165,7 @@ class Hooks:
                 self._release(self.frames.pop())
             self._sync_phase()
 
-    def _pre_forward(self, module: nn.Module, args: tuple) -> None:
+    def _pre_forward(self, module: nn.Module, args: tuple[object, ...]) -> None:
         if self.inert:
             return
         with self.mode.suspended():
@@ -201,7 +180,7 @@ class Hooks:
                 g.hold()
             self.schedule.need(groups)
 
-    def _post_forward(self, module: nn.Module, args: tuple, output: object) -> None:
+    def _post_forward(self, module: nn.Module, args: tuple[object, ...], output: object) -> None:
         if self.inert:
             return
         with self.mode.suspended():
@@ -225,8 +204,8 @@ class Hooks:
                 self.schedule.done(g)
 
     # -- backward ------------------------------------------------------------------------------
-    def _unpack(self, saved: object) -> object:
-        if type(saved) is not _SavedParam:
+    def _unpack(self, saved: torch.Tensor | _SavedParam) -> torch.Tensor:
+        if type(saved) is not _SavedParam:  # narrowed to a tensor: _SavedParam is final
             return saved
         g = saved.sp.group
         if g is None:
@@ -274,6 +253,7 @@ class Hooks:
             if hooks is None:
                 return
             g = sp.group
+            assert g is not None  # grouped before install, ungrouped only after remove()
             if g.grad_arrived(sp):
                 with hooks.mode.suspended():
                     hooks._reduce(g)
@@ -343,6 +323,7 @@ class Hooks:
         self.schedule.end_iteration(carry=True)
 
 
+@final
 class _SavedParam:
     """A tensor autograd saved that is (a view of) a parameter's full storage."""
 
@@ -352,6 +333,6 @@ class _SavedParam:
         self.tensor, self.sp = tensor, sp
 
 
-def _pack(t: torch.Tensor) -> object:
+def _pack(t: torch.Tensor) -> torch.Tensor | _SavedParam:
     sp = owner(t)
     return t if sp is None else _SavedParam(t, sp)

@@ -42,9 +42,11 @@ from __future__ import annotations
 import itertools
 import logging
 import warnings
+from collections.abc import Iterator
 from enum import Enum
 
-from outcore.zero.group import GroupState, ParamGroup
+from outcore.zero.group import ParamGroup
+from outcore.zero.state import GroupState
 
 log = logging.getLogger("outcore")
 
@@ -142,6 +144,7 @@ class Schedule:
     def _next_head(self) -> set[int]:
         """Indices of the groups that start the next iteration, within the budget."""
         trace = self.trace if self.mode is Mode.FOLLOWING else self.recording
+        assert trace is not None  # FOLLOWING only with a trace (begin_iteration)
         head: set[int] = set()
         budget = self.prefetch_bytes
         for index in trace:
@@ -199,6 +202,7 @@ class Schedule:
         self.recording.append(g.index)
         if self.mode is not Mode.FOLLOWING:
             return
+        assert self.trace is not None  # FOLLOWING only with a trace (begin_iteration)
         window = self.trace[self.cursor : self.cursor + LOOKAHEAD]
         if g.index in window:
             self.cursor += window.index(g.index) + 1
@@ -211,11 +215,12 @@ class Schedule:
                      "fetching on demand and re-tracing. Later divergences are only counted "
                      "(engine.schedule_stats()).", g.name)
 
-    def _upcoming(self, cycle: bool = False):
+    def _upcoming(self, cycle: bool = False) -> Iterator[ParamGroup]:
         """Groups in the order the trace will need them; with ``cycle``, followed by the next
         iteration's (see [Note: carrying the head across iterations])."""
         if self.mode is not Mode.FOLLOWING or not self.movable:
             return
+        assert self.trace is not None  # FOLLOWING only with a trace (begin_iteration)
         seen: set[int] = set()
         rest = itertools.islice(self.trace, self.cursor, None)  # no copy: called per release
         for index in itertools.chain(rest, self.trace) if cycle else rest:

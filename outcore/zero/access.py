@@ -8,13 +8,15 @@ call of the torch function on plain tensors, or in a ``ParamAccessError``.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any, NamedTuple, SupportsIndex, TypeAlias, TypeVar, final
 
 import torch
 from torch import nn
 from torch._C import DisableTorchFunctionSubclass
 
 from outcore.errors import ParamAccessError
+from outcore.runtime.phase import Phase
 from outcore.zero import registry
 from outcore.zero.calls import (
     CPU,
@@ -23,17 +25,25 @@ from outcore.zero.calls import (
     DATA_SET,
     DETACH,
     TO,
+    Args,
     Kind,
+    Kwargs,
     kind_of,
     local_write,
 )
-from outcore.zero.state import HAS_VALUES, USER_OWNED, ParamState, Phase
+from outcore.zero.state import HAS_VALUES, USER_OWNED, ParamState
 
-DRESSED: set[type] = set()
+if TYPE_CHECKING:
+    from outcore.zero.param import ShardedParam
+
+DRESSED: set[type[nn.Parameter]] = set()
 """The sharded parameter classes (surface.py's ``dress`` adds them)."""
 
+Chain: TypeAlias = tuple[tuple[Any, Args, Kwargs, int | None], ...]  # see ParamView
+_R = TypeVar("_R")
 
-def raw(func: Any, args: tuple, kwargs: dict) -> Any:
+
+def raw(func: Callable[..., _R], args: Args, kwargs: Kwargs) -> _R:
     """Run ``func`` on the tensors as torch keeps them, past every dispatch of ours."""
     with DisableTorchFunctionSubclass():
         return func(*args, **kwargs)
@@ -45,13 +55,14 @@ def raw_data(param: torch.Tensor) -> torch.Tensor:
         return param.data
 
 
-def is_live(sp: Any) -> bool:
+def is_live(sp: ShardedParam) -> bool:
     """Whether ``.data`` is where the exact values live (one rank, fp32 shards in memory
     shown without a copy): then every call, writes included, is plain PyTorch's."""
     return (sp.state is ParamState.GATHERED and sp.group is not None and sp.group.zero_copy
-            and sp.compute is sp.master)
+            and sp.compute_shard is sp.master_shard)
 
 
+@final  # Touch tells a view from a parameter by ``type(obj) is ParamView``
 class ParamView(torch.Tensor):
     """A view of a sharded parameter that holds no bytes, only how it was cut from it.
 
@@ -60,11 +71,11 @@ class ParamView(torch.Tensor):
     ``.data``, so writes through it are not autograd's business (as with ``.data``)."""
 
     source: nn.Parameter
-    chain: tuple
+    chain: Chain
     detached: bool
 
     @staticmethod
-    def __new__(cls, source: nn.Parameter, chain: tuple, detached: bool,
+    def __new__(cls, source: nn.Parameter, chain: Chain, detached: bool,
                 geometry: torch.Tensor) -> ParamView:
         view = torch.Tensor._make_wrapper_subclass(
             cls, geometry.size(), strides=geometry.stride(),
@@ -74,33 +85,33 @@ class ParamView(torch.Tensor):
         return view
 
     @classmethod
-    def __torch_function__(cls, func: Any, types: Any, args: tuple = (),
-                           kwargs: dict | None = None) -> Any:
+    def __torch_function__(cls, func: Any, types: Iterable[type], args: Args = (),
+                           kwargs: Kwargs | None = None) -> Any:
         kwargs = kwargs or {}
         kind = kind_of(func)
         if kind is Kind.META:
             return raw(func, args, kwargs)
         return handle(kind, func, args, kwargs, touched(args, kwargs))
 
-    @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (),
-                           kwargs: dict | None = None) -> Any:
+    @classmethod  # torch's stub makes Tensor's default a plain method, hence the ignore
+    def __torch_dispatch__(cls, func: Any, types: Iterable[type],  # type: ignore[override]
+                           args: Args = (), kwargs: Kwargs | None = None) -> Any:
         raise ParamAccessError(
             f"{func} reached a view of a sharded parameter below torch's Python layer; wrap "
             "the code in engine.gathered_parameters() to give it the full tensor")
 
-    def __reduce_ex__(self, proto: int) -> Any:
-        with torch.no_grad():
-            return DETACH(self).__reduce_ex__(proto)
+    def __reduce_ex__(self, proto: SupportsIndex) -> str | tuple[Any, ...]:
+        with torch.no_grad():  # the ignore: torch leaves Tensor.__reduce_ex__ unannotated
+            return DETACH(self).__reduce_ex__(proto)  # type: ignore[no-untyped-call, no-any-return]
 
 
 class Touch(NamedTuple):
     """A sharded parameter or view among a call's arguments: its ShardedParam (None once
     handed back) and the view calls from the parameter (``()`` for the parameter)."""
 
-    obj: torch.Tensor
-    sp: Any
-    chain: tuple
+    obj: nn.Parameter | ParamView
+    sp: ShardedParam | None
+    chain: Chain
 
     @property
     def param(self) -> nn.Parameter:
@@ -111,9 +122,9 @@ class Touch(NamedTuple):
         return type(self.obj) is ParamView and self.obj.detached
 
 
-def touched(args: tuple, kwargs: dict) -> list[Touch]:
+def touched(args: Args, kwargs: Kwargs) -> list[Touch]:
     """The sharded parameters and views among ``args`` and ``kwargs`` (and lists of them)."""
-    out = []
+    out: list[Touch] = []
     for a in (*args, *kwargs.values()):
         for t in (a if isinstance(a, (list, tuple)) else (a,)):
             cls = type(t)
@@ -127,7 +138,7 @@ def touched(args: tuple, kwargs: dict) -> list[Touch]:
 
 
 # -- entry ------------------------------------------------------------------------------------
-def handle(kind: Kind, func: Any, args: tuple, kwargs: dict, found: list[Touch]) -> Any:
+def handle(kind: Kind, func: Any, args: Args, kwargs: Kwargs, found: list[Touch]) -> Any:
     """The slow path of ``surface.dispatch``: decide by kind and state."""
     if not found:
         return raw(func, args, kwargs)
@@ -150,7 +161,7 @@ def handle(kind: Kind, func: Any, args: tuple, kwargs: dict, found: list[Touch])
     return _read(func, args, kwargs, found)
 
 
-def _target(kind: Kind, args: tuple, kwargs: dict) -> object:
+def _target(kind: Kind, args: Args, kwargs: Kwargs) -> object:
     out = kwargs.get("out")
     if isinstance(out, torch.Tensor):
         return out
@@ -163,7 +174,7 @@ def _target(kind: Kind, args: tuple, kwargs: dict) -> object:
     return None
 
 
-def _run(func: Any, args: tuple, kwargs: dict, values: dict[int, torch.Tensor]) -> Any:
+def _run(func: Any, args: Args, kwargs: Kwargs, values: dict[int, torch.Tensor]) -> Any:
     """``func`` with each touched object replaced by its value (keyed by ``id``)."""
     def sub(a: Any) -> Any:
         if isinstance(a, (list, tuple)) and any(id(x) in values for x in a):
@@ -187,12 +198,13 @@ def _values_of(found: list[Touch]) -> dict[int, torch.Tensor]:
     return {id(t.obj): _value(t)[0] for t in found}
 
 
-def _geometry(sp: Any, chain: tuple) -> torch.Tensor:
-    """A meta tensor with the shape, strides and offset of ``chain`` cut from ``sp``."""
-    return apply_chain(torch.empty(sp.shape, dtype=sp.dtype, device="meta"), chain)
+def _geometry(sp: ShardedParam, chain: Chain) -> torch.Tensor:
+    """A meta tensor with the shape, strides, offset (and dtype shown) of ``chain`` of ``sp``."""
+    dtype = raw_data(sp.param).dtype if sp.state is ParamState.SHOWN else sp.dtype
+    return apply_chain(torch.empty(sp.shape, dtype=dtype, device="meta"), chain)
 
 
-def apply_chain(base: torch.Tensor, chain: tuple) -> torch.Tensor:
+def apply_chain(base: torch.Tensor, chain: Chain) -> torch.Tensor:
     for func, rest, kw, index in chain:
         base = raw(func, (base, *rest), kw)
         if index is not None:
@@ -201,7 +213,7 @@ def apply_chain(base: torch.Tensor, chain: tuple) -> torch.Tensor:
 
 
 # -- reads ------------------------------------------------------------------------------------
-def _read(func: Any, args: tuple, kwargs: dict, found: list[Touch]) -> Any:
+def _read(func: Any, args: Args, kwargs: Kwargs, found: list[Touch]) -> Any:
     first = args[0] if args else None
     if len(found) == 1 and found[0].obj is first and found[0].sp is not None:
         same = _same_object(func, found[0], args, kwargs)
@@ -228,6 +240,7 @@ def _value(t: Touch) -> tuple[torch.Tensor, bool]:
         return _resolve(t), False
     check_readable(sp)
     if sp.state is ParamState.FETCHING:
+        assert sp.group is not None  # only a group's fetch makes a parameter FETCHING
         sp.group.wait_unshard()  # one rank: finishing the reads is local
     if sp.state in HAS_VALUES:
         base, fresh = raw_data(sp.param), False
@@ -258,13 +271,14 @@ def _route_grad(tmp: torch.Tensor, param: nn.Parameter) -> None:
     ``param.grad``, where the engine's backward reduces them as any other."""
     def hook(t: torch.Tensor) -> None:
         g, t.grad = t.grad, None
+        assert g is not None  # the hook runs once the gradient has been accumulated
         with DisableTorchFunctionSubclass():
             param.grad = g if param.grad is None else param.grad + g
 
-    tmp.register_post_accumulate_grad_hook(hook)
+    tmp.register_post_accumulate_grad_hook(hook)  # type: ignore[no-untyped-call]  # in torch
 
 
-def readable(sp: Any) -> bool:
+def readable(sp: ShardedParam) -> bool:
     """Whether this process alone can read ``sp``'s values now. At more ranks only what the
     user holds is read between steps, whatever happens to be gathered (a small group kept
     for the next forward): the rule must not depend on a parameter's size."""
@@ -274,7 +288,7 @@ def readable(sp: Any) -> bool:
         sp.state in HAS_VALUES and sp.rt.phase is not Phase.IDLE)
 
 
-def check_readable(sp: Any) -> None:
+def check_readable(sp: ShardedParam) -> None:
     """Raise outcore's error where a read cannot be served from this process alone."""
     if sp.state is ParamState.DROPPED:
         raise ParamAccessError(dropped_message(sp))
@@ -287,7 +301,7 @@ def check_readable(sp: Any) -> None:
             "rank, or save with engine.save_checkpoint / OutcoreTrainer.save_model")
 
 
-def dropped_message(sp: Any) -> str:
+def dropped_message(sp: ShardedParam) -> str:
     return (f"parameter {sp.label()} has no values: its engine closed without keeping them "
             "(close(keep_values=False), an error, or a model too large for memory); keep them "
             "with engine.close(keep_values=True), or save before closing "
@@ -295,7 +309,7 @@ def dropped_message(sp: Any) -> str:
             "model.load_state_dict(...) or outcore.load_pretrained(model, folder)")
 
 
-def _same_object(func: Any, t: Touch, args: tuple, kwargs: dict) -> torch.Tensor | None:
+def _same_object(func: Any, t: Touch, args: Args, kwargs: Kwargs) -> torch.Tensor | None:
     """``t.obj`` itself for a move to the device and dtype it already has (``model.to``)."""
     obj, rest = t.obj, args[1:]
     if func is TO:
@@ -322,9 +336,10 @@ def _same_object(func: Any, t: Touch, args: tuple, kwargs: dict) -> torch.Tensor
     return obj if same_device and dtype in (None, obj.dtype) else None
 
 
-def _view(func: Any, args: tuple, kwargs: dict, t: Touch) -> Any:
+def _view(func: Any, args: Args, kwargs: Kwargs, t: Touch) -> object:
     """A ``ParamView`` (or several) if ``func`` returns views of ``t``; else None. Found by
     running ``func`` on a meta tensor of ``t``'s geometry and seeing what shares its storage."""
+    assert t.sp is not None  # _read asks only for a parameter outcore still manages
     meta = _geometry(t.sp, t.chain)
     try:
         out = raw(func, (meta, *args[1:]), kwargs)
@@ -333,7 +348,9 @@ def _view(func: Any, args: tuple, kwargs: dict, t: Touch) -> Any:
     if out is meta:
         return t.obj
     key = meta.untyped_storage()._cdata
-    shares = lambda o: isinstance(o, torch.Tensor) and o.untyped_storage()._cdata == key  # noqa: E731
+    def shares(o: object) -> bool:
+        return isinstance(o, torch.Tensor) and o.untyped_storage()._cdata == key
+
     rest = args[1:]
     if shares(out):
         return ParamView(t.param, (*t.chain, (func, rest, kwargs, None)), t.detached, out)
@@ -353,7 +370,7 @@ def _data_get(t: Touch) -> torch.Tensor:
     return ParamView(t.param, t.chain, True, _geometry(sp, t.chain))
 
 
-def _repr(func: Any, args: tuple, kwargs: dict, found: list[Touch]) -> Any:
+def _repr(func: Any, args: Args, kwargs: Kwargs, found: list[Touch]) -> Any:
     t = found[0]
     sp = t.sp
     if sp is not None and not readable(sp):
@@ -366,7 +383,7 @@ def _repr(func: Any, args: tuple, kwargs: dict, found: list[Touch]) -> Any:
 
 
 # -- writes -----------------------------------------------------------------------------------
-def _write(func: Any, args: tuple, kwargs: dict, t: Touch, others: list[Touch]) -> Any:
+def _write(func: Any, args: Args, kwargs: Kwargs, t: Touch, others: list[Touch]) -> Any:
     """An in-place call on ``t`` (see surface.py's note for what each state does)."""
     sp = t.sp
     if sp is None or is_live(sp) and sp.rt.phase is Phase.IDLE:
@@ -406,7 +423,7 @@ def _write(func: Any, args: tuple, kwargs: dict, t: Touch, others: list[Touch]) 
     return t.obj
 
 
-def _in_place(func: Any, args: tuple, kwargs: dict, t: Touch, others: list[Touch]) -> Any:
+def _in_place(func: Any, args: Args, kwargs: Kwargs, t: Touch, others: list[Touch]) -> Any:
     """Run the write where ``t``'s values live in place: on the parameter itself (so
     autograd's rules apply as in plain PyTorch), or on the tensor a view stands for."""
     values = _values_of(others)
@@ -416,7 +433,7 @@ def _in_place(func: Any, args: tuple, kwargs: dict, t: Touch, others: list[Touch
     return t.obj
 
 
-def _check_writable(sp: Any, func: Any) -> None:
+def _check_writable(sp: ShardedParam, func: Any) -> None:
     if sp.rt.phase is not Phase.IDLE:
         raise ParamAccessError(
             f"{_name(func)} writes parameter {sp.label()} inside the engine's "
@@ -425,10 +442,11 @@ def _check_writable(sp: Any, func: Any) -> None:
             "engine.gathered_parameters([p], modify=True)")
 
 
-def _revive(func: Any, args: tuple, kwargs: dict, t: Touch, others: list[Touch]) -> Any:
+def _revive(func: Any, args: Args, kwargs: Kwargs, t: Touch, others: list[Touch]) -> Any:
     """A write of every element of a DROPPED parameter (``load_state_dict`` after close)
     makes it a plain parameter again; anything less has nothing to write into."""
     sp = t.sp
+    assert sp is not None  # _write found it DROPPED
     if t.chain or func not in registry.OVERWRITE_CALLS:
         raise ParamAccessError(dropped_message(sp))
     values = _values_of(others)
@@ -440,7 +458,7 @@ def _revive(func: Any, args: tuple, kwargs: dict, t: Touch, others: list[Touch])
     return t.obj
 
 
-def _data_set(obj: Any, value: Any, found: list[Touch]) -> None:
+def _data_set(obj: torch.Tensor, value: object, found: list[Touch]) -> None:
     """``p.data = value``: the values go to the shards; the shape and dtype stay."""
     t = next((f for f in found if f.obj is obj), None)
     if t is None:  # plain.data = a sharded parameter: give it the values, not the placeholder

@@ -1,7 +1,7 @@
 """What the engine builds over a model: its sharded parameters, their groups, its buffers.
 
 Each step is a free function over the model and the runtime, so the engine's constructor
-reads as the list of them (engine.py), and each one is tested by what it leaves behind.
+reads as the list of them (engine/core.py), and each one is tested by what it leaves behind.
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ def build_groups(module: nn.Module, rt: Runtime, persistence_threshold_bytes: in
                                      persistence_threshold_bytes))
         uses: list[ParamGroup] = []
         for sp in own:
+            assert sp.group is not None  # the group made above, or an earlier module's
             if sp.group not in uses:
                 uses.append(sp.group)
         module_groups[m] = uses
@@ -56,7 +57,7 @@ def build_groups(module: nn.Module, rt: Runtime, persistence_threshold_bytes: in
 def cast_buffers(module: nn.Module, rt: Runtime
                  ) -> list[tuple[nn.Module, str, torch.dtype, torch.device]]:
     """Floating buffers follow the compute dtype, as ``module.to(dtype)`` would do;
-    returns where each was, for ``close()`` to put it back (lifetime.py)."""
+    returns where each was, for ``close()`` to put it back (engine/lifetime.py)."""
     before = []
     for m in module.modules():
         for key, buf in m._buffers.items():

@@ -12,8 +12,9 @@ touch each element from that element alone, so a rank can apply them to its slic
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from enum import Enum
-from typing import Any
+from typing import Any, TypeAlias
 
 import torch
 
@@ -30,8 +31,16 @@ class Kind(Enum):
     REFUSED = "refused"  # changes the parameter's storage or shape in place
 
 
-DATA_GET = torch.Tensor.data.__get__
-DATA_SET = torch.Tensor.data.__set__
+Args: TypeAlias = tuple[Any, ...]
+"""A torch call's positional arguments, as ``__torch_function__`` receives them."""
+Kwargs: TypeAlias = dict[str, Any]
+"""A torch call's keyword arguments."""
+
+# torch's stubs declare ``Tensor.data`` a plain Tensor attribute; it is a getset descriptor
+DATA_GET: Callable[[torch.Tensor], torch.Tensor] = (
+    torch.Tensor.data.__get__)  # type: ignore[attr-defined]  # see above
+DATA_SET: Callable[[torch.Tensor, torch.Tensor], None] = (
+    torch.Tensor.data.__set__)  # type: ignore[attr-defined]  # see above
 SETITEM = torch.Tensor.__setitem__
 DETACH = torch.Tensor.detach
 # calls that use only metadata, beyond registry.METADATA_CALLS; *_like and new_* allocate a

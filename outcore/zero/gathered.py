@@ -4,8 +4,9 @@ Inside the context each chosen parameter's ``.data`` is its full value in fp32 (
 master shard, so nothing is rounded). With ``modify=True`` the values are cut back into the
 shards on exit, on every rank; if the body raises, nothing is written. This is a collective:
 every rank must enter it with the same parameters. Inside, the parameters are SHOWN
-(state.py): reads and writes of ``.data`` are plain PyTorch's, and a write with
-``modify=False`` is refused rather than silently discarded.
+(state.py): reads and writes of ``.data`` are plain PyTorch's. With ``modify=False`` a write
+on the parameter itself is refused rather than silently discarded; ``.data`` is the plain
+shown tensor, whose writes torch does not report, so a write through it is lost on exit.
 """
 
 from __future__ import annotations

@@ -23,25 +23,40 @@ the Python call, which is how outcore without offload keeps pace with plain PyTo
 
 from __future__ import annotations
 
-from concurrent.futures import Future
-from enum import Enum
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from outcore.errors import ParamAccessError
 from outcore.offload.buffers import ALIGN, aligned_empty, round_up
-from outcore.offload.storage import Tier
+from outcore.offload.ledger import Kind
+from outcore.offload.tier import Tier
 from outcore.profiling import ALL_GATHER, FETCH, REDUCE_SCATTER, UNSHARD, record_function
 from outcore.runtime import Runtime
 from outcore.zero.access import raw_data
+from outcore.zero.collectives import (
+    all_gather_blocks,
+    copy_in_grads,
+    copy_out_full,
+    reduce_scatter_blocks,
+)
 from outcore.zero.param import ShardedParam
-from outcore.zero.state import ParamState
+from outcore.zero.state import GROUP_MOVES, GroupState, ParamState
+
+if TYPE_CHECKING:
+    from outcore.offload.storage import Future
+    from outcore.runtime.comm import Handle
 
 
-class GroupState(str, Enum):
-    SHARDED = "sharded"
-    FETCHING = "fetching"
-    UNSHARDED = "unsharded"
+class PendingUpdate(Protocol):
+    """An optimizer update of a group's shards that may still be running (a
+    ``concurrent.futures.Future`` from the update pipeline): the group only asks whether it
+    has finished, and waits for it (which raises the update's error)."""
+
+    def done(self) -> bool: ...
+
+    def result(self, timeout: float | None = None) -> object: ...
 
 
 class ParamGroup:
@@ -66,18 +81,26 @@ class ParamGroup:
         self.full_bytes = sum(sp.numel for sp in params) * esize
         self.zero_copy = rt.plan.zero_copy
         self.persistent = self.zero_copy or self.full_bytes <= persistence_threshold_bytes
-        self.state = GroupState.SHARDED
+        self.state = GroupState.SHARDED  # moved only by _move
+        self._unsharded = rt.ledger.charge(Tier.DEVICE, Kind.UNSHARDED)  # full tensors
         self.holds = 0  # running modules using it now (hooks.py); see hold()/unhold()
         self._send: torch.Tensor | None = None
-        self._reads: list = []
+        self._reads: list[Future] = []
         self._grads_seen: set[int] = set()
         self.trainable = [sp for sp in params if sp.trainable]
-        self._updates: list[Future] = []  # optimizer updates of its shards still running
+        self._updates: list[PendingUpdate] = []  # optimizer updates of its shards still running
+
+    def _move(self, to: GroupState) -> None:
+        """The one place the group's state changes (zero/state.py's [Note: one state, one
+        owner]); a move outside ``GROUP_MOVES`` is a bug in outcore."""
+        assert (self.state, to) in GROUP_MOVES, (
+            f"group {self.name}: {self.state.value} -> {to.value}")
+        self.state = to
 
     # -- updates finishing after the step ----------------------------------------------------
     @property
     def updating(self) -> bool:
-        """Whether an optimizer update of its shards may still be running (engine.py's
+        """Whether an optimizer update of its shards may still be running (engine/core.py's
         [Note: the step's tail runs into the next forward]); a prefetch passes it by."""
         return any(not fut.done() for fut in self._updates)
 
@@ -106,7 +129,7 @@ class ParamGroup:
         if self.state is not GroupState.SHARDED:
             return
         self._check_shown()
-        self.state = GroupState.FETCHING
+        self._move(GroupState.FETCHING)
         if self.zero_copy:
             return
         with record_function(UNSHARD):
@@ -137,18 +160,25 @@ class ParamGroup:
 
     def _issue_reads(self) -> None:
         # counted from the moment memory is committed to this fetch, prefetches included
-        self.rt.ledger.add(Tier.DEVICE.value, "unsharded", self.full_bytes)
+        self._unsharded.set(self.full_bytes)
+        # every parameter of a group has its training-dtype shard (prepare_for_training)
+        reads: list[Future] = []
         if self.rt.world_size == 1:
             # A shard is the whole parameter: read it straight into the full tensor.
-            self._reads = [sp.compute.load(sp.alloc_full().view(-1)) for sp in self._fetched()]
+            for sp in self._fetched():
+                shard = sp.compute_shard
+                assert shard is not None
+                reads.append(shard.load(sp.alloc_full().view(-1)))
+            self._reads = reads
             return
         dtype = self.rt.compute_dtype
         send = (aligned_empty(self.shard_numel * dtype.itemsize).view(dtype) if self._aligned
                 else torch.empty(self.shard_numel, dtype=dtype))
-        self._reads = [
-            sp.compute.load(send[off : off + sp.shard_numel])
-            for sp, off in zip(self.params, self.offsets, strict=True)
-        ]
+        for sp, off in zip(self.params, self.offsets, strict=True):
+            shard = sp.compute_shard
+            assert shard is not None
+            reads.append(shard.load(send[off : off + sp.shard_numel]))
+        self._reads = reads
         self._send = send
 
     def wait_unshard(self) -> None:
@@ -159,7 +189,11 @@ class ParamGroup:
             self.unshard()
         if self.zero_copy:
             for sp in self._fetched():
-                sp.show_resident(sp.compute.resident()[: sp.numel].view(sp.shape))
+                shard = sp.compute_shard
+                assert shard is not None
+                resident = shard.resident()
+                assert resident is not None  # zero-copy: the shard is a tensor in memory
+                sp.show_resident(resident[: sp.numel].view(sp.shape))
         else:
             with record_function(FETCH):
                 for fut in self._reads:
@@ -169,24 +203,17 @@ class ParamGroup:
                     self._gather()
             for sp in self._fetched():
                 sp.mark_gathered()
-        self.state = GroupState.UNSHARDED
+        self._move(GroupState.UNSHARDED)
 
     def _gather(self) -> None:
-        rt, send = self.rt, self.rt.accel.to_device(self._send)
+        assert self._send is not None  # wait_unshard gathers only after packed reads
+        send = self.rt.accel.to_device(self._send)
         self._send = None
-        w = rt.world_size
-        out = torch.empty(w * self.shard_numel, dtype=send.dtype, device=send.device)
         with record_function(ALL_GATHER):
-            rt.comm.all_gather(out, send).wait()
-        blocks = out.view(w, self.shard_numel)
+            blocks = all_gather_blocks(self.rt.comm, send, self.shard_numel)
         for sp, off in zip(self.params, self.offsets, strict=True):
-            if sp.state is ParamState.SHOWN:
-                continue
-            flat, s = sp.alloc_full().view(-1), sp.shard_numel
-            for r in range(w):
-                n = sp.layout.valid_numel_of(r)
-                if n:
-                    flat[r * s : r * s + n].copy_(blocks[r, off : off + n])
+            if sp.state is not ParamState.SHOWN:
+                copy_out_full(blocks, sp.alloc_full().view(-1), off, sp.shard_numel, sp.layout)
 
     def reshard(self) -> None:
         """Free the full tensors' storage; only the shards remain.
@@ -205,14 +232,14 @@ class ParamGroup:
                     failed = failed or e
             self._reads, self._send = [], None
         elif self.state is GroupState.FETCHING:
-            self.state = GroupState.SHARDED
+            self._move(GroupState.SHARDED)
             return
         if self.state is GroupState.SHARDED or self.zero_copy:
             return
         for sp in self._fetched():
             sp.release()
-        self.state = GroupState.SHARDED
-        self.rt.ledger.add(Tier.DEVICE.value, "unsharded", -self.full_bytes)
+        self._move(GroupState.SHARDED)
+        self._unsharded.release()
         if failed is not None:
             raise failed
 
@@ -222,7 +249,7 @@ class ParamGroup:
         if self.zero_copy and self.state is not GroupState.SHARDED:
             for sp in self._fetched():
                 sp.release()
-            self.state = GroupState.SHARDED
+            self._move(GroupState.SHARDED)
 
     def shown_elsewhere(self) -> None:
         """Its parameters showed other tensors for a while (``gathered_parameters``) and now
@@ -233,7 +260,7 @@ class ParamGroup:
         if self.zero_copy:
             self.wait_unshard()
 
-    def refresh_after_step(self, updates: list[Future] | None = None) -> None:
+    def refresh_after_step(self, updates: Sequence[PendingUpdate] | None = None) -> None:
         """Kept-gathered groups hold stale full tensors once their shards are updated.
 
         A persistent group is needed by every forward, so its reads are issued again at once
@@ -251,8 +278,10 @@ class ParamGroup:
             # carried into the next iteration (schedule.py's [Note: carrying the head
             # across iterations]): the new values come from the masters, not the disk
             for sp in self.params:
-                if sp.master is not None:
-                    sp.full.view(-1).copy_(sp.master.resident()[: sp.numel])
+                if sp.master_shard is not None:
+                    master = sp.master_shard.resident()
+                    assert master is not None  # carries_head: the masters are in memory
+                    sp.full.view(-1).copy_(master[: sp.numel])
             return
         if self.state is not GroupState.SHARDED:
             self.reshard()
@@ -287,34 +316,37 @@ class ParamGroup:
         w, rt = self.rt.world_size, self.rt
         if w == 1:
             for sp, _ in live:
-                flat, sp.param.grad = sp.param.grad.reshape(-1), None
+                grad = sp.param.grad
+                assert grad is not None  # `live` holds the parameters with a gradient
+                flat, sp.param.grad = grad.reshape(-1), None
                 # autograd may hand over a view into a larger buffer: only a tensor that is
                 # its whole storage is held, so holding it pins nothing else
                 sp.add_grad(flat, owned=flat.untyped_storage().nbytes() == flat.nbytes)
             return None
-        send = torch.zeros(w, self.shard_numel, dtype=torch.float32, device=rt.device)
+        grads = []
         for sp, off in live:
-            flat = sp.param.grad.reshape(-1)
-            s = sp.shard_numel
-            for r in range(w):
-                n = sp.layout.valid_numel_of(r)
-                if n:
-                    send[r, off : off + n].copy_(flat[r * s : r * s + n])
+            grad = sp.param.grad
+            assert grad is not None  # `live` holds the parameters with a gradient
+            grads.append((grad.reshape(-1), off, sp.shard_numel, sp.layout))
+        send = copy_in_grads(grads, w, self.shard_numel, rt.device)
+        for sp, _ in live:
             sp.param.grad = None
-        out = torch.empty(self.shard_numel, dtype=torch.float32, device=rt.device)
         with record_function(REDUCE_SCATTER):
-            work = rt.comm.reduce_scatter_sum(out, send.view(-1), async_op=True)
+            out, work = reduce_scatter_blocks(rt.comm, send)
         return PendingReduce(self, live, out, send, work)
 
 
 class PendingReduce:
     """A reduce-scatter in flight; ``finish()`` waits and adds the mean to the grad shards."""
 
-    def __init__(self, group: ParamGroup, live: list, out: torch.Tensor, send: torch.Tensor,
-                 work) -> None:
+    _send: torch.Tensor | None  # the packed gradients, dropped once the collective finished
+
+    def __init__(self, group: ParamGroup, live: list[tuple[ShardedParam, int]],
+                 out: torch.Tensor, send: torch.Tensor, work: Handle) -> None:
         self.group, self._live, self._out, self._send, self._work = group, live, out, send, work
 
     def finish(self) -> ParamGroup:
+        """Wait, then copy-out: each parameter's piece of the mean joins its gradient shard."""
         with record_function(REDUCE_SCATTER):
             self._work.wait()
         self._send = None

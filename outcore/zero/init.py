@@ -21,6 +21,7 @@ All ranks must build the model with the same seed; ``init`` checks this.
 from __future__ import annotations
 
 import hashlib
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -28,16 +29,20 @@ from torch.nn.modules.module import register_module_parameter_registration_hook
 
 from outcore.config import Config
 from outcore.errors import ConfigError
-from outcore.overlap.hooks import ParamAccessMode
 from outcore.runtime import Runtime
+from outcore.zero.access_mode import ParamAccessMode
 from outcore.zero.param import ShardedParam
 from outcore.zero.registry import OVERWRITE_CALLS, managed, register
+
+if TYPE_CHECKING:
+    from torch.utils.hooks import RemovableHandle
 
 
 class init:  # noqa: N801  (a context manager named like the function users call)
     """``with outcore.init(cfg): model = build()`` builds a model whose parameters are shards."""
 
-    def __init__(self, cfg: Config | dict | str | None = None, *, frozen: bool = False) -> None:
+    def __init__(self, cfg: Config | dict[str, Any] | str | None = None, *,
+                 frozen: bool = False) -> None:
         """``frozen=True``: every parameter created here starts with ``requires_grad=False``
         and keeps only its training-dtype shard (param.py's [Note: a parameter born frozen]):
         for a base model that LoRA adapters will be trained over."""
@@ -46,13 +51,13 @@ class init:  # noqa: N801  (a context manager named like the function users call
         self.runtime: Runtime | None = None
         self._open: ShardedParam | None = None
         self._mode = ParamAccessMode(self._materialize)
-        self._handle = None
+        self._handle: RemovableHandle | None = None
 
     def __enter__(self) -> init:
         self.runtime = Runtime(self.cfg, trainable_fraction=0.0 if self.frozen else 1.0)
         _check_same_rng(self.runtime)
         self._handle = register_module_parameter_registration_hook(self._on_register)
-        self._mode.__enter__()
+        self._mode.__enter__()  # type: ignore[no-untyped-call]  # unannotated in torch
         return self
 
     def __exit__(self, kind: object, err: object, tb: object) -> None:
@@ -61,7 +66,8 @@ class init:  # noqa: N801  (a context manager named like the function users call
                 with self._mode.suspended():
                     self._close_open()
         finally:
-            self._mode.__exit__(kind, err, tb)
+            self._mode.__exit__(kind, err, tb)  # type: ignore[no-untyped-call]  # as __enter__
+            assert self._handle is not None  # __exit__ follows a successful __enter__
             self._handle.remove()
             if kind is not None and self.runtime is not None:
                 self.runtime.close()  # the half-built model is gone: so are its swap files
@@ -69,6 +75,7 @@ class init:  # noqa: N801  (a context manager named like the function users call
     def _on_register(self, module: nn.Module, name: str, param: nn.Parameter | None) -> None:
         if param is None or managed(param) is not None:
             return None
+        assert self.runtime is not None  # the hook is registered only inside the context
         with self._mode.suspended():
             if self.frozen:
                 param.requires_grad_(False)
@@ -94,9 +101,11 @@ def _check_same_rng(rt: Runtime) -> None:
     if rt.world_size == 1:
         return
     digest = hashlib.sha256(torch.get_rng_state().numpy().tobytes()).digest()[:6]
-    mine = torch.tensor([int.from_bytes(digest, "little")], dtype=torch.int64)
-    top = rt.comm.all_reduce_max(mine.clone())
-    if int(top) != int(mine):
+    mine = int.from_bytes(digest, "little")
+    # the largest and (negated) the smallest digest over the ranks, in one collective, so
+    # every rank sees the same answer and all of them refuse together
+    spread = rt.comm.all_reduce_max(torch.tensor([mine, -mine], dtype=torch.int64))
+    if int(spread[0]) != -int(spread[1]):
         raise ConfigError(
             "ranks entered outcore.init with different torch RNG states; call "
             "torch.manual_seed(seed) with the same seed on every rank before building the model"

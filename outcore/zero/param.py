@@ -19,17 +19,22 @@ optimizers, tied references and ``named_parameters`` keep pointing at the same o
 from __future__ import annotations
 
 import weakref
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from outcore.errors import ConfigError, ParamAccessError
-from outcore.offload.storage import Stored, load_now
+from outcore.offload.ledger import Charge, Kind
+from outcore.offload.storage import StoredShard, load_now
 from outcore.runtime import Runtime
 from outcore.zero import registry, surface
 from outcore.zero.access import dropped_message, raw_data
 from outcore.zero.sharding import ShardLayout
 from outcore.zero.state import PARAM_MOVES, ParamState
+
+if TYPE_CHECKING:
+    from outcore.zero.group import ParamGroup
 
 
 class ShardedParam:
@@ -47,21 +52,22 @@ class ShardedParam:
         self.dtype = param.dtype
         self.user_dtype = param.dtype  # what the model is handed back in (close())
         self.layout = ShardLayout(self.numel, rt.world_size, rt.rank)
-        self.master: Stored | None = None
-        self.compute: Stored | None = None
+        self.master_shard: StoredShard | None = None
+        self.compute_shard: StoredShard | None = None
         values = param.detach()
         # [Note: a parameter born frozen] outcore.init(frozen=True): values only, in the
         # training dtype, in the parameter tier; there is never an fp32 master to drop
         if not param.requires_grad and not rt.plan.compute_is_master:
-            self.compute = rt.store(self.layout.cut(values, rt.compute_dtype).to(rt.device),
-                                    rt.param_tier, "params")
+            self.compute_shard = rt.store(self.layout.cut(values, rt.compute_dtype).to(rt.device),
+                                    rt.param_tier, Kind.PARAMS)
         else:
-            self.master = rt.store(self.layout.cut(values, torch.float32).to(rt.device),
-                                   rt.state_tier, "master")
+            self.master_shard = rt.store(self.layout.cut(values, torch.float32).to(rt.device),
+                                   rt.state_tier, Kind.MASTER)
         self.grad: torch.Tensor | None = None
         self._grad_buffer: torch.Tensor | None = None  # see [Note: gradient buffers]
+        self._grad_charge: Charge | None = None  # the bytes of both, on the ledger
         self.has_grad = False  # a gradient arrived since the last step
-        self.group = None  # the ParamGroup that gathers this parameter (set by the engine)
+        self.group: ParamGroup | None = None  # the group that gathers it (set by the engine)
         self.shown_modify = False  # SHOWN: whether gathered_parameters writes .data back
         self.state = ParamState.SHARDED
         self.full = self._new_full(self.dtype)
@@ -228,19 +234,19 @@ class ShardedParam:
         shard *is* the master shard: the optimizer's update is what the next forward sees.
         """
         rt = self.rt
-        if self.master is None:  # only 16-bit values: see [Note: a parameter born frozen]
+        if self.master_shard is None:  # only 16-bit values: see [Note: a parameter born frozen]
             self._prepare_values_only()
             return
-        if self.compute is not None and self.compute is not self.master:
-            self.compute.free()
+        if self.compute_shard is not None and self.compute_shard is not self.master_shard:
+            self.compute_shard.free()
         if rt.plan.compute_is_master:
-            self.compute = self.master
+            self.compute_shard = self.master_shard
         else:
-            values = load_now(self.master, rt.device).to(rt.compute_dtype)
-            self.compute = rt.store(values, rt.param_tier, "params")
+            values = load_now(self.master_shard, rt.device).to(rt.compute_dtype)
+            self.compute_shard = rt.store(values, rt.param_tier, Kind.PARAMS)
             if not self.trainable:
-                self.master.free()
-                self.master = None
+                self.master_shard.free()
+                self.master_shard = None
         self.adopt_dtype(rt.compute_dtype)
 
     def _prepare_values_only(self) -> None:
@@ -255,17 +261,17 @@ class ShardedParam:
         holds for a parameter an earlier engine kept frozen, in 16 bits only.
         """
         rt = self.rt
-        assert self.compute is not None
+        assert self.compute_shard is not None
         if self.trainable:
             raise ConfigError(
-                f"parameter {self.label()} holds only its {self.compute.dtype} values (it was "
-                "frozen when outcore sharded it: under outcore.init(frozen=True), or by an "
-                "earlier engine) and is now trainable; build what you train outside frozen "
+                f"parameter {self.label()} holds only its {self.compute_shard.dtype} values "
+                "(it was frozen when outcore sharded it: under outcore.init(frozen=True), or by "
+                "an earlier engine) and is now trainable; build what you train outside frozen "
                 "init (LoRA adapters are), or set requires_grad=False on it")
-        if self.compute.dtype != rt.compute_dtype:  # initialize asked for another dtype
-            values = load_now(self.compute, rt.device).to(rt.compute_dtype)
-            self.compute.free()
-            self.compute = rt.store(values, rt.param_tier, "params")
+        if self.compute_shard.dtype != rt.compute_dtype:  # initialize asked for another dtype
+            values = load_now(self.compute_shard, rt.device).to(rt.compute_dtype)
+            self.compute_shard.free()
+            self.compute_shard = rt.store(values, rt.param_tier, Kind.PARAMS)
         self.adopt_dtype(rt.compute_dtype)
 
     def move_to(self, rt: Runtime) -> None:
@@ -274,18 +280,18 @@ class ShardedParam:
         ``prepare_for_training``. The layout is the same: one process, one world size."""
         assert self.state is ParamState.SHARDED, self.state
         self.release_grads()
-        if self.master is not None:
-            if self.compute is not None and self.compute is not self.master:
-                self.compute.free()
-            self.compute = None
-            values = load_now(self.master, rt.device)
-            self.master.free()
-            self.master = rt.store(values, rt.state_tier, "master")
+        if self.master_shard is not None:
+            if self.compute_shard is not None and self.compute_shard is not self.master_shard:
+                self.compute_shard.free()
+            self.compute_shard = None
+            values = load_now(self.master_shard, rt.device)
+            self.master_shard.free()
+            self.master_shard = rt.store(values, rt.state_tier, Kind.MASTER)
         else:
-            assert self.compute is not None
-            values = load_now(self.compute, rt.device)
-            self.compute.free()
-            self.compute = rt.store(values, rt.param_tier, "params")
+            assert self.compute_shard is not None
+            values = load_now(self.compute_shard, rt.device)
+            self.compute_shard.free()
+            self.compute_shard = rt.store(values, rt.param_tier, Kind.PARAMS)
         self.rt = rt
 
     # -- gradients ------------------------------------------------------------------------------
@@ -324,37 +330,48 @@ class ShardedParam:
                 self.grad = shard_grad
             else:
                 self.grad = shard_grad.to(self.rt.grad_device, torch.float32, copy=True)
-            self.rt.ledger.add(self.rt.plan.grad_tier.value, "grads", self.grad.nbytes)
             if self.rt.plan.keeps_grad_buffers:
                 self._grad_buffer = self.grad
+            self._count_grads()
         else:
             if self.grad.dtype != torch.float32:  # accumulation always runs in fp32
                 held = self.grad
                 self.grad = held.to(torch.float32)
-                self.rt.ledger.add(self.rt.plan.grad_tier.value, "grads",
-                                   self.grad.nbytes - held.nbytes)
+                self._count_grads()
             self.grad.add_(shard_grad)
         self.has_grad = True
 
     def drop_grad(self) -> None:
-        if self.grad is not None and self._grad_buffer is None:
-            self.rt.ledger.add(self.rt.plan.grad_tier.value, "grads", -self.grad.nbytes)
         self.grad = None
         self.has_grad = False
+        self._count_grads()
+
+    def _count_grads(self) -> None:
+        """Put the gradient bytes it holds now (the kept buffer, else the gradient) on the
+        ledger (offload/ledger.py's [Note: a charge belongs to its owner])."""
+        held = self._grad_buffer if self._grad_buffer is not None else self.grad
+        nbytes = 0 if held is None else held.nbytes
+        if self._grad_charge is None and nbytes:
+            self._grad_charge = self.rt.ledger.charge(self.rt.plan.grad_tier, Kind.GRADS)
+        if self._grad_charge is not None:
+            self._grad_charge.set(nbytes)
+
+    def stored_shards(self) -> list[StoredShard]:
+        """Its stored shards, each once (the master is also the compute shard in fp32 runs)."""
+        return list({id(s): s for s in (self.master_shard, self.compute_shard)
+                     if s is not None}.values())
 
     def release_grads(self) -> None:
         """Drop the gradient and the kept gradient buffer (the engine lets go of the model)."""
+        self._grad_buffer = None
         self.drop_grad()
-        if self._grad_buffer is not None:
-            self.rt.ledger.add(self.rt.plan.grad_tier.value, "grads", -self._grad_buffer.nbytes)
-            self._grad_buffer = None
 
     def free_storage(self) -> None:
         """Give back every shard's bytes (the parameter is gone, dropped or handed back)."""
         self.release_grads()
-        for stored in {id(s): s for s in (self.master, self.compute) if s is not None}.values():
+        for stored in self.stored_shards():
             stored.free()
-        self.master = self.compute = None
+        self.master_shard = self.compute_shard = None
 
     # -- values ---------------------------------------------------------------------------------
     def _check_values(self) -> None:
@@ -367,7 +384,7 @@ class ShardedParam:
     def values_shard(self) -> torch.Tensor:
         """This rank's shard of the parameter's exact values (fp32 master when there is one)."""
         self._check_values()
-        src = self.master if self.master is not None else self.compute
+        src = self.master_shard if self.master_shard is not None else self.compute_shard
         assert src is not None
         return load_now(src, self.rt.device).to(torch.float32)
 
@@ -383,8 +400,8 @@ class ShardedParam:
         in the parameter's dtype, or fp32 from the master with ``exact``."""
         assert self.rt.world_size == 1
         self._check_values()
-        src = self.master if exact and self.master is not None else (
-            self.compute if self.compute is not None else self.master)
+        src = self.master_shard if exact and self.master_shard is not None else (
+            self.compute_shard if self.compute_shard is not None else self.master_shard)
         assert src is not None
         t = load_now(src, self.rt.device)
         if src.resident() is not None or t.dtype != (torch.float32 if exact else self.dtype):
@@ -404,10 +421,10 @@ class ShardedParam:
 
     def write_shard(self, shard: torch.Tensor) -> None:
         """Replace this rank's shard (fp32, ``shard_numel`` long, zero padding) everywhere."""
-        if self.master is not None:
-            self.master.save(shard).result()
-        if self.compute is not None and self.compute is not self.master:
-            self.compute.save(shard.to(self.compute.dtype)).result()
+        if self.master_shard is not None:
+            self.master_shard.save(shard).result()
+        if self.compute_shard is not None and self.compute_shard is not self.master_shard:
+            self.compute_shard.save(shard.to(self.compute_shard.dtype)).result()
 
     def overwrite(self, shard: torch.Tensor) -> None:
         """Write new values between steps (a user's write, a weight load): the group's full

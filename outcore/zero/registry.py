@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from outcore.zero.param import ShardedParam
 
 _MANAGED: dict[int, ShardedParam] = {}
-_FINALIZERS: dict[int, weakref.finalize] = {}
+_FINALIZERS: dict[int, weakref.finalize[[int], nn.Parameter]] = {}
 
 
 def managed(t: object) -> ShardedParam | None:
@@ -61,7 +61,7 @@ _STORAGES: dict[int, ShardedParam] = {}
 
 def storage_key(t: torch.Tensor) -> int:
     """Identity of ``t``'s storage (stable across resize_, shared by every view of it)."""
-    return t.untyped_storage()._cdata
+    return t.untyped_storage()._cdata  # type: ignore[no-any-return]  # private, typed Any
 
 
 def register_storage(key: int, sp: ShardedParam) -> None:
@@ -80,7 +80,8 @@ def owner(t: torch.Tensor) -> ShardedParam | None:
     return sp
 
 
-def _getter(name: str):
+def _getter(name: str) -> object:
+    """The C getter behind tensor property ``name`` (what ``__torch_function__`` receives)."""
     return getattr(torch.Tensor, name).__get__
 
 
@@ -94,7 +95,9 @@ METADATA_CALLS = frozenset(
                                            "is_floating_point", "is_complex", "requires_grad_",
                                            "register_hook", "register_post_accumulate_grad_hook",
                                            "get_device", "__hash__")]
-    + [torch.Tensor.requires_grad.__set__, torch.Tensor.grad.__set__]
+    # torch's stubs declare these properties plain attributes; at runtime they are descriptors
+    + [torch.Tensor.requires_grad.__set__,  # type: ignore[attr-defined]
+       torch.Tensor.grad.__set__]  # type: ignore[union-attr]
 )
 
 # Calls that overwrite every element: the previous values need not be gathered.

@@ -1,13 +1,14 @@
-"""The named states of a parameter and of training, and the moves allowed between them.
+"""The named states of a parameter and of its group, and the moves allowed between them.
 
 [Note: one state, one owner]
 A parameter under outcore is in exactly one ``ParamState`` at a time, and only its
 ``ShardedParam`` moves it (``ShardedParam._move``), asserting that the move is in
 ``PARAM_MOVES``. What a user's call on the parameter means follows from the state alone
 (surface.py), so there are no flags to keep in step. The group a parameter is gathered with
-has its own ``GroupState`` (group.py); the group drives its parameters' GATHERED and
-SHARDED moves. Whether the engine is computing is the runtime's ``Phase``, moved only by
-the hooks (overlap/hooks.py), as FSDP2 keeps ``TrainingState`` apart from ``ShardedState``.
+has its own ``GroupState`` (below), moved only by ``ParamGroup._move`` within
+``GROUP_MOVES``; the group drives its parameters' GATHERED and SHARDED moves. Whether the
+engine is computing is the runtime's ``Phase`` (runtime/phase.py), moved only by the hooks
+(overlap/hooks.py), as FSDP2 keeps ``TrainingState`` apart from ``ShardedState``.
 """
 
 from __future__ import annotations
@@ -47,9 +48,18 @@ USER_OWNED = frozenset({ParamState.SHOWN, ParamState.BUILDING})
 code may read and write it directly."""
 
 
-class Phase(str, Enum):
-    """What the engine is doing with the model (the hooks move it)."""
+class GroupState(str, Enum):
+    """Where a group's parameters are (group.py's [Note: group states and moves])."""
 
-    IDLE = "idle"  # between calls: user code may read and write parameters
-    FORWARD = "forward"  # inside a forward (the engine's, model(...), generate's steps)
-    BACKWARD = "backward"  # inside engine.backward (recomputations included)
+    SHARDED = "sharded"  # only shards exist
+    FETCHING = "fetching"  # shard reads issued, not yet gathered
+    UNSHARDED = "unsharded"  # every fetched parameter shows its full tensor
+
+
+GROUP_MOVES: frozenset[tuple[GroupState, GroupState]] = frozenset({
+    (GroupState.SHARDED, GroupState.FETCHING),  # unshard(): reads issued
+    (GroupState.FETCHING, GroupState.UNSHARDED),  # wait_unshard(): gathered and shown
+    (GroupState.FETCHING, GroupState.SHARDED),  # reshard() of a prefetch never used
+    (GroupState.UNSHARDED, GroupState.SHARDED),  # reshard(), hide_resident()
+})
+"""The moves ``ParamGroup._move`` allows; anything else is a bug in outcore, asserted."""

@@ -37,15 +37,17 @@ must stay valid after the parameter is released again.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any
+from collections.abc import Iterable
+from typing import Any, SupportsIndex, cast
 
 import torch
 from torch import nn
 
 from outcore.errors import ConfigError
+from outcore.runtime.phase import Phase
 from outcore.zero import access, registry
-from outcore.zero.calls import DETACH, Kind, kind_of
-from outcore.zero.state import HAS_VALUES, USER_OWNED, Phase
+from outcore.zero.calls import DETACH, Args, Kind, Kwargs, kind_of
+from outcore.zero.state import HAS_VALUES, USER_OWNED
 
 
 # -- the parameter classes ------------------------------------------------------------------------
@@ -53,28 +55,28 @@ class ShardedParameter(nn.Parameter):
     """The class a sharded parameter wears (see the note); ``dress`` makes one per user class."""
 
     @classmethod
-    def __torch_function__(cls, func: Any, types: Any, args: tuple = (),
-                           kwargs: dict | None = None) -> Any:
+    def __torch_function__(cls, func: Any, types: Iterable[type], args: Args = (),
+                           kwargs: Kwargs | None = None) -> Any:
         return dispatch(func, args, kwargs or {})
 
-    def __reduce_ex__(self, proto: int) -> Any:
+    def __reduce_ex__(self, proto: SupportsIndex) -> tuple[Any, ...]:
         """Pickled (``torch.save(model)``) as a plain parameter holding its values."""
         return (torch._utils._rebuild_parameter,
                 (_value_for_copy(self), self.requires_grad, OrderedDict()))
 
-    def __deepcopy__(self, memo: dict) -> nn.Parameter:
+    def __deepcopy__(self, memo: dict[int, Any]) -> nn.Parameter:
         if id(self) not in memo:
             sp = registry.managed(self)
             cls = sp.user_class if sp is not None else nn.Parameter
             memo[id(self)] = cls(_value_for_copy(self).clone(), self.requires_grad)
-        return memo[id(self)]
+        return cast(nn.Parameter, memo[id(self)])  # copy's memo holds objects of any type
 
 
-_CLASSES: dict[type, type] = {nn.Parameter: ShardedParameter}
+_CLASSES: dict[type[nn.Parameter], type[nn.Parameter]] = {nn.Parameter: ShardedParameter}
 access.DRESSED.add(ShardedParameter)
 
 
-def dress(param: nn.Parameter) -> type:
+def dress(param: nn.Parameter) -> type[nn.Parameter]:
     """Give ``param`` the sharded class for its own class; returns the class to restore."""
     cls = type(param)
     if cls in access.DRESSED:
@@ -82,7 +84,8 @@ def dress(param: nn.Parameter) -> type:
     sub = _CLASSES.get(cls)
     try:
         if sub is None:
-            sub = type(cls)(f"Sharded{cls.__name__}", (ShardedParameter, cls), {})
+            meta: type[type] = type(cls)  # a class made at run time, by its own metaclass
+            sub = meta(f"Sharded{cls.__name__}", (ShardedParameter, cls), {})
             _CLASSES[cls] = sub
             access.DRESSED.add(sub)
         param.__class__ = sub
@@ -93,12 +96,12 @@ def dress(param: nn.Parameter) -> type:
     return cls
 
 
-def undress(param: nn.Parameter, cls: type) -> None:
+def undress(param: nn.Parameter, cls: type[nn.Parameter]) -> None:
     param.__class__ = cls
 
 
 # -- dispatch -------------------------------------------------------------------------------------
-def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
+def dispatch(func: Any, args: Args, kwargs: Kwargs) -> Any:
     """Run ``func`` as the states of the parameters it touches allow (see the note)."""
     kind = kind_of(func)
     if kind is Kind.META:

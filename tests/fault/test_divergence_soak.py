@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from tests.common import run_divergent as _run
 from tests.distributed import run_world
-from tests.test_schedule import _run
 
 BUDGET = 3 * 16640  # three of the model's 64x64 blocks
 

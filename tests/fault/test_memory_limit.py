@@ -28,7 +28,7 @@ import torch
 import outcore
 from outcore.app import models
 from outcore.guard.memory import Available, available_memory, cgroup_room, memory_cgroups
-from outcore.planning import placement
+from outcore.sizing import placement
 
 GiB = 1 << 30
 V1_UNLIMITED = "9223372036854771712"  # what cgroup v1 writes for "no limit"

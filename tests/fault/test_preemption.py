@@ -154,14 +154,14 @@ def _deliver(stop: outcore.Preemption, sig: signal.Signals) -> None:
 
 
 def _engine() -> outcore.Engine:
-    from tests.test_parity import Quirky
+    from tests.common import Quirky
 
     torch.manual_seed(0)
     return outcore.initialize(Quirky(), outcore.Config(dtype="fp32"))
 
 
 def _train_step(engine: outcore.Engine) -> None:
-    from tests.test_parity import VOCAB
+    from tests.common import VOCAB
 
     idx = torch.randint(0, VOCAB, (2, 8))
     engine.backward(engine(idx, idx))

@@ -17,7 +17,7 @@ def _rank(rank: int, port: int, fault: str, timeout_s: float, queue: mp.Queue) -
                       LOCAL_RANK=str(rank), WORLD_SIZE="2")
     torch.set_num_threads(1)
     import outcore
-    from tests.test_parity import VOCAB, Quirky
+    from tests.common import VOCAB, Quirky
 
     cfg = outcore.Config(dtype="fp32", comm={"timeout_s": timeout_s},
                          zero={"persistence_threshold_bytes": 0})

@@ -35,7 +35,7 @@ def test_flipped_byte_in_swap_extent_is_a_storage_error(target: str, tmp_path: P
     engine.backward(engine(x).float().pow(2).mean())
     engine.step()  # the optimizer wrote slices: their digests must verify too
     sp = engine.params[0]
-    stored = sp.compute if target == "params" else sp.master
+    stored = sp.compute_shard if target == "params" else sp.master_shard
     _flip(Path(engine.rt.nvme.path), stored.extent.offset + 1000)
     with pytest.raises(outcore.StorageError, match=r"checksum mismatch in .*rank0\.swap at "
                                                    r"offset \d+"):
@@ -65,7 +65,7 @@ def test_verify_swap_off_neither_hashes_nor_checks(tmp_path: Path, monkeypatch) 
         with outcore.initialize(model, cfg) as engine:
             engine.backward(engine(x).float().pow(2).mean())
             engine.step()
-            _flip(Path(engine.rt.nvme.path), engine.params[0].compute.extent.offset + 1000)
+            _flip(Path(engine.rt.nvme.path), engine.params[0].compute_shard.extent.offset + 1000)
             engine.backward(engine(x).float().pow(2).mean())
             engine.step()
 

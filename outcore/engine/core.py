@@ -1,0 +1,491 @@
+"""The Engine: forward, backward and step of a ZeRO-3 sharded model.
+
+[Note: what the engine owns]
+The engine wires the parts together and owns nothing they can own themselves: parameters
+and their shards (param.py), groups that move together (group.py), hooks (hooks.py), when
+groups move (schedule.py), the optimizer over shards (optimizer.py) and loss scaling
+(precision.py). Its own state is the step counters.
+
+[Note: loss and gradient conventions]
+``engine.backward(loss)`` divides the loss by ``gradient_accumulation_steps`` (and multiplies
+by the fp16 loss scale), and gradients are averaged over ranks. So with each rank's loss the
+mean over its micro-batch, one optimizer step sees the gradient of the mean loss over the
+whole global batch: what one process training on all of it would see.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import weakref
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+from torch import nn
+
+from outcore.config import Config, merge_mappings
+from outcore.device.compute_dtype import DtypeChoice
+from outcore.engine import lifetime
+from outcore.engine.torch_optimizer import TorchOptimizer
+from outcore.errors import (
+    ConfigError,
+    EngineClosedError,
+    OutcoreError,
+    ParamAccessError,
+    StorageError,
+)
+from outcore.guard.lock import HeldFolders
+from outcore.io import checkpoint
+from outcore.offload.storage import Tier
+from outcore.optim import adafactor
+from outcore.optim.optimizer import ShardedOptimizer
+from outcore.optim.param_groups import HP_KEYS, check_param_groups, from_torch_optimizer
+from outcore.optim.pipeline import UpdatePipeline
+from outcore.optim.precision import LossScaler
+from outcore.overlap.entry import EntryHooks, entry_modules
+from outcore.overlap.hooks import Hooks
+from outcore.overlap.schedule import Schedule
+from outcore.profiling import STEP, record_function
+from outcore.runtime.plan import ExecutionPlan
+from outcore.zero import build
+from outcore.zero.gathered import gathered_parameters
+from outcore.zero.param import ShardedParam
+from outcore.zero.registry import managed, parameter_counts
+
+log = logging.getLogger("outcore")
+
+
+def initialize(model: nn.Module, cfg: Config | dict | str | None = None,
+               param_groups: Iterable[dict] | None = None,
+               optimizer: torch.optim.Optimizer | None = None) -> Engine:
+    """Shard ``model`` (if ``outcore.init`` did not already) and return its Engine.
+
+    ``param_groups`` follows torch's optimizer convention: dicts with ``"params"`` and any of
+    ``lr, betas, eps, weight_decay, momentum, nesterov`` overriding the config's optimizer.
+    ``optimizer``: a ``torch.optim.AdamW``, ``Adam`` or ``SGD`` over the model's parameters,
+    whose type, hyper-parameters and groups the engine adopts instead (param_groups.py's
+    [Note: adopting a torch optimizer]); schedulers bound to it keep working.
+    """
+    return Engine(model, Config.load(cfg), param_groups, optimizer)
+
+
+class Engine:
+    """A sharded model with its optimizer; call it like the module."""
+
+    def __init__(self, module: nn.Module, cfg: Config,
+                 param_groups: Iterable[dict] | None = None,
+                 optimizer: torch.optim.Optimizer | None = None) -> None:
+        self.module = module
+        self._closed: str | None = None  # why the engine cannot be used, once it cannot
+        if optimizer is not None:
+            if param_groups is not None:
+                raise ConfigError("pass param_groups or a torch optimizer to adopt, not both")
+            keys, param_groups = from_torch_optimizer(optimizer)
+            cfg = Config.from_dict(merge_mappings(cfg.model_dump(), {"optimizer": keys}))
+        if cfg.optimizer.type == "adafactor":
+            adafactor.check_placement(cfg.offload.optimizer)
+        # what groups are completed with, and the facade's ``defaults``: an adopted
+        # optimizer's own (its groups get no keys of another optimizer's), else the config's
+        self.optimizer_defaults = (dict(optimizer.defaults) if optimizer is not None else
+                                   {k: getattr(cfg.optimizer, k) for k in HP_KEYS})
+        groups = check_param_groups(module, param_groups)
+        total, trainable = parameter_counts(module)
+        fraction = trainable / total if total else 1.0  # host_memory.py: a frozen base
+        self.rt, own_runtime = lifetime.runtime_for(module, cfg, fraction)
+        self.cfg = self.rt.cfg  # dtype resolved for the device (compute_dtype.py's note)
+        try:
+            self._build(module, self.cfg, groups)
+            self.rt.begin_training(fraction)
+        except BaseException as err:
+            # Swap files this engine cannot use any more are deleted now, not at exit: always
+            # when the engine made the runtime, and on storage errors (a full disk) in any case.
+            # A model built under outcore.init keeps its shards after, say, a param-group typo;
+            # one this engine sharded gets its values back, plain, as it came.
+            if own_runtime or isinstance(err, StorageError):
+                if own_runtime:
+                    for part in ("entries", "hooks"):
+                        if hasattr(self, part):
+                            getattr(self, part).remove()
+                    lifetime.restore_buffers(getattr(self, "buffer_places", []))
+                    lifetime.abandon(module, self.rt)
+                self.rt.close()
+            raise
+        self.rt.engine = weakref.ref(self)
+        # the user's optimizer, never stepped: every facade's step() marks it stepped for
+        # schedulers bound to it (facade.py), the Trainer's included
+        self.adopted_optimizer = optimizer
+        if optimizer is not None and optimizer.state:  # a loaded state dict: into the shards
+            self.optimizer.load_state_dict(optimizer.state_dict())
+
+    def _build(self, module: nn.Module, cfg: Config,
+               param_groups: list[tuple[dict, list[nn.Parameter]]] | None) -> None:
+        self.params = build.shard_params(module, self.rt)
+        self.groups, module_groups = build.build_groups(
+            module, self.rt, cfg.zero.persistence_threshold_bytes)
+        for g in self.groups:
+            if g.zero_copy:  # its shards are the full tensors: show them once, for good
+                g.wait_unshard()
+        self.buffer_places = build.cast_buffers(module, self.rt)
+        self.schedule = Schedule(cfg.zero.prefetch_bytes, self.groups,
+                                 carry=self.rt.plan.carries_head)
+        self.sharded_optimizer = ShardedOptimizer(self._optimizer_groups(param_groups),
+                                                  cfg.optimizer, self.rt)
+        self.optimizer = TorchOptimizer(self)  # torch's contract: facade.py's note
+        # weakly: the runtime is reachable from the process-wide registry (registry.py), and a
+        # strong path to the optimizer (whose groups hold the parameters) would keep the model
+        # and its swap files alive after the user dropped both
+        wait = weakref.WeakMethod(self.sharded_optimizer.wait)
+        self.rt.await_updates = lambda: (w := wait()) is not None and w()
+        self.scaler = LossScaler(cfg.loss_scale, enabled=self.rt.plan.loss_scaling)
+        self.hooks = Hooks(module_groups, self.groups, self.schedule, self.rt)
+        cast = None
+        if self.rt.compute_dtype != torch.float32:
+            dtype = self.rt.compute_dtype
+            cast = lambda inputs: build.cast_floats(inputs, dtype)  # noqa: E731
+        # model(...) and generate() called directly: entry.py's notes
+        self.entries = EntryHooks(entry_modules(module), lambda: self.hooks.active,
+                                  self.hooks.forward_context,
+                                  synced_generate=self.rt.world_size > 1, cast=cast,
+                                  on_zero_grad=self.zero_grad)
+        self.micro_steps = 0
+        self._at_boundary = False  # whether the last backward ended an accumulation
+        self.global_steps = 0
+        self.last_grad_norm: float | None = None
+        self._folders = HeldFolders()  # checkpoint roots: guard/lock.py's notes
+
+    # -- construction ------------------------------------------------------------------------
+    def _optimizer_groups(self, groups: list[tuple[dict, list[nn.Parameter]]] | None
+                          ) -> list[tuple[dict, list[ShardedParam]]]:
+        """torch-style group dicts (``"params"``: the user's parameters) with their shards.
+        A dict the user passed is the group's own (completed with the defaults, as torch's
+        optimizers do), so an edit of it later reaches the update."""
+        if groups is None:
+            groups = [({"params": [sp.param for sp in self.params if sp.trainable]},
+                       [sp.param for sp in self.params])]
+        out = []
+        for spec, params in groups:
+            for key, value in self.optimizer_defaults.items():
+                spec.setdefault(key, value)
+            out.append((spec, [managed(p) for p in params if p.requires_grad]))
+        return out
+
+    # -- training ----------------------------------------------------------------------------
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """The module's forward: ``engine(x)`` is ``model(x)`` (entry.py's notes)."""
+        self._check_open()
+        return self.module(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor, *, scale_for_accumulation: bool = True,
+                 boundary: bool | None = None) -> None:
+        """Backpropagate ``loss`` (see the note on loss conventions) and reduce gradients.
+
+        ``scale_for_accumulation=False``: the caller already divided the loss for gradient
+        accumulation (Hugging Face Trainer normalises by the tokens of the whole accumulated
+        batch), so the engine does not divide it again. ``boundary``: whether this backward
+        ends the accumulation, for a loop whose last accumulation is shorter (the end of an
+        epoch); by default every ``gradient_accumulation_steps``-th backward does.
+        """
+        self._check_open()
+        self._check_nothing_shown("engine.backward()")
+        accumulation = self.cfg.gradient_accumulation_steps if scale_for_accumulation else 1
+        factor = self.scaler.scale / accumulation
+        scaled = loss.float() * factor if factor != 1.0 else loss
+        if boundary is None:
+            boundary = (self.micro_steps + 1) % self.cfg.gradient_accumulation_steps == 0
+        on_reduced = (lambda g: self.sharded_optimizer.submit(g.trainable)) if (
+            boundary and self.rt.plan.overlaps_optimizer) else None
+        # [Note: a failed boundary backward] Updates already started on the worker are allowed
+        # to finish (they used final gradients) and stay applied; everything else of this
+        # backward is dropped, so a retry of the step sees a consistent engine.
+        with self.hooks.backward(on_reduced, before_abort=self.sharded_optimizer.wait):
+            scaled.backward()
+        self.micro_steps += 1
+        self._at_boundary = boundary
+
+    @property
+    def plan(self) -> ExecutionPlan:
+        """Which code paths this run takes, and why (plan.py's [Note: one place decides the
+        path]); ``print(engine.plan)`` shows every decision with its reason."""
+        return self.rt.plan
+
+    @property
+    def overlaps_optimizer(self) -> bool:
+        """Whether updates start during the boundary backward (optimizer.py's [Note: updating
+        during backward]); the plan decides it."""
+        return self.rt.plan.overlaps_optimizer
+
+    @property
+    def defers_updates(self) -> bool:
+        """Whether ``step()`` may return before the last updates finish.
+
+        [Note: the step's tail runs into the next forward]
+        Backward finishes with the first layers, so their updates (with the optimizer state
+        on NVMe: reads and writes of all their state) are what the step would still wait for, and
+        they are what the next forward needs first. Instead, the step re-orders the updates
+        not yet started so the first layers come first, and returns. Each group's next fetch
+        waits for the updates of its shards (``ParamGroup.await_update``); a prefetch passes a
+        group still being updated; ``gathered_parameters``, checkpoints and the next step
+        wait as well. So the next forward runs layer by layer behind the updates instead of
+        after all of them, and nothing ever reads a shard mid-update. Hyper-parameters are
+        taken when an update is submitted, so a learning-rate change after ``step()`` applies
+        to the next step, as with torch. An update that fails raises from the fetch (or the
+        wait) that needed it.
+        Not done where the step must see every update first: with the gradient norm tracked
+        (it sums gradients the updates free), and with shards that are the full tensors at
+        one rank (the forward would read them while they are written in place).
+        Off unless ``zero.overlap_step_with_forward`` asks. On a CPU host with few cores it makes
+        no difference beyond noise (measured side by side: bench/RESULTS.md, 'update pipeline', the
+        step's tail run into the next forward), because the forward running behind the updates
+        takes the cores their digests and page zeroing need; and it moves a failed update's error
+        from ``step()`` to a later call. Where the forward runs on an accelerator it would not
+        compete for the host's cores (not measured yet).
+        """
+        return self.rt.plan.defers_updates
+
+    @property
+    def is_accumulation_boundary(self) -> bool:
+        """Whether the last backward ended an accumulation, so ``step()`` will update."""
+        return self.micro_steps > 0 and self._at_boundary
+
+    @torch.no_grad()
+    def step(self) -> bool:
+        """Apply the optimizer at an accumulation boundary; True if parameters changed (the
+        last updates may still be running: see [Note: the step's tail runs into the next
+        forward])."""
+        self._check_open()
+        self._check_nothing_shown("engine.step()")
+        if not self.is_accumulation_boundary:
+            return False
+        with record_function(STEP):
+            return self._step()
+
+    def _step(self) -> bool:
+        defer = self.defers_updates
+        if not defer:  # loss scaling and the norm below look at every gradient
+            self.sharded_optimizer.wait()
+        self.micro_steps, self._at_boundary = 0, False
+        grads = [sp.grad for sp in self.sharded_optimizer.params if sp.grad is not None]
+        if self.scaler.enabled:
+            bad = torch.tensor([0.0 if all(bool(g.isfinite().all()) for g in grads) else 1.0])
+            if self.rt.comm.all_reduce_max(bad).item() > 0:
+                self.scaler.update(overflow=True)
+                self.sharded_optimizer.zero_grad()
+                return False
+            for g in grads:
+                g.mul_(1.0 / self.scaler.scale)
+        clip = self.cfg.gradient_clipping
+        # the norm reads every fp32 gradient once more (a full pass over them per step), so
+        # only where it is used: clipping, or the user asked to see it
+        norm = self._global_norm(grads) if clip > 0 or self.cfg.track_grad_norm else None
+        self.last_grad_norm = norm
+        if norm is not None and clip > 0:
+            coef = clip / (norm + 1e-6)
+            if coef < 1.0:
+                for g in grads:
+                    g.mul_(coef)
+        pending = self.sharded_optimizer.step(defer=defer)
+        self.scaler.update(overflow=False)
+        self.sharded_optimizer.zero_grad(keep=pending)
+        updates = UpdatePipeline.unfinished_by_group(pending)
+        for g in self.groups:
+            g.refresh_after_step(updates.get(g.index))
+        self.schedule.start_next_iteration()
+        self.global_steps += 1
+        return True
+
+    def zero_grad(self) -> None:
+        """Drop the gradients accumulated since the last step (what torch's
+        ``optimizer.zero_grad()`` does); the accumulation starts over. Refused after a
+        boundary backward that already applied updates (optimizer.py's [Note: updating
+        during backward]): those cannot be taken back."""
+        self._check_open()
+        if self.is_accumulation_boundary and self.sharded_optimizer.updated_this_round:
+            raise OutcoreError(
+                "zero_grad() between a backward and step(): this backward already applied "
+                "the updates (the optimizer runs during backward with its state on NVMe and "
+                "no clipping); call zero_grad() before backward, or set zero.overlap_optimizer:"
+                " false to keep updates for step()")
+        self.sharded_optimizer.zero_grad(keep=self.sharded_optimizer.pending_jobs)
+        self.micro_steps, self._at_boundary = 0, False
+
+    def synchronize(self) -> None:
+        """Wait for every update the last ``step()`` left running (see [Note: the step's tail
+        runs into the next forward]); the engine's own readers never need this, but a timer
+        or a memory measurement around ``step()`` alone does."""
+        self._check_open()
+        self.sharded_optimizer.wait()
+
+    def _global_norm(self, grads: list[torch.Tensor]) -> float:
+        """L2 norm over every rank's gradient shards (padding is zero, so it adds nothing)."""
+        freed = self.sharded_optimizer.take_freed_norm_sq()  # gradients already applied and freed
+        local = torch.tensor([freed], dtype=torch.float64)
+        if grads:
+            norms = torch._foreach_norm(grads, 2, dtype=torch.float32)  # some may be bf16
+            local += torch.stack(norms).double().pow(2).sum()
+        return float(self.rt.comm.all_reduce_sum(local)) ** 0.5
+
+    # -- modes and inspection ----------------------------------------------------------------
+    def train(self, mode: bool = True) -> Engine:
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> Engine:
+        return self.train(False)
+
+    @property
+    def rank(self) -> int:
+        return self.rt.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.rt.world_size
+
+    @property
+    def device(self) -> torch.device:
+        """The compute device: inputs go here (CUDA under torchrun on GPUs, else the CPU)."""
+        return self.rt.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The compute dtype in force (``dtype: auto`` resolved for this device)."""
+        return self.rt.compute_dtype
+
+    @property
+    def dtype_choice(self) -> DtypeChoice:
+        """The compute dtype's name, what the config asked for, and why (compute_dtype.py)."""
+        return self.rt.dtype_choice
+
+    @property
+    def param_groups(self) -> list[dict]:
+        """Hyper-parameters per group; edit ``lr`` here for a schedule, as with torch optimizers."""
+        return self.sharded_optimizer.param_groups
+
+    def gathered_parameters(self, params: Iterable[nn.Parameter] | nn.Module | None = None,
+                            modify: bool = False) -> contextlib.AbstractContextManager:
+        """Full fp32 values in ``.data`` for the given parameters (default: all); a collective."""
+        return gathered_parameters(self.module if params is None else params, modify)
+
+    def memory_report(self) -> dict[str, Any]:
+        """Bytes per tier from outcore's own accounting, plus process RSS for reference."""
+        led = self.rt.ledger
+        report: dict[str, Any] = {t.value: led.tier_bytes(t.value) for t in Tier}
+        report["by_kind"] = led.snapshot()
+        report["rss"] = psutil.Process().memory_info().rss
+        report["rank"], report["world_size"] = self.rank, self.world_size
+        report["dtype"] = self.dtype_choice.to_json()
+        report["schedule"] = self.schedule_stats()
+        report["plan"] = self.plan.to_json()
+        return report
+
+    def schedule_stats(self) -> dict[str, int]:
+        """What the schedule and optimizer did: fetches, prefetch hits, divergences, re-traces,
+        and how many parameter updates ran during backward versus at the step."""
+        return {**self.schedule.stats(), **self.sharded_optimizer.stats}
+
+    # -- checkpoints -------------------------------------------------------------------------
+    def save_checkpoint(self, path: str | os.PathLike[str],
+                        client_state: dict[str, Any] | None = None) -> Path:
+        """Write a complete checkpoint folder atomically (a collective: every rank calls).
+
+        From the first save into a folder's parent (the checkpoint root) until ``close()``,
+        another process's engine saving into or loading from that root is refused with
+        ``FolderInUseError`` (guard/lock.py's [Note: two runs, one folder])."""
+        self._check_open()
+        path, client_state = Path(path), client_state or {}
+        checkpoint.check_client_state(client_state)  # a mistake here creates no folder
+        self._folders.hold(path.parent, self.rt.comm, self.rt.accel, create=True)
+        try:
+            return checkpoint.save(self, path, client_state)
+        finally:  # saving read every shard through the I/O pool
+            self.rt.release_idle_io_buffers()
+
+    def release_folders(self) -> None:
+        """Let go of the checkpoint roots this engine holds (guard/lock.py's [Note: two
+        runs, one folder]) before ``close()``: the next save takes them again. A Trainer does
+        this when training ends, so the output folder holds no lock file afterwards."""
+        self._folders.release_all()
+
+    def load_checkpoint(self, path: str | os.PathLike[str]) -> dict[str, Any]:
+        """Restore weights, optimizer state, step, scaler and RNG; return the client state.
+
+        The checkpoint root (``path``'s parent) is held from here on, as after a save."""
+        self._check_open()
+        self._folders.hold(Path(path).parent, self.rt.comm, self.rt.accel, create=False)
+        try:
+            return checkpoint.load(self, Path(path))
+        finally:  # loading wrote every shard through the I/O pool
+            self.rt.release_idle_io_buffers()
+
+    # -- lifetime ----------------------------------------------------------------------------
+    def close(self, keep_values: bool | None = None) -> None:
+        """Remove the hooks, hand the model back and delete this rank's swap files; the engine
+        cannot be used after (engine/lifetime.py's [Note: handing the model back]).
+
+        ``keep_values``: True gives every parameter its trained values (a collective at more
+        ranks: every rank closes); False drops them; None (default) keeps them where the model
+        fits in half the memory this process may still use. An update that the last
+        ``step()`` left running and that failed is raised here, after the clean-up, so a run
+        ending right after its step still hears of it."""
+        if self._closed is not None:
+            return
+        self._closed = "this outcore Engine was closed"
+        error: BaseException | None = None
+        try:
+            self.sharded_optimizer.wait()
+        except BaseException as e:  # noqa: BLE001 - raised below, once everything is closed
+            error = e
+        try:
+            lifetime.detach(self)
+            lifetime.hand_back(self, keep_values)
+        except BaseException as e:  # noqa: BLE001 - as above
+            error = error or e
+        finally:
+            self.rt.close()
+            self.rt.engine = None
+            self._folders.release_all()
+        if error is not None:
+            raise error
+
+    def hand_over(self) -> None:
+        """A newer engine takes the model: this one lets go of it, keeps no values and
+        cannot be used after (engine/lifetime.py's [Note: a second engine on the same model])."""
+        try:
+            self.sharded_optimizer.wait()
+        except Exception as e:  # noqa: BLE001 - the new engine starts from the shards as they are
+            log.warning("outcore: an update of the engine being replaced failed: %s", e)
+        lifetime.detach(self)
+        self._folders.release_all()
+        self.rt.engine = None
+        self._closed = ("this outcore Engine handed its model to a newer engine "
+                        "(outcore.initialize or a new OutcoreTrainer on the same model); use "
+                        "that one")
+
+    @property
+    def closed(self) -> bool:
+        return self._closed is not None
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        with contextlib.suppress(Exception):  # the exception in flight is the one to see
+            self.close(keep_values=False)
+
+    def _check_nothing_shown(self, what: str) -> None:
+        if self.rt.shown:
+            raise ParamAccessError(
+                f"{what} inside gathered_parameters: the context shows {self.rt.shown} "
+                "parameters as the user's copies, and on exit they replace what training "
+                "would write; train outside the context")
+
+    def _check_open(self) -> None:
+        if self._closed is not None:
+            raise EngineClosedError(self._closed)
+

@@ -1,0 +1,174 @@
+"""The end of an engine's hold on a model: detaching it, and handing its values back.
+
+[Note: handing the model back]
+After ``engine.close()`` the model is a plain PyTorch model again: its parameters lose the
+sharded class (surface.py), show their trained values in the dtype they had before the
+engine (``ShardedParam.user_dtype``), and outcore forgets them; buffers get their dtype and
+device back. That needs the whole model in memory at once, so by default (``keep_values=None``)
+it is done only where the model, in those dtypes and times the ranks on this machine, fits in
+half of what this process may still allocate (the device's free memory on CUDA); at more
+ranks the ranks agree first, and the values are all-gathered (a collective). Otherwise the
+parameters are DROPPED: metadata still answers, a read names how to get the values (save
+before closing, or ``close(keep_values=True)``), and a write of a whole parameter
+(``load_state_dict``) makes it plain again. A newer engine taking the model (see
+``runtime_for``'s [Note: a second engine on the same model]) only detaches the old one: the
+shards stay.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from outcore.config import Config
+from outcore.errors import ConfigError, ParamAccessError
+from outcore.guard.memory import available_memory
+from outcore.runtime import Runtime
+from outcore.units import format_bytes
+from outcore.zero.access import dropped_message
+from outcore.zero.registry import managed
+from outcore.zero.state import ParamState
+
+if TYPE_CHECKING:
+    from outcore.engine.core import Engine
+    from outcore.zero.param import ShardedParam
+
+log = logging.getLogger("outcore")
+
+
+def runtime_for(module: nn.Module, cfg: Config,
+                trainable_fraction: float) -> tuple[Runtime, bool]:
+    """The runtime of the model's shards, or a new one; and whether it is new.
+
+    [Note: a second engine on the same model]
+    Shards already exist when the model was built under ``outcore.init`` or another
+    engine holds it (a second trainer, a resume with another batch size). An engine
+    still holding the model hands it over (``Engine.hand_over``: its hooks and optimizer go, the
+    shards stay) and cannot be used after. The shards stay where they are if the new
+    config places them the same way; otherwise each one moves to the new placement
+    (``ShardedParam.move_to``), one shard at a time, so the model is never whole in
+    memory, and the old swap files are deleted. The new engine starts with a fresh
+    optimizer, as a new ``torch.optim`` optimizer would.
+    """
+    sps = list({id(sp): sp for p in module.parameters() if (sp := managed(p))}.values())
+    runtimes = {id(sp.rt): sp.rt for sp in sps}
+    if len(runtimes) > 1:
+        raise ConfigError("the model mixes parameters sharded by two outcore.init contexts "
+                          "or engines; build it in one")
+    dropped = [sp for sp in sps if sp.state is ParamState.DROPPED]
+    if dropped:
+        raise ParamAccessError(dropped_message(dropped[0]))
+    if not runtimes:
+        return Runtime(cfg, trainable_fraction=trainable_fraction), True
+    rt = next(iter(runtimes.values()))
+    holder = rt.engine() if rt.engine is not None else None
+    if holder is not None and not holder.closed:
+        holder.hand_over()
+    if rt.cfg.offload == cfg.offload and not rt.closed:
+        rt.reconfigure(cfg)
+        return rt, False
+    new = Runtime(cfg, trainable_fraction=trainable_fraction)
+    try:
+        for sp in sps:
+            sp.move_to(new)
+    except BaseException:
+        new.close()
+        raise
+    rt.close()
+    return new, False
+
+
+def detach(engine: Engine) -> None:
+    """Take the engine off the model: optimizer, hooks and gathered tensors go, every
+    parameter is SHARDED and in no group, buffers are as they were; the shards stay."""
+    engine.sharded_optimizer.close()
+    engine.rt.await_updates = lambda: None
+    engine.entries.remove()
+    engine.hooks.remove()
+    for g in engine.groups:
+        try:
+            g.reshard()
+        except Exception as e:  # noqa: BLE001 - a failed read the forward already raised
+            log.debug("outcore: releasing group %s after a failed read: %s", g.name, e)
+        g.hide_resident()
+    for sp in engine.params:
+        if sp.alive:
+            sp.release_grads()
+            sp.group = None
+    restore_buffers(engine.buffer_places)
+
+
+def restore_buffers(places: list) -> None:
+    """Buffers back in the dtype and on the device they had before the engine."""
+    for module, key, dtype, device in places:
+        buf = module._buffers.get(key)
+        if buf is not None:
+            module._buffers[key] = buf.to(device=device, dtype=dtype)
+
+
+def abandon(module: nn.Module, rt: Runtime) -> None:
+    """An engine failed while building over a model it sharded itself: every parameter of
+    ``rt`` goes back to plain, with its values (the user's model is as it came), before the
+    runtime closes. A model built under ``outcore.init`` is not this runtime's to undo."""
+    sps = [sp for p in module.parameters() if (sp := managed(p)) is not None and sp.rt is rt]
+    for g in {id(sp.group): sp.group for sp in sps if sp.group is not None}.values():
+        g.reshard()
+        g.hide_resident()
+    error = _give_back(sps)
+    if error is not None:  # the build's error is the one to see
+        log.debug("outcore: values dropped while undoing a failed build: %s", error)
+
+
+def hand_back(engine: Engine, keep_values: bool | None) -> None:
+    """Give each parameter its values back (or drop them): see the note."""
+    sps = [sp for sp in engine.params if sp.alive and sp.state is ParamState.SHARDED]
+    if not _keep(engine, sps, keep_values):
+        for sp in sps:
+            sp.drop()
+        return
+    error = _give_back(sps)
+    if error is not None and keep_values:  # asked for: the caller hears why it failed
+        raise error
+    if error is not None:
+        log.warning("outcore: close() could not keep the model's values (%s); they were "
+                    "dropped", error)
+
+
+def _give_back(sps: list[ShardedParam]) -> Exception | None:
+    """Hand each SHARDED parameter its values in its own dtype; after the first failure
+    (a read, or memory) the rest are dropped rather than left half-owned."""
+    try:
+        for sp in sps:
+            if sp.state is ParamState.SHARDED:
+                sp.hand_back(sp.gather_values().to(sp.user_dtype))
+    except Exception as e:  # noqa: BLE001 - returned to the caller, which decides
+        for sp in sps:
+            if sp.state is ParamState.SHARDED:
+                sp.drop()
+        return e
+    return None
+
+
+def _keep(engine: Engine, sps: list[ShardedParam], keep_values: bool | None) -> bool:
+    if keep_values is not None or not sps:
+        return bool(keep_values)
+    rt = engine.rt
+    need = sum(sp.numel * sp.user_dtype.itemsize for sp in sps)
+    if rt.device.type == "cuda":
+        room, ranks = torch.cuda.mem_get_info(rt.device)[0], 1
+    else:
+        room, ranks = available_memory().bytes, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    fits = need * ranks <= room // 2
+    if rt.world_size > 1:
+        if rt.comm.failed:  # a rank is gone: a collective now would only time out
+            return False
+        fits = not bool(rt.comm.all_reduce_max(torch.tensor([0.0 if fits else 1.0])).item())
+    if not fits:
+        log.warning("outcore: close() did not keep the model's values: %s (x%d ranks here) "
+                    "does not fit in half of %s; save before closing, or pass "
+                    "close(keep_values=True)", format_bytes(need), ranks, format_bytes(room))
+    return fits

@@ -1,0 +1,154 @@
+"""``engine.optimizer``: the engine's sharded optimizer as code written for ``torch.optim`` sees it.
+
+[Note: torch's optimizer contract over shards]
+Learning-rate schedulers, Hugging Face's Trainer and user loops talk to an optimizer through
+a small contract: ``isinstance(opt, torch.optim.Optimizer)``, ``defaults`` with the
+hyper-parameters, ``param_groups`` whose dicts hold ``"params"`` (the user's parameters) and
+``"lr"`` & co., ``step()``, ``zero_grad()``, ``state_dict()`` / ``load_state_dict()`` and the
+step hooks. ``TorchOptimizer`` is a real ``torch.optim.Optimizer`` built over the engine's own
+param-group dicts (torch's constructor adopts the dicts it is given), so an edit of
+``param_groups[i]["lr"]`` by any scheduler is what the next update of the shards uses.
+``step()`` is ``engine.step()``. The state (moments, step counts) lives in the shards;
+``state_dict()`` carries it as this rank's fp32 slices (``"outcore"`` records the world
+size), and ``load_state_dict()`` takes those back at the same world size, or a plain
+``torch.optim`` state dict (full-shape moments, cut into this rank's slices) at any.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from outcore.errors import ConfigError
+from outcore.offload.storage import load_now
+
+if TYPE_CHECKING:
+    from outcore.engine.core import Engine
+    from outcore.optim.optimizer import ShardedOptimizer
+    from outcore.zero.param import ShardedParam
+
+
+class TorchOptimizer(torch.optim.Optimizer):
+    """The engine's optimizer with ``torch.optim.Optimizer``'s contract (see the note)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+        self._built = False
+        self.skipped = False  # the last step() changed nothing (fp16 overflow, or no boundary)
+        super().__init__(engine.sharded_optimizer.param_groups, dict(engine.optimizer_defaults))
+        self._built = True
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        """``engine.step()``; a ``closure`` is called first (it runs forward and backward),
+        and its loss returned, as with torch optimizers."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.skipped = not self._engine.step()
+        adopted = self._engine.adopted_optimizer  # param_groups.py's adopting note
+        if adopted is not None:  # what a scheduler bound to it checks (torch's lr_scheduler)
+            adopted._opt_called = True
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """``engine.zero_grad()``: drop the gradients accumulated since the last step (the
+        engine's shards). Refused between a boundary backward that already applied the updates
+        (optimizer.py's [Note: updating during backward]) and ``step()``."""
+        self._engine.zero_grad()
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Adopts the engine's group dicts while torch's constructor runs; refused after.
+        (torch's own version is wrapped to import TorchDynamo, a second of start-up that
+        these ready-made groups do not need.)"""
+        if self._built:
+            raise ConfigError("outcore builds its optimizer's parameter groups when the engine "
+                              "is made; pass them as outcore.initialize(model, cfg, "
+                              "param_groups=[...])")
+        for key, value in self.defaults.items():
+            param_group.setdefault(key, value)
+        self.param_groups.append(param_group)
+
+    # -- state ------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """torch's layout: ``state`` by parameter index (``step`` and each moment as this
+        rank's fp32 slice), ``param_groups`` with indices for ``params``."""
+        sharded = self._engine.sharded_optimizer
+        sharded.wait()
+        index, state, groups = 0, {}, []
+        for group, members in zip(self.param_groups, sharded.members, strict=True):
+            ids = []
+            for sp in members:
+                moments = moments_of(sharded, sp)
+                if moments is not None:
+                    state[index] = {"step": torch.tensor(float(sharded.step_of(sp))), **moments}
+                ids.append(index)
+                index += 1
+            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
+        rt = self._engine.rt
+        return {"state": state, "param_groups": groups,
+                "outcore": {"world_size": rt.world_size, "rank": rt.rank}}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        sharded = self._engine.sharded_optimizer
+        groups = state_dict.get("param_groups")
+        if not isinstance(groups, list) or len(groups) != len(self.param_groups):
+            raise ConfigError(f"optimizer state_dict has {len(groups or [])} param groups; "
+                              f"this engine has {len(self.param_groups)}")
+        for i, (members, saved) in enumerate(zip(sharded.members, groups, strict=True)):
+            if len(saved.get("params", [])) != len(members):
+                raise ConfigError(f"optimizer state_dict's param group {i} holds "
+                                  f"{len(saved.get('params', []))} parameters; this engine's "
+                                  f"holds {len(members)}")
+        sharded.wait()
+        world = (state_dict.get("outcore") or {}).get("world_size")
+        saved_state = state_dict.get("state", {})
+        for mine, members, saved in zip(self.param_groups, sharded.members, groups, strict=True):
+            for sp, key in zip(members, saved["params"], strict=True):
+                entry = saved_state.get(key)
+                if entry:
+                    load_moments(sharded, sp, entry, saved_world=world)
+            mine.update({k: v for k, v in saved.items() if k != "params"})
+
+    def __repr__(self) -> str:
+        hp = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
+        return f"{type(self).__name__}({self._engine.cfg.optimizer.type}, {hp})"
+
+
+def moments_of(opt: ShardedOptimizer, sp: ShardedParam) -> dict[str, torch.Tensor] | None:
+    """Copies of ``sp``'s moment shards (fp32, this rank's slice), or None before its
+    first update (torch keeps no state for a parameter until then)."""
+    state = opt.state.get(sp)
+    if state is None or state.step == 0:
+        return None
+    out = {k: load_now(stored, opt.rt.device).clone() for k, stored in state.moments.items()}
+    return {**out, **opt.adafactor.factors_of(sp)} if opt.adafactor else out
+
+def load_moments(opt: ShardedOptimizer, sp: ShardedParam, entry: dict,
+                 saved_world: int | None) -> None:
+    """Restore ``sp``'s step and moments from a torch-style state entry: full-shape moments
+    (any torch optimizer's) are cut into this rank's slice; slices (``moments_of``) are
+    taken as they are, from a state dict of the same world size."""
+    state = opt.state[sp]
+    if opt.adafactor is not None:
+        opt.adafactor.load_factors(sp, entry)
+    for kind in state.moments:
+        if kind not in entry:
+            raise ConfigError(f"optimizer state for {sp.label()} has no {kind!r} "
+                              f"({sorted(entry)}); this engine's {opt.kind} needs it")
+    for kind, stored in state.moments.items():
+        t = torch.as_tensor(entry[kind]).to(opt.rt.device, torch.float32)
+        if tuple(t.shape) == tuple(sp.shape):
+            shard = sp.layout.cut(t, torch.float32)
+        elif t.numel() == sp.shard_numel and saved_world == opt.rt.world_size:
+            shard = t.reshape(-1)
+        else:
+            raise ConfigError(
+                f"optimizer state {kind!r} for {sp.label()} has shape {list(t.shape)}: "
+                f"neither the parameter's {list(sp.shape)} nor this rank's slice of "
+                f"{sp.shard_numel} saved at world size {opt.rt.world_size} (it was saved "
+                f"at {saved_world}); engine.save_checkpoint loads at any world size")
+        stored.save(shard).result()
+    state.step = int(float(entry.get("step", state.step)))

@@ -1,0 +1,122 @@
+"""Collectives over ``torch.distributed``, with world size 1 as a first-class case.
+
+[Note: why all-gather, not broadcast]
+ZeRO-Infinity's bandwidth-centric partitioning splits *every* parameter across all ranks
+and rebuilds it with an all-gather, so each rank moves 1/W of the bytes over its own link to
+its own tier, in parallel. Broadcasting each parameter from an owner rank would funnel every
+byte through one link. So this module offers all-gather and reduce-scatter, never broadcast.
+
+A world of one needs no process group: the collectives become copies and the engine runs
+without ``torchrun``. Joining the process group is bootstrap.py's; packing a group's
+parameters for these collectives is zero/collectives.py's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+from outcore.errors import CommError
+
+
+class Handle(Protocol):
+    """A collective started with ``async_op=True``: ``wait()`` returns once it has finished."""
+
+    def wait(self) -> bool: ...
+
+
+class NamedFailure:
+    """Turns a collective's failure into one clear error naming the likely cause."""
+
+    def __init__(self, comm: Comm, what: str) -> None:
+        self.comm, self.what = comm, what
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, err, tb) -> None:
+        if err is not None:
+            self.comm.failed = True
+        if err is not None and isinstance(err, RuntimeError) and not isinstance(err, CommError):
+            raise CommError(
+                f"rank {self.comm.rank}/{self.comm.world_size}: {self.what} failed; another rank "
+                f"probably died or stopped answering (comm.timeout_s={self.comm.timeout_s:g}). "
+                f"Cause: {str(err).splitlines()[0][:300]}") from None
+
+
+class _Work:
+    """An async collective whose ``wait()`` reports failure as a CommError."""
+
+    def __init__(self, comm: Comm, work, what: str) -> None:
+        self._comm, self._work, self._what = comm, work, what
+
+    def wait(self) -> bool:
+        with NamedFailure(self._comm, self._what):
+            return self._work.wait()
+
+
+class _Done:
+    """Handle of a collective that already finished (world size 1)."""
+
+    def wait(self) -> bool:
+        return True
+
+
+@dataclass
+class Comm:
+    """Rank, world size and the collectives outcore uses."""
+
+    rank: int = 0
+    world_size: int = 1
+    timeout_s: float = 600.0
+    failed: bool = False  # a collective failed: the group cannot be trusted any more
+
+    def all_gather(self, out: torch.Tensor, shard: torch.Tensor,
+                   async_op: bool = False) -> Handle:
+        """``out`` (W*n) receives every rank's ``shard`` (n), rank-major."""
+        if self.world_size == 1:
+            out.copy_(shard)
+            return _Done()
+        with NamedFailure(self, "all-gather"):
+            work = dist.all_gather_single(out, shard, async_op=async_op)
+        return _Work(self, work, "all-gather") if async_op else _Done()
+
+    def reduce_scatter_sum(self, out: torch.Tensor, full: torch.Tensor,
+                           async_op: bool = False) -> Handle:
+        """``out`` (n) receives the sum over ranks of this rank's slice of ``full`` (W*n)."""
+        if self.world_size == 1:
+            out.copy_(full)
+            return _Done()
+        with NamedFailure(self, "reduce-scatter"):
+            work = dist.reduce_scatter_single(out, full, op=dist.ReduceOp.SUM, async_op=async_op)
+        return _Work(self, work, "reduce-scatter") if async_op else _Done()
+
+    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum ``t`` over ranks in place (a host tensor travels through the device on NCCL)."""
+        return self._all_reduce(t, dist.ReduceOp.SUM)
+
+    def all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
+        """Maximum of ``t`` over ranks in place, as ``all_reduce_sum``."""
+        return self._all_reduce(t, dist.ReduceOp.MAX)
+
+    def _all_reduce(self, t: torch.Tensor, op) -> torch.Tensor:
+        if self.world_size == 1:
+            return t
+        # NCCL reduces device memory only; the small host flags and norms outcore reduces
+        # (overflow, gradient norm, loss for the log) take a round trip through the device
+        wire = t
+        if t.device.type == "cpu" and dist.get_backend() == "nccl":
+            wire = t.to(torch.device("cuda", torch.cuda.current_device()))
+        with NamedFailure(self, "all-reduce"):
+            dist.all_reduce(wire, op=op)
+        if wire is not t:
+            t.copy_(wire)
+        return t
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            with NamedFailure(self, "barrier"):
+                dist.barrier()

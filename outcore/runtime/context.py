@@ -1,0 +1,203 @@
+"""Per-process services shared by ``outcore.init`` and the engine.
+
+[Note: explicit context, one per model]
+The runtime holds what every shard needs to move its bytes: the rank and collectives, the
+compute device seam, the byte ledger, and (only when some tier is NVMe) this rank's swap
+store with its I/O threads and host buffer pool. It is created by ``outcore.init`` (so a model
+can be sharded while it is built) or by ``outcore.initialize`` for a model built in plain
+PyTorch, and every ``ShardedParam`` points at it; there are no module-level globals.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from outcore.config import Config
+from outcore.device.accel import Accelerator
+from outcore.device.compute_dtype import DtypeChoice, resolve
+from outcore.offload.aio import AioEngine
+from outcore.offload.buffers import AlignedRegions, BufferPool
+from outcore.offload.host_memory import (
+    MOSTLY_FROZEN,
+    keep_freed_memory_for_reuse,
+    return_large_frees_to_os,
+    reuse_freed_memory_on_small_host,
+)
+from outcore.offload.ledger import Kind
+from outcore.offload.nvme import NvmeStore
+from outcore.offload.stale import remove_stale_swap
+from outcore.offload.storage import Ledger, MemoryShard, NvmeShard, StoredShard, Tier
+from outcore.runtime.bootstrap import join_world
+from outcore.runtime.phase import Phase
+from outcore.runtime.plan import ExecutionPlan
+
+
+class Runtime:
+    """Services for one sharded model on one rank; see the note above."""
+
+    def __init__(self, cfg: Config, *, trainable_fraction: float = 1.0) -> None:
+        """``trainable_fraction``: the share of the model to be built that trains, where the
+        builder knows it (0 under ``outcore.init(frozen=True)``): host_memory.py's [Note: a
+        frozen base does not size the host]."""
+        self.accel = Accelerator.detect()
+        self.dtype_choice: DtypeChoice = resolve(cfg.dtype, self.accel.device)
+        self.cfg = cfg = cfg.with_dtype(self.dtype_choice.name)  # compute_dtype.py's note
+        self.comm = join_world(self.accel.backend, cfg.comm.timeout_s)
+        self.ledger = Ledger()
+        self.compute_dtype = self.dtype_choice.torch_dtype
+        self.plan = self._derive_plan(cfg)
+        # host_memory.py's notes
+        reuse = cfg.offload.reuse_freed_memory
+        if (self.state_tier is Tier.NVME or reuse is False
+                or (reuse is None and self._frozen_base_on_disk(trainable_fraction))):
+            return_large_frees_to_os()  # reuse, if asked, starts in begin_training
+        elif self.plan.state_in_host_memory:
+            keep_freed_memory_for_reuse(force=reuse is True)
+        self.full_regions = self._full_regions(cfg)
+        self._nvme = None
+        self.closed = False
+        self.phase = Phase.IDLE  # moved only by the engine's hooks (state.py's note)
+        self.shown = 0  # parameters gathered_parameters shows now (ShardedParam keeps it)
+        # waits for optimizer updates still running on shards (the engine sets it): a user's
+        # read or write of values between a backward and step() must not meet one midway
+        self.await_updates: Callable[[], None] = lambda: None
+        self.engine = None  # weakref to the Engine training this model, if any
+
+    def _derive_plan(self, cfg: Config) -> ExecutionPlan:
+        return ExecutionPlan.for_config(cfg, self.world_size, self.device.type,
+                                        aligned_regions=AlignedRegions.supported())
+
+    @property
+    def param_tier(self) -> Tier:
+        return self.plan.inputs.params
+
+    @property
+    def state_tier(self) -> Tier:
+        return self.plan.inputs.optimizer
+
+    @property
+    def grad_device(self) -> torch.device:
+        """Where gradient shards live (the plan's ``grad_tier``) as a torch device."""
+        return self.device if self.plan.grad_tier is Tier.DEVICE else torch.device("cpu")
+
+    @property
+    def device(self) -> torch.device:
+        return self.accel.device
+
+    @property
+    def rank(self) -> int:
+        return self.comm.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.comm.world_size
+
+    @property
+    def nvme(self):
+        """This rank's swap store, created on first use (only NVMe placements need it)."""
+        if self._nvme is None:
+            off = self.cfg.offload
+            assert off.nvme_path is not None  # guaranteed by Config validation
+            remove_stale_swap(off.nvme_path)
+            engine = AioEngine(threads=off.io_threads, block_bytes=off.io_block_bytes)
+            pool_bytes = off.host_buffer_bytes - self.staging_bytes
+            buffer_bytes = min(off.io_block_bytes, pool_bytes)
+            pool = BufferPool(pool_bytes, buffer_bytes, pin=self.accel.pin_host_buffers)
+            self._nvme = NvmeStore(off.nvme_path, rank=self.rank, engine=engine, pool=pool)
+            self._pool_charge = self.ledger.charge(Tier.HOST, Kind.IO_BUFFERS, pool.capacity_bytes)
+        return self._nvme
+
+    def _full_regions(self, cfg: Config) -> AlignedRegions | None:
+        """Aligned memory for full tensors where disk reads land in them: one rank, params
+        on NVMe (buffers.py's [Note: aligned memory under a storage ...])."""
+        if not self.plan.aligned_full:
+            return None
+        # Kept memory is bounded by twice the prefetch budget where the optimizer state is in
+        # host memory (the host is sized for 8x the parameters then), by half of it where the
+        # state is on NVMe (a small host); at least a few layers' worth either way. With the
+        # state in memory, a cap of half or one budget still maps fresh memory for many fills,
+        # twice the budget for few (measured: bench/RESULTS.md, 'in-memory page reuse').
+        return AlignedRegions(self._region_cap(cfg),
+                              self.ledger.charge(Tier.HOST, Kind.PARAM_CACHE))
+
+    def _region_cap(self, cfg: Config) -> int:
+        kept = 2 * cfg.zero.prefetch_bytes if self.state_tier is not Tier.NVME else (
+            cfg.zero.prefetch_bytes // 2)
+        return max(kept, 32 << 20)
+
+    @property
+    def staging_bytes(self) -> int:
+        """The optimizer's share of ``offload.host_buffer_bytes``; the I/O pool gets the rest.
+
+        [Note: one host budget, two users]
+        Two things stage NVMe bytes in host memory: the I/O pool (transfers of memory that is
+        not page-aligned: ragged tails, shards built or checkpointed outside the hot path) and
+        the optimizer's sub-group buffers (master weights, moments and the cast
+        training-dtype copy of a slice). Both are allocated once and reused, so every step
+        runs without page faults, and together they never exceed the one budget the user set:
+        the optimizer takes half when it streams anything from NVMe, nothing otherwise. (One
+        exception: the optimizer's three buffers hold at least 2048 elements each, a few
+        hundred KB, so a budget below that is exceeded by the difference.)
+        """
+        return self.cfg.offload.host_buffer_bytes // 2 // 4096 * 4096 if self.plan.streams else 0
+
+    def store(self, tensor: torch.Tensor, tier: Tier, kind: Kind) -> StoredShard:
+        """Give ``tensor``'s bytes a home in ``tier`` (memory tiers keep the tensor itself)."""
+        if tier is Tier.NVME:
+            stored = NvmeShard(self.nvme, tensor.numel(), tensor.dtype, kind, self.ledger,
+                                verify=self.cfg.offload.verify_swap)
+            stored.save(tensor).result()
+            return stored
+        if tier is Tier.DEVICE and tensor.device != self.device:
+            tensor = tensor.to(self.device)
+        return MemoryShard(tensor, tier, kind, self.ledger)
+
+    def begin_training(self, trainable_fraction: float = 1.0) -> None:
+        """Once the model is built: give back the I/O pool's pages (buffers.py's [Note: a
+        pool idle in training keeps no pages]), and apply ``offload.reuse_freed_memory: true``
+        where the host is not sized for the optimizer state (on NVMe or in device memory):
+        building the model under that policy would leave the heap holding what the build
+        allocated and freed (host_memory.py's [Note: reuse on a small host, when asked])."""
+        self.release_idle_io_buffers()
+        reuse = self.cfg.offload.reuse_freed_memory
+        if not self.plan.state_in_host_memory and reuse:
+            reuse_freed_memory_on_small_host()
+        elif reuse is None and self._frozen_base_on_disk(trainable_fraction):
+            return_large_frees_to_os()
+
+    def _frozen_base_on_disk(self, trainable_fraction: float) -> bool:
+        """A mostly frozen model with its parameters on NVMe: the host is not sized for it
+        (host_memory.py's [Note: a frozen base does not size the host])."""
+        return trainable_fraction < MOSTLY_FROZEN and self.param_tier is Tier.NVME
+
+    def release_idle_io_buffers(self) -> None:
+        """Give back the pages of I/O pool buffers nobody holds, after work that staged much
+        through the pool (building the model, checkpoints): buffers.py's [Note: a pool idle
+        in training keeps no pages]."""
+        if self._nvme is not None:
+            self._nvme.pool.release_idle()
+
+    def reconfigure(self, cfg: Config) -> Config:
+        """Adopt the engine's config (same placement, possibly another dtype or optimizer);
+        returns it with its dtype resolved for this device."""
+        if cfg.dtype != self.dtype_choice.requested:
+            self.dtype_choice = resolve(cfg.dtype, self.accel.device)
+        self.cfg = cfg = cfg.with_dtype(self.dtype_choice.name)
+        self.compute_dtype = self.dtype_choice.torch_dtype
+        self.plan = self._derive_plan(cfg)
+        if self.full_regions is not None:
+            self.full_regions.cap_bytes = self._region_cap(cfg)
+        return cfg
+
+    def close(self) -> None:
+        """Release the swap store (its files are deleted) and stop its I/O threads; safe to
+        call twice. The threads end here, not when the last shard that points at the store is
+        collected: a run that failed on its disk leaves no thread behind."""
+        if self._nvme is not None:
+            self._nvme.close()
+            self._nvme.engine.close()
+            self._pool_charge.release()
+            self._nvme = None
+        self.closed = True

@@ -1,0 +1,247 @@
+"""Helpers the test modules share: the models that stand in for real ones, and the small
+training loops and measurements several tests run. Kept here so no test module imports
+another."""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import outcore
+from outcore.offload.buffers import ALIGN, round_up
+from outcore.offload.host_memory import libc
+
+REPO = Path(__file__).resolve().parents[1]
+"""The repository's root."""
+
+
+# -- the parity model: the awkward parts real models have (test_parity.py's docstring) ------
+VOCAB, DIM, BATCH, SEQ = 64, 32, 2, 8
+
+
+class Block(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, 2 * d)
+        self.fc2 = nn.Linear(2 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
+
+
+class Quirky(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList(Block(DIM) for _ in range(2))
+        self.shared = Block(DIM)  # run twice per forward
+        self.optional = Block(DIM)  # skipped on odd steps
+        self.gate = nn.Linear(DIM, DIM)  # never called: the parent reads its weight
+        self.scale = nn.Parameter(torch.ones(DIM))  # owned by the root module
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+        self.head.weight = self.emb.weight  # tied
+        for name, p in self.named_parameters():
+            if name.endswith("fc2.weight"):
+                nn.init.normal_(p, std=0.02 / math.sqrt(6))
+        nn.init.trunc_normal_(self.gate.weight, std=0.05)
+        with torch.no_grad():
+            self.emb.weight.mul_(0.5)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor, use_optional: bool = True):
+        h = self.emb(idx)
+        for b in self.blocks:
+            h = b(h)
+        h = self.shared(self.shared(h))
+        if use_optional:
+            h = self.optional(h)
+        h = h + 0.1 * torch.tanh(h @ self.gate.weight.T)
+        logits = self.head(h * self.scale)
+        return F.cross_entropy(logits.float().reshape(-1, VOCAB), targets.reshape(-1))
+
+
+def param_groups(model: nn.Module, decay: float) -> list[dict]:
+    named = list(model.named_parameters())
+    return [
+        {"params": [p for n, p in named if p.dim() >= 2], "weight_decay": decay},
+        {"params": [p for n, p in named if p.dim() < 2], "weight_decay": 0.0},
+    ]
+
+
+def max_rel(a, b) -> float:
+    """Norm-wise relative error ||a - b|| / ||b||.
+
+    Sharded gradients are sums of per-rank partial sums, so they differ from the reference in
+    the last bits; Adam divides a near-zero gradient element's rounding by sqrt(v) + eps and
+    can turn it into a visible update of that one element. A norm-wise measure judges the
+    whole tensor, which is what "equal weights" means here.
+    """
+    a, b = torch.as_tensor(a).cpu(), torch.as_tensor(b).cpu()
+    return float((a - b).norm() / b.norm().clamp_min(1e-12))
+
+
+ADAMW = {"type": "adamw", "lr": 3e-3, "betas": [0.9, 0.95], "eps": 1e-6, "weight_decay": 0.1}
+BASE = {"dtype": "fp32", "optimizer": ADAMW, "zero": {"persistence_threshold_bytes": 0}}
+
+
+# -- the checkpoint model and loop ----------------------------------------------------------
+GLOBAL_BATCH = 4
+
+
+class Buffered(Quirky):
+    """Quirky with a float and an int buffer that every forward updates and the loss reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("shift", torch.linspace(-0.1, 0.1, DIM))
+        self.register_buffer("count", torch.zeros((), dtype=torch.int64))
+        self.register_buffer("cache", torch.ones(3), persistent=False)
+
+    def forward(self, idx, targets, use_optional=True):
+        with torch.no_grad():
+            self.shift.add_(0.01)
+            self.count.add_(1)
+        loss = super().forward(idx, targets, use_optional)
+        return loss + self.shift.mean() + 1e-3 * self.count.float()
+
+
+def checkpoint_engine(cfg: dict, seed: int, freeze: bool = False, cls: type = Buffered):
+    config = outcore.Config.from_dict(cfg)
+    torch.manual_seed(seed)
+    with outcore.init(config):
+        model = cls()
+    if freeze:
+        model.scale.requires_grad_(False)
+    groups = param_groups(model, config.optimizer.weight_decay)
+    return model, outcore.initialize(model, config, groups)
+
+
+def checkpoint_batch(step: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    idx, tgt = (torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=g) for _ in range(2))
+    mine = slice(rank * GLOBAL_BATCH // world, (rank + 1) * GLOBAL_BATCH // world)
+    return idx[mine], tgt[mine]
+
+
+def train_steps(engine, steps: range) -> list[float]:
+    """Optimizer steps ``steps``; returns the global mean loss of each."""
+    losses = []
+    for step in steps:
+        x, y = (t.to(engine.device) for t in checkpoint_batch(step, engine.rank, engine.world_size))
+        loss = engine(x, y, step % 2 == 0)
+        engine.backward(loss)
+        engine.step()
+        mean = loss.detach().float().clone()
+        if engine.world_size > 1:
+            dist.all_reduce(mean)
+        losses.append(mean.item() / engine.world_size)
+    return losses
+
+
+def weights_of(engine, model) -> dict[str, torch.Tensor]:
+    with engine.gathered_parameters():
+        return {n: p.data.clone() for n, p in model.named_parameters()}
+
+
+# -- models whose execution path changes between steps (the schedule's tests) ----------------
+DIVERGENT_DIM = 64  # one Linear(64, 64) group is 64*64*4 + 64*4 = 16640 bytes in fp32
+
+
+class Path_(nn.Module):
+    """Blocks run in an order chosen per step: the trace changes between steps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, DIVERGENT_DIM)
+        self.blocks = nn.ModuleList(nn.Linear(DIVERGENT_DIM, DIVERGENT_DIM) for _ in range(6))
+        self.out = nn.Linear(DIVERGENT_DIM, 1)
+
+    def forward(self, x: torch.Tensor, order: list[int]) -> torch.Tensor:
+        h = self.inp(x)
+        for i in order:
+            h = h + torch.tanh(self.blocks[i](h))
+        return F.mse_loss(self.out(h), x[:, :1])
+
+
+class MoE(nn.Module):
+    """Top-1 mixture of experts: which expert runs depends on the data."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, DIVERGENT_DIM)
+        self.router = nn.Linear(DIVERGENT_DIM, 4)
+        self.experts = nn.ModuleList(nn.Linear(DIVERGENT_DIM, DIVERGENT_DIM) for _ in range(4))
+        self.out = nn.Linear(DIVERGENT_DIM, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        gate = torch.softmax(self.router(h).mean(0), dim=-1)
+        k = int(gate.argmax())
+        h = h + gate[k] * torch.tanh(self.experts[k](h))
+        return F.mse_loss(self.out(h), x[:, :1])
+
+
+def run_divergent(model_name: str, prefetch: int, params: str, swap: str, steps: int) -> dict:
+    cfg = outcore.Config.from_dict({
+        "dtype": "fp32", "optimizer": {"lr": 1e-2},
+        "zero": {"persistence_threshold_bytes": 0, "prefetch_bytes": prefetch},
+        "offload": {"params": params, "nvme_path": swap, "host_buffer_bytes": 1 << 20},
+    })
+    torch.manual_seed(0)
+    with outcore.init(cfg):
+        model = Path_() if model_name == "path" else MoE()
+    engine = outcore.initialize(model, cfg)
+    rank = engine.rank
+    gen = torch.Generator().manual_seed(3)
+    losses = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(steps):
+            x = torch.randn(4 * engine.world_size, 8, generator=gen)
+            x = (x[rank * 4 : (rank + 1) * 4] if model_name == "path" else x).to(engine.device)
+            if model_name == "path":
+                # the same order on every rank (ZeRO-3 needs that), a different one per step
+                order = torch.randperm(6, generator=gen)[: 3 + step % 3].tolist()
+                loss = engine(x, order)
+            else:
+                loss = engine(x)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+    stats = engine.schedule_stats()
+    engine.close()
+    return {"losses": losses, "stats": stats,
+            "warnings": [str(w.message) for w in caught if "prefetch_bytes" in str(w.message)]}
+
+
+# -- measurements and fixtures ---------------------------------------------------------------
+def resident_bytes(t: torch.Tensor) -> int:
+    """Bytes of ``t``'s whole pages that are in memory right now (``mincore``)."""
+    mincore = libc().mincore
+    mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    start = t.data_ptr() - t.data_ptr() % ALIGN
+    length = round_up(t.data_ptr() + t.nbytes - start)
+    vec = ctypes.create_string_buffer(length // ALIGN)
+    assert mincore(start, length, vec) == 0, ctypes.get_errno()
+    return sum(b & 1 for b in vec.raw) * ALIGN
+
+
+def char_tokenizer(folder):
+    """A character-level Hugging Face tokenizer saved to ``folder`` (no download)."""
+    tokenizers = pytest.importorskip("tokenizers")
+    transformers = pytest.importorskip("transformers")
+    vocab = {c: i for i, c in enumerate("abcdefghijklmnopqrstuvwxyz \n")}
+    vocab["[UNK]"] = len(vocab)
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Split("", "isolated")
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
+    fast.save_pretrained(folder)
+    return transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)

@@ -1,0 +1,87 @@
+"""bench/gpu.py end to end with a tiny model: one JSON, every row with numbers (on the CPU
+here; under ``--device cuda`` the same run is a smoke test of the GPU rows)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.common import REPO
+
+
+def test_gpu_bench_runs_tiny_and_prints_one_json(tmp_path: Path) -> None:
+    out = tmp_path / "gpu.json"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "gpu.py"), "--tiny", "--models", "tiny",
+         "--rows", "plain,none,cpu+opt,nvme+opt", "--nvme-path", str(tmp_path / "swap"),
+         "--out", str(out)],
+        capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout)
+    assert result == json.loads(out.read_text())
+    assert {"probe", "dtype", "models", "rows", "peak_TFLOPs", "sweep", "targets"} <= set(result)
+    pr = result["probe"]
+    assert pr["matmul_bf16_TFLOPs"] > 0 and pr["disk_read_GBps"] > 0
+    assert pr["machine"]["torch"] and "device" in pr
+    assert result["models"]["tiny"]["params"] > 1e6
+
+    rows = {(r["row"], r["batch"], r["seq"]): r for r in result["rows"]}
+    assert {r[0] for r in rows} == {"plain", "none", "cpu+opt", "nvme+opt"}
+    for r in rows.values():
+        assert r["status"] == "ok", r
+        for key in ("tokens_per_s", "TFLOPs", "pct_of_peak", "step_s", "peak_host_rss"):
+            assert isinstance(r[key], (int, float)) and r[key] > 0, (r["row"], key)
+        assert r["losses"][-1] < r["losses"][0], r["row"]
+        if r["row"] != "plain":
+            assert r["floor_s"] > 0 and r["step_over_floor"] > 0
+    assert rows[("nvme+opt", 2, 64)]["read_bytes_per_step"] > 0
+    assert rows[("nvme+opt", 2, 64)]["written_bytes_per_step"] > 0
+    assert rows[("none", 2, 64)]["read_bytes_per_step"] == 0
+
+    sweep = result["sweep"]
+    assert sweep["row"] == "cpu+opt" and len(sweep["points"]) == 2
+    for p in sweep["points"]:
+        assert p["measured"] > 0 and 0 < p["predicted"] <= 1
+    for name in ("none_vs_plain", "none_pct_of_peak", "host_vs_none_at_most_tokens",
+                 "nvme_step_over_floor", "big_model_trains"):
+        assert "met" in result["targets"][name]
+    assert not (tmp_path / "swap").exists()  # each row's swap folder is removed
+
+
+def test_merged_runs_give_one_json(tmp_path: Path) -> None:
+    """Runs split over several commands (the GPU session's 10-minute limit) merge into one,
+    the later run's rows replacing the same rows of the earlier."""
+    if str(REPO / "bench") not in sys.path:
+        sys.path.append(str(REPO / "bench"))  # after the standard library (bench/io.py)
+    import gpu
+
+    probe = {"matmul_bf16_TFLOPs": 100.0, "disk_read_GBps": 2.0, "disk_write_GBps": 1.0,
+             "host_copy_GBps": 10.0, "h2d_GBps": 20.0, "machine": {"gpu": None}}
+    model = {"params": 10**9, "layers": 24, "hidden": 2048, "vocab": 32000, "seq_len": 2048,
+             "state_bytes": 16 * 10**9}
+
+    def row(name: str, step_s: float, placement: list[str]) -> dict:
+        return {"model": "m", "row": name, "label": name, "placement": placement, "batch": 1,
+                "seq": 2048, "main": True, "status": "ok", "step_s": step_s, "fwd_s": 0.1,
+                "bwd_s": 0.2, "losses": [2.0, 1.0], "peak_host_rss": 1,
+                "store_read_per_step": 0.0, "store_write_per_step": 0.0}
+
+    first = {"probe": probe, "dtype": "bf16", "models": {"m": model},
+             "settings": {"models": "m", "sweep_row": "cpu+opt"},
+             "rows": [row("none", 1.0, ["none", "none"]), row("cpu+opt", 9.0, ["cpu", "cpu"])]}
+    second = {**first, "rows": [row("cpu+opt", 1.25, ["cpu", "cpu"])]}
+    paths = []
+    for i, run in enumerate((first, second)):
+        paths.append(tmp_path / f"{i}.json")
+        paths[-1].write_text(json.dumps(run))
+    merged = gpu.summarize(gpu.merge(paths))
+    assert [r["row"] for r in merged["rows"]] == ["none", "cpu+opt"]
+    host = merged["rows"][1]
+    assert host["step_s"] == 1.25 and host["floor"]["compute_s"] == 1.0
+    # params there and back (4 B) and gradients down (2 B) per parameter over a 20 GB/s link
+    assert host["floor"]["link_bytes"] == 6 * 10**9
+    assert host["floor_s"] == 1.0 and host["step_over_floor"] == 1.25
+    assert merged["targets"]["host_vs_none_at_most_tokens"]["value"] == 0.8
+    assert [p["measured"] for p in merged["sweep"]["points"]] == [0.8]

@@ -1,0 +1,286 @@
+"""``outcore train``: settings precedence, input errors, and the job end to end (tiny preset)."""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import outcore
+from outcore.app import train
+from outcore.app.report import read_metrics
+from outcore.errors import ConfigError
+from outcore.offload.storage import Tier
+
+_HAS_ENGINE = hasattr(outcore, "initialize")
+_HAS_CHECKPOINTS = _HAS_ENGINE and hasattr(outcore, "latest_checkpoint") and hasattr(
+    outcore.Engine, "save_checkpoint")
+needs_engine = pytest.mark.skipif(
+    not _HAS_CHECKPOINTS, reason="engine with checkpoints (outcore.initialize, "
+    "Engine.save_checkpoint, outcore.latest_checkpoint) not in this build yet")
+
+
+def _parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    train.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+@pytest.fixture
+def text_file(tmp_path: Path) -> Path:
+    """~100 KB of Python source: real text, but far quicker to load than the stdlib corpus."""
+    path = tmp_path / "corpus.txt"
+    path.write_text(Path(inspect.getsourcefile(argparse)).read_text() * 2)
+    return path
+
+
+def _job(out: Path, data: Path, *extra: str) -> list[str]:
+    return ["--model", "tiny", "--data", str(data), "--out", str(out), "--batch", "2",
+            "--seq", "32", *extra]
+
+
+# -- settings --------------------------------------------------------------------------------
+def test_flags_override_the_config_file(tmp_path: Path) -> None:
+    cfg_file = tmp_path / "job.yaml"
+    cfg_file.write_text("dtype: fp32\noptimizer: {lr: 0.005}\noffload: {params: cpu, "
+                        "optimizer: cpu}\ntrain: {steps: 7, batch: 3, model: tiny}\n")
+    args = _parse("--config", str(cfg_file), "--batch", "5", "--out", str(tmp_path / "o"))
+    file_cfg = train._read_config_file(args.config)
+    job = train._job_settings(args, file_cfg.pop("train"))
+    assert (job["steps"], job["batch"], job["model"]) == (7, 5, "tiny")
+    cfg = train._engine_config(args, file_cfg, job, n_params=1000)
+    assert (cfg.dtype, cfg.optimizer.lr, cfg.offload.params) == ("fp32", 0.005, "cpu")
+    assert cfg.offload.nvme_path == str(tmp_path / "o" / "swap")
+
+    args = _parse("--config", str(cfg_file), "--offload", "nvme", "--lr", "0.01",
+                  "--dtype", "bf16", "--nvme-path", str(tmp_path / "swap"))
+    file_cfg = train._read_config_file(args.config)
+    job = train._job_settings(args, file_cfg.pop("train"))
+    cfg = train._engine_config(args, file_cfg, job, n_params=1000)
+    assert (cfg.dtype, cfg.optimizer.lr) == ("bf16", 0.01)
+    assert (cfg.offload.params, cfg.offload.optimizer) == ("nvme", "nvme")
+    assert cfg.offload.nvme_path == str(tmp_path / "swap")
+
+
+def test_file_placements_win_over_the_default_tier_but_not_the_flag(tmp_path: Path) -> None:
+    job = train._job_settings(_parse(), {})
+    only_path = {"offload": {"nvme_path": str(tmp_path / "s")}}
+    cfg = train._engine_config(_parse(), only_path, job, n_params=1000)
+    assert (cfg.offload.params, cfg.offload.optimizer) == ("nvme", "nvme")
+    assert cfg.offload.nvme_path == str(tmp_path / "s")
+    cfg = train._engine_config(_parse(), {"offload": {"params": "cpu"}}, job, n_params=1000)
+    assert (cfg.offload.params, cfg.offload.optimizer) == ("cpu", "nvme")
+    args = _parse("--offload", "none")
+    cfg = train._engine_config(args, {"offload": {"params": "cpu"}},
+                               train._job_settings(args, {}), n_params=1000)
+    assert (cfg.offload.params, cfg.offload.optimizer) == ("none", "none")
+    with pytest.raises(ConfigError, match="offload"):
+        train._engine_config(_parse(), {"offload": {"params": "disk"}}, job, n_params=1000)
+
+
+def test_defaults_are_the_documented_job(tmp_path: Path) -> None:
+    args = _parse()
+    job = train._job_settings(args, {})
+    assert (job["model"], job["steps"], job["offload"], job["out"]) == (
+        "small", 300, "nvme", Path("./outcore-run"))
+    cfg = train._engine_config(args, {}, job, n_params=10_000_000)
+    assert (cfg.offload.params, cfg.offload.optimizer) == ("nvme", "nvme")
+    assert cfg.offload.nvme_path == str(Path("./outcore-run") / "swap")
+    assert cfg.optimizer.lr == 1e-3
+
+
+def test_bad_settings_raise_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="--steps"):
+        train._job_settings(_parse("--steps", "0"), {})
+    with pytest.raises(ConfigError, match="train.stepz"):
+        train._job_settings(_parse(), {"stepz": 3})
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ConfigError, match="bad.json"):
+        train._read_config_file(str(bad))
+    with pytest.raises(ConfigError, match="missing.yaml"):
+        train._read_config_file(str(tmp_path / "missing.yaml"))
+    with pytest.raises(ConfigError, match="--seq"):
+        train.run(_parse("--model", "tiny", "--seq", "4096", "--out", str(tmp_path)))
+
+
+def test_auto_offload_asks_the_placement_planner(tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture) -> None:
+    args = _parse("--offload", "auto", "--out", str(tmp_path))
+    job = train._job_settings(args, {})
+    cfg = train._engine_config(args, {}, job, n_params=1000)  # fits in memory: no offload
+    assert (cfg.offload.params, cfg.offload.optimizer) == ("none", "none")
+    assert "placement" in capsys.readouterr().out  # the plan and why
+    with pytest.raises(ConfigError, match="does not fit"):
+        train._engine_config(args, {}, job, n_params=10**15)
+
+
+def test_deepspeed_config_files_are_mapped(tmp_path: Path) -> None:
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"zero_optimization": {
+        "stage": 3, "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}},
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.002}}}))
+    args = _parse("--config", str(ds))
+    file_cfg = train._read_config_file(args.config)
+    cfg = train._engine_config(args, file_cfg, train._job_settings(args, {}), n_params=1000)
+    assert (cfg.offload.params, cfg.offload.optimizer, cfg.optimizer.lr) == ("cpu", "cpu", 0.002)
+
+
+def test_lr_schedule_warms_up_then_decays_to_a_tenth() -> None:
+    lrs = [train._lr_at(s, 100, 1.0, "cosine") for s in range(1, 101)]
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(lrs[9:], lrs[10:], strict=False))
+    assert lrs[-1] == pytest.approx(0.1)
+    assert train._lr_at(55, 100, 3e-4, "constant") == 3e-4
+
+
+def test_bad_data_is_one_line_and_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from outcore.app.cli import main
+
+    missing = tmp_path / "nothing.txt"
+    assert main(["train", "--model", "tiny", "--data", str(missing),
+                 "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and str(missing) in err
+    assert not (tmp_path / "o" / "swap").exists()  # failed before any swap file was made
+
+
+# -- the job end to end ------------------------------------------------------------------------
+def _losses(out: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_metrics(out / "metrics.jsonl")}
+
+
+@needs_engine
+@pytest.mark.parametrize("offload", ["none", "nvme"])
+def test_job_writes_metrics_checkpoints_and_report(tmp_path: Path, text_file: Path,
+                                                   offload: str) -> None:
+    out = tmp_path / "run"
+    assert train.run(_parse(*_job(out, text_file, "--steps", "4", "--save-every", "2",
+                                  "--offload", offload))) == 0
+    records = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert all(r["tokens_per_s"] > 0 and r["loss"] > 0 for r in records)
+    assert (records[-1]["bytes_nvme"] > 0) == (offload == "nvme")
+    assert [k for k in records[0] if k.startswith("bytes_")] == [f"bytes_{t.value}" for t in Tier]
+    latest = outcore.latest_checkpoint(out / "checkpoints")
+    assert latest is not None and latest.name == "step-00000004"
+    assert (out / "checkpoints" / "step-00000002").is_dir()
+    png = (out / "report.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    swap = out / "swap"
+    assert not swap.exists() or not [p for p in swap.rglob("*") if p.is_file()]
+
+
+@needs_engine
+def test_resume_reproduces_the_uninterrupted_losses(tmp_path: Path, text_file: Path) -> None:
+    out = tmp_path / "run"
+    argv = _job(out, text_file, "--steps", "6", "--save-every", "3", "--dtype", "fp32",
+                "--offload", "nvme")
+    assert train.run(_parse(*argv)) == 0
+    uninterrupted = _losses(out)
+    # As if killed after step 5: the step-6 checkpoint never completed.
+    shutil.rmtree(out / "checkpoints" / "step-00000006")
+    assert train.run(_parse(*argv, "--resume")) == 0
+    resumed = _losses(out)
+    assert list(resumed) == [1, 2, 3, 4, 5, 6]
+    assert resumed == uninterrupted  # bit-identical floats after the resume point too
+    assert outcore.latest_checkpoint(out / "checkpoints").name == "step-00000006"
+    assert train.run(_parse(*argv, "--resume")) == 0  # nothing left to do: a no-op
+    assert _losses(out) == uninterrupted
+
+
+@needs_engine
+def test_a_fresh_run_into_an_earlier_runs_folder_is_refused(tmp_path: Path,
+                                                             text_file: Path) -> None:
+    """Without ``--resume`` its checkpoints would mix with the earlier run's, and a later
+    resume would continue the wrong run; the refusal names the folder and the checkpoint, and
+    gives the folder back (a second attempt meets the same refusal, not a lock)."""
+    out = tmp_path / "run"
+    argv = _job(out, text_file, "--steps", "2", "--save-every", "2", "--dtype", "fp32")
+    assert train.run(_parse(*argv)) == 0
+    for _ in range(2):
+        with pytest.raises(ConfigError, match=r"holds the checkpoints of an earlier run "
+                                               r"\(latest: step-00000002\); add --resume"):
+            train.run(_parse(*argv, "--steps", "4"))
+    assert train.run(_parse(*argv, "--steps", "3", "--resume")) == 0
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [1, 2, 3]
+    assert not (out / ".outcore-lock").exists()
+
+
+@needs_engine
+def test_resume_without_a_checkpoint_starts_fresh(tmp_path: Path, text_file: Path,
+                                                  capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "run"
+    assert train.run(_parse(*_job(out, text_file, "--steps", "2", "--offload", "none",
+                                  "--resume"))) == 0
+    assert "no complete checkpoint" in capsys.readouterr().err
+    assert list(_losses(out)) == [1, 2]
+
+
+def _rank_job(out: str, data: str, batch: str) -> list[float]:
+    train.run(_parse("--model", "tiny", "--data", data, "--out", out, "--batch", batch,
+                     "--seq", "32", "--steps", "3", "--dtype", "fp32", "--offload", "nvme"))
+    return list(_losses(Path(out)).values())
+
+
+@needs_engine
+@pytest.mark.slow
+def test_two_ranks_match_one_rank_with_the_same_global_batch(tmp_path: Path,
+                                                             text_file: Path) -> None:
+    from tests.distributed import run_world
+
+    two = run_world(_rank_job, 2, str(tmp_path / "w2"), str(text_file), "2")
+    one = _rank_job(str(tmp_path / "w1"), str(text_file), "4")
+    assert two[0] == pytest.approx(one, rel=1e-4)  # rank 0 reports the global mean loss
+    assert (tmp_path / "w2" / "report.png").is_file()
+    assert outcore.latest_checkpoint(tmp_path / "w2" / "checkpoints") is not None
+
+
+def _gpt2_folder(folder: Path):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(1)
+    hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=2, n_embd=64, n_head=4, vocab_size=260, n_positions=64, resid_pdrop=0.0,
+        embd_pdrop=0.0, attn_pdrop=0.0)).eval()
+    hf.save_pretrained(folder)  # config.json + model.safetensors
+    return hf
+
+
+@needs_engine
+def test_hf_folder_fine_tunes_from_its_own_weights(tmp_path: Path, text_file: Path) -> None:
+    from outcore.app.data import BatchSampler, load_tokens, split_tokens
+
+    folder = tmp_path / "gpt2"
+    hf = _gpt2_folder(folder)
+    out = tmp_path / "run"
+    assert train.run(_parse("--model", str(folder), "--data", str(text_file), "--out", str(out),
+                            "--batch", "2", "--seq", "32", "--steps", "2", "--dtype", "fp32",
+                            "--offload", "nvme")) == 0
+    # Step 1's loss is the saved model's loss on the first batch: its weights were loaded.
+    x, _ = BatchSampler(split_tokens(load_tokens(text_file))[0], 2, 32, seed=0).next()
+    with torch.no_grad():
+        expected = hf(input_ids=x, labels=x).loss.item()
+    assert _losses(out)[1] == pytest.approx(expected, rel=1e-4)
+    assert outcore.latest_checkpoint(out / "checkpoints") is not None
+
+
+def test_hf_folder_tokens_use_its_tokenizer_else_bytes(tmp_path: Path, text_file: Path) -> None:
+    from tests.common import char_tokenizer as _char_tokenizer
+
+    folder = tmp_path / "gpt2"
+    _gpt2_folder(folder)
+    job = train._job_settings(_parse("--model", str(folder), "--data", str(text_file)), {})
+    tokens, how = train._tokens(job, vocab=260)
+    assert how == "bytes" and tokens.dtype == torch.uint8
+    _char_tokenizer(folder)
+    tokens, how = train._tokens(job, vocab=260)
+    assert "Tokenizer" in how and tokens.dtype == torch.int32 and int(tokens.max()) < 29
+    (folder / "tokenizer.json").unlink()
+    (folder / "tokenizer_config.json").unlink()
+    with pytest.raises(ConfigError, match="256"):
+        train._tokens(job, vocab=100)

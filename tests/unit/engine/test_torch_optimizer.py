@@ -1,0 +1,331 @@
+"""``engine.optimizer`` keeps ``torch.optim``'s contract (engine/torch_optimizer.py's note):
+what code written for torch optimizers does with it gives what it gives with
+``torch.optim.AdamW``."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.optim import lr_scheduler as sched
+
+import outcore
+from outcore.device.accel import default_device
+from tests.distributed import run_world
+
+HP = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+
+
+def _pair(tmp: Path, offload: str = "nvme", **cfg):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+    ref = copy.deepcopy(model).to(default_device())
+    engine = outcore.initialize(model, {
+        "dtype": "fp32", "optimizer": {"type": "adamw", **HP},
+        "offload": {"params": offload, "optimizer": offload, "nvme_path": str(tmp)}, **cfg})
+    return model, engine, ref, torch.optim.AdamW(ref.parameters(), **HP)
+
+
+def _batch(step: int) -> torch.Tensor:
+    return torch.randn(8, 16, generator=torch.Generator().manual_seed(step)).to(default_device())
+
+
+def _both(engine, ref: nn.Module, opt: torch.optim.Optimizer, step: int) -> tuple[float, float]:
+    x = _batch(step)
+    loss = engine(x).pow(2).mean()
+    engine.backward(loss)
+    engine.optimizer.step()
+    ref_loss = ref(x).pow(2).mean()
+    ref_loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.item(), ref_loss.item()
+
+
+def test_is_a_torch_optimizer_over_the_users_parameters(tmp_path: Path) -> None:
+    model, engine, _, _ = _pair(tmp_path)
+    opt = engine.optimizer
+    assert isinstance(opt, torch.optim.Optimizer)
+    assert {k: opt.defaults[k] for k in HP} == HP
+    assert [id(p) for p in opt.param_groups[0]["params"]] == [id(p) for p in model.parameters()]
+    assert opt.param_groups[0]["lr"] == HP["lr"]
+    with pytest.raises(outcore.ConfigError, match="param_groups="):
+        opt.add_param_group({"params": [nn.Parameter(torch.zeros(2))]})
+    engine.close()
+
+
+def test_param_groups_keep_their_parameters_and_overrides(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    decay = [model[0].weight, model[1].weight]
+    rest = [model[0].bias, model[1].bias]
+    engine = outcore.initialize(model, {"dtype": "fp32"}, [
+        {"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}])
+    groups = engine.optimizer.param_groups
+    assert [g["params"] for g in groups] == [decay, rest]
+    assert [g["weight_decay"] for g in groups] == [0.1, 0.0]
+    engine.close()
+
+
+SCHEDULERS = {
+    "StepLR": lambda o: sched.StepLR(o, step_size=2, gamma=0.5),
+    "MultiStepLR": lambda o: sched.MultiStepLR(o, milestones=[1, 3], gamma=0.3),
+    "ConstantLR": lambda o: sched.ConstantLR(o, factor=0.5, total_iters=2),
+    "LinearLR": lambda o: sched.LinearLR(o, start_factor=0.2, total_iters=3),
+    "ExponentialLR": lambda o: sched.ExponentialLR(o, gamma=0.8),
+    "PolynomialLR": lambda o: sched.PolynomialLR(o, total_iters=4, power=2.0),
+    "CosineAnnealingLR": lambda o: sched.CosineAnnealingLR(o, T_max=4, eta_min=1e-4),
+    "CosineAnnealingWarmRestarts": lambda o: sched.CosineAnnealingWarmRestarts(o, T_0=2),
+    "CyclicLR": lambda o: sched.CyclicLR(o, base_lr=1e-3, max_lr=1e-2, step_size_up=2),
+    "OneCycleLR": lambda o: sched.OneCycleLR(o, max_lr=2e-2, total_steps=10),
+    "LambdaLR": lambda o: sched.LambdaLR(o, lambda s: 1.0 / (1 + s)),
+    "MultiplicativeLR": lambda o: sched.MultiplicativeLR(o, lambda s: 0.9),
+    "SequentialLR": lambda o: sched.SequentialLR(o, [sched.ConstantLR(o, 0.5, 2),
+                                                     sched.ExponentialLR(o, 0.9)], [2]),
+    "ChainedScheduler": lambda o: sched.ChainedScheduler([sched.ConstantLR(o, 0.5, 2),
+                                                          sched.ExponentialLR(o, 0.9)]),
+    "ReduceLROnPlateau": lambda o: sched.ReduceLROnPlateau(o, patience=0, factor=0.5),
+}
+
+
+@pytest.mark.parametrize("name", list(SCHEDULERS))
+def test_every_torch_scheduler_drives_the_shards_as_it_drives_adamw(tmp_path: Path,
+                                                                     name: str) -> None:
+    """The scheduler's learning rate (and OneCycle/Cyclic's momentum, which they write into
+    ``betas``) reaches the update of the shards: same rates, same losses, same weights."""
+    model, engine, ref, opt = _pair(tmp_path, offload="cpu")
+    ours_s, ref_s = SCHEDULERS[name](engine.optimizer), SCHEDULERS[name](opt)
+    lrs, ref_lrs, losses, ref_losses = [], [], [], []
+    for step in range(6):
+        loss, ref_loss = _both(engine, ref, opt, step)
+        losses.append(loss)
+        ref_losses.append(ref_loss)
+        if name == "ReduceLROnPlateau":
+            ours_s.step(1.0)  # never improves: the rate halves
+            ref_s.step(1.0)
+        else:
+            ours_s.step()
+            ref_s.step()
+        lrs.append([g["lr"] for g in engine.optimizer.param_groups])
+        ref_lrs.append([g["lr"] for g in opt.param_groups])
+    assert lrs == ref_lrs
+    torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6)
+    with engine.gathered_parameters():
+        for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+            torch.testing.assert_close(p.data, q.detach(), rtol=1e-4, atol=1e-5)
+    assert ours_s.state_dict().keys() == ref_s.state_dict().keys()
+    engine.close()
+
+
+@pytest.mark.parametrize("how", ["optimizer", "model"])
+def test_zero_grad_drops_what_backward_accumulated(tmp_path: Path, how: str) -> None:
+    """``optimizer.zero_grad()`` and ``model.zero_grad()`` reach the engine's gradient shards.
+    (Clipping keeps every update for step(): see the next test.)"""
+    model, engine, ref, opt = _pair(tmp_path, gradient_clipping=10.0)
+    x = _batch(0)
+    engine.backward(engine(x).pow(2).mean())
+    ref(x).pow(2).mean().backward()
+    (engine.optimizer if how == "optimizer" else model).zero_grad()
+    opt.zero_grad()
+    for step in (1, 2):  # plain torch clips too: at 10 it never does here
+        x = _batch(step)
+        engine.backward(engine(x).pow(2).mean())
+        engine.step()
+        ref(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    with engine.gathered_parameters():
+        for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+            torch.testing.assert_close(p.data, q.detach(), rtol=1e-4, atol=1e-5)
+    engine.close()
+
+
+def test_zero_grad_after_updates_ran_in_backward_is_refused(tmp_path: Path) -> None:
+    """With the optimizer running during backward, a boundary backward has applied its
+    updates already: zero_grad() cannot take them back, and says so."""
+    _, engine, _, _ = _pair(tmp_path)
+    assert engine.overlaps_optimizer
+    engine.backward(engine(_batch(0)).pow(2).mean())
+    with pytest.raises(outcore.OutcoreError, match="already applied the updates"):
+        engine.optimizer.zero_grad()
+    assert engine.step()
+    engine.optimizer.zero_grad()  # after the step: nothing to drop, fine
+    engine.close()
+
+
+def test_step_with_a_closure_returns_its_loss(tmp_path: Path) -> None:
+    _, engine, _, _ = _pair(tmp_path, offload="none")
+    x = _batch(0)
+
+    def closure() -> torch.Tensor:
+        loss = engine(x).pow(2).mean()
+        engine.backward(loss)
+        return loss
+
+    loss = engine.optimizer.step(closure)
+    assert isinstance(loss, torch.Tensor) and engine.global_steps == 1
+    engine.close()
+
+
+def _resume(tmp: str, source: str) -> dict:
+    """Train 2 steps, take the state dicts, load them into a fresh model and engine, train
+    2 more: the same as 2 more on the original. ``source``: whose optimizer state dict is
+    loaded, outcore's own (slices) or plain AdamW's (full-shape moments)."""
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    root = Path(tmp) / f"rank{rank}"
+    root.mkdir(exist_ok=True)
+    model, engine, ref, opt = _pair(root / "a")
+    for step in range(2):
+        _both(engine, ref, opt, step)
+    if source == "outcore":
+        with engine.gathered_parameters():
+            weights = {k: v.clone() for k, v in model.state_dict().items()}
+        state = engine.optimizer.state_dict()
+    else:
+        weights, state = ref.state_dict(), opt.state_dict()
+    torch.manual_seed(5)
+    model2 = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+    engine2 = outcore.initialize(model2, {
+        "dtype": "fp32", "optimizer": {"type": "adamw", **HP},
+        "offload": {"params": "nvme", "optimizer": "nvme", "nvme_path": str(root / "b")}})
+    model2.load_state_dict(weights)
+    engine2.optimizer.load_state_dict(state)
+    out = {"steps": [], "resumed": []}
+    for step in range(2, 4):
+        out["steps"].append(_both(engine, ref, opt, step)[0])
+        x = _batch(step)
+        loss = engine2(x).pow(2).mean()
+        engine2.backward(loss)
+        engine2.optimizer.step()
+        out["resumed"].append(loss.item())
+    engine.close()
+    engine2.close()
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("source", ["outcore", "torch"])
+def test_state_dict_round_trips_and_takes_plain_adamw_state(tmp_path: Path, source: str,
+                                                             world: int) -> None:
+    for rank in run_world(_resume, world, str(tmp_path), source):
+        torch.testing.assert_close(rank["resumed"], rank["steps"], rtol=1e-5, atol=1e-6)
+
+
+def test_state_dict_of_another_world_size_is_refused_in_words(tmp_path: Path) -> None:
+    _, engine, _, _ = _pair(tmp_path)
+    _both(engine, *_pair(tmp_path / "ref")[2:], 0)
+    state = engine.optimizer.state_dict()
+    state["outcore"]["world_size"] = 4
+    for entry in state["state"].values():  # slices of a 4-rank layout: a quarter each
+        entry["exp_avg"] = entry["exp_avg"][: entry["exp_avg"].numel() // 4]
+    with pytest.raises(outcore.ConfigError, match="saved at world size .*4"):
+        engine.optimizer.load_state_dict(state)
+    engine.close()
+
+
+@pytest.mark.parametrize("cls", [torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD])
+def test_a_users_torch_optimizer_and_its_scheduler_are_adopted(tmp_path: Path, cls) -> None:
+    """``initialize(model, cfg, optimizer=opt)``: the shards are updated as ``opt`` would
+    update the model, and a scheduler made for ``opt`` drives them (param_groups.py's
+    [Note: adopting a torch optimizer])."""
+    kw = {"lr": 1e-2, "momentum": 0.9} if cls is torch.optim.SGD else {"lr": 1e-2}
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+    ref = copy.deepcopy(model).to(default_device())
+    groups = [{"params": [model[0].weight, model[2].weight], "weight_decay": 0.1},
+              {"params": [model[0].bias, model[2].bias], "weight_decay": 0.0}]
+    opt = cls(groups, **kw)
+    sched = sched_for(opt)
+    ref_opt = cls([{"params": [ref[0].weight, ref[2].weight], "weight_decay": 0.1},
+                   {"params": [ref[0].bias, ref[2].bias], "weight_decay": 0.0}], **kw)
+    ref_sched = sched_for(ref_opt)
+    keys = [set(g) for g in opt.param_groups]
+    engine = outcore.initialize(model, {"dtype": "fp32", "offload": {
+        "params": "nvme", "optimizer": "nvme", "nvme_path": str(tmp_path)}}, optimizer=opt)
+    assert engine.optimizer.param_groups[0] is opt.param_groups[0]
+    assert [set(g) for g in opt.param_groups] == keys  # no other optimizer's keys added
+    assert engine.optimizer.defaults == opt.defaults
+    for step in range(4):
+        _both(engine, ref, ref_opt, step)
+        sched.step()
+        ref_sched.step()
+    assert [g["lr"] for g in opt.param_groups] == [g["lr"] for g in ref_opt.param_groups]
+    with engine.gathered_parameters():
+        for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+            torch.testing.assert_close(p.data, q.detach(), rtol=1e-4, atol=1e-5)
+    engine.close()
+
+
+def sched_for(opt: torch.optim.Optimizer):
+    return sched.StepLR(opt, step_size=1, gamma=0.7)
+
+
+def test_an_optimizer_outcore_cannot_run_is_refused_in_words() -> None:
+    model = nn.Linear(4, 4)
+    with pytest.raises(outcore.ConfigError, match="RMSprop cannot run over outcore's shards"):
+        outcore.initialize(model, {"dtype": "fp32"},
+                           optimizer=torch.optim.RMSprop(model.parameters()))
+    with pytest.raises(outcore.ConfigError, match="amsgrad=True is not supported"):
+        outcore.initialize(model, {"dtype": "fp32"},
+                           optimizer=torch.optim.AdamW(model.parameters(), amsgrad=True))
+    assert type(model.weight) is nn.Parameter  # refused before anything was sharded
+
+
+def _adafactor_run(tmp: str, kw: dict, offload: str) -> dict:
+    """Four Adafactor steps on this rank, beside transformers' Adafactor on a plain copy
+    (every rank the same batch), then a checkpoint round trip and two steps more."""
+    from transformers.optimization import Adafactor
+
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 24), nn.Tanh(), nn.Linear(24, 5))
+    ref = copy.deepcopy(model).to(default_device())
+    ref_opt = Adafactor(ref.parameters(), **kw)
+    cfg = {"dtype": "fp32", "offload": {"params": offload, "optimizer": offload}}
+    engine = outcore.initialize(model, cfg, optimizer=Adafactor(model.parameters(), **kw))
+    out = {"gap": [], "resumed": [], "uninterrupted": []}
+    for step in range(4):
+        _both(engine, ref, ref_opt, step)
+    with engine.gathered_parameters():
+        out["gap"] = max(float((p.data - q.detach()).abs().max())
+                         for p, q in zip(model.parameters(), ref.parameters(), strict=True))
+    engine.save_checkpoint(Path(tmp) / "ckpt" / "step-4")
+    torch.manual_seed(9)
+    model2 = nn.Sequential(nn.Linear(16, 24), nn.Tanh(), nn.Linear(24, 5))
+    engine2 = outcore.initialize(model2, cfg, optimizer=Adafactor(model2.parameters(), **kw))
+    engine2.load_checkpoint(Path(tmp) / "ckpt" / "step-4")
+    for step in range(4, 6):
+        for e, key in ((engine, "uninterrupted"), (engine2, "resumed")):
+            loss = e(_batch(step)).pow(2).mean()
+            e.backward(loss)
+            e.step()
+            out[key].append(loss.item())
+    engine.close()
+    engine2.close()
+    return {**out, "rank": rank}
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("kw", [{"lr": None},
+                                {"lr": 1e-2, "relative_step": False, "scale_parameter": False,
+                                 "beta1": 0.9, "weight_decay": 0.01}], ids=["relative", "beta1"])
+def test_adafactor_over_slices_equals_transformers(tmp_path: Path, world: int,
+                                                   kw: dict) -> None:
+    """transformers' Adafactor, its factored statistics all-reduced from the ranks' slices
+    (adafactor.py's note): the weights it gives, and a checkpoint that resumes it exactly."""
+    pytest.importorskip("transformers")
+    for result in run_world(_adafactor_run, world, str(tmp_path), kw, "cpu"):
+        assert result["gap"] < 1e-5
+        assert result["resumed"] == result["uninterrupted"]
+
+
+def test_adafactor_with_its_state_on_nvme_is_refused_in_words(tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    model = nn.Linear(4, 4)
+    with pytest.raises(outcore.ConfigError, match="Adafactor needs offload.optimizer cpu"):
+        outcore.initialize(model, {"dtype": "fp32", "offload": {
+            "optimizer": "nvme", "nvme_path": str(tmp_path)}},
+            optimizer=transformers.optimization.Adafactor(model.parameters()))

@@ -227,7 +227,7 @@ class Engine:
         on NVMe: reads and writes of all their state) are what the step would still wait for, and
         they are what the next forward needs first. Instead, the step re-orders the updates
         not yet started so the first layers come first, and returns. Each group's next fetch
-        waits for the updates of its shards (``ParamGroup.await_update``); a prefetch passes a
+        waits for the updates of its shards (``GatherGroup.await_update``); a prefetch passes a
         group still being updated; ``gathered_parameters``, checkpoints and the next step
         wait as well. So the next forward runs layer by layer behind the updates instead of
         after all of them, and nothing ever reads a shard mid-update. Hyper-parameters are

@@ -41,7 +41,7 @@ from torch import nn
 
 from outcore.runtime.phase import Phase
 from outcore.zero.access_mode import ParamAccessMode
-from outcore.zero.group import ParamGroup, PendingReduce
+from outcore.zero.group import GatherGroup, PendingReduce
 from outcore.zero.registry import owner
 from outcore.zero.state import GroupState
 
@@ -84,20 +84,20 @@ class Hooks:
     def __reduce__(self) -> tuple[Callable[[type[Hooks]], Hooks], tuple[type[Hooks]]]:
         return (inert_copy, (type(self),))
 
-    def __init__(self, module_groups: dict[nn.Module, list[ParamGroup]],
-                 groups: list[ParamGroup], schedule: Schedule, rt: Runtime) -> None:
+    def __init__(self, module_groups: dict[nn.Module, list[GatherGroup]],
+                 groups: list[GatherGroup], schedule: Schedule, rt: Runtime) -> None:
         self.rt = rt  # its ``phase`` is moved here only: _sync_phase
         self.module_groups = module_groups
         self.groups = groups
         self.schedule = schedule
-        self.frames: list[list[ParamGroup]] = []
+        self.frames: list[list[GatherGroup]] = []
         self._in_backward = False
         self.pending: deque[PendingReduce] = deque()
         # called with each group whose gradients for this backward are reduced (or None)
-        self._on_reduced: Callable[[ParamGroup], None] | None = None
+        self._on_reduced: Callable[[GatherGroup], None] | None = None
         self.mode = ParamAccessMode(self._on_access)
         # see [Note: frozen groups in backward]: (group, node that last unpacked it, thread)
-        self._frozen_held: list[tuple[ParamGroup, object, int | None]] = []
+        self._frozen_held: list[tuple[GatherGroup, object, int | None]] = []
         self._pinned: set[int] = set()  # groups a recomputation fetched in this backward
         self._handles: list[RemovableHandle] = []
         for m, gs in module_groups.items():
@@ -198,7 +198,7 @@ class Hooks:
             self.schedule.need([g], on_demand=True)
         self.frames[-1].append(g)  # forward_context always pushed one
 
-    def _release(self, groups: list[ParamGroup]) -> None:
+    def _release(self, groups: list[GatherGroup]) -> None:
         for g in groups:
             if g.unhold() and not self._in_backward:
                 self.schedule.done(g)
@@ -228,7 +228,7 @@ class Hooks:
             self._frozen_held = [*held, (g, node, thread)]
         return saved.tensor
 
-    def _release_frozen(self, node: object, thread: int | None, unpacking: ParamGroup) -> None:
+    def _release_frozen(self, node: object, thread: int | None, unpacking: GatherGroup) -> None:
         """Release frozen groups that earlier nodes of this thread unpacked (see the note),
         except ``unpacking``, which the current node is about to use again."""
         still = []
@@ -262,7 +262,7 @@ class Hooks:
 
         return hook
 
-    def _reduce(self, g: ParamGroup) -> None:
+    def _reduce(self, g: GatherGroup) -> None:
         """Start ``g``'s reduction; keep at most two in flight while backward goes on."""
         pending = g.reduce_grads()
         if pending is None:
@@ -272,12 +272,12 @@ class Hooks:
         while len(self.pending) > 2:
             self._reduced(self.pending.popleft().finish())
 
-    def _reduced(self, g: ParamGroup) -> None:
+    def _reduced(self, g: GatherGroup) -> None:
         if self._on_reduced is not None:
             self._on_reduced(g)
 
     @contextlib.contextmanager
-    def backward(self, on_reduced: Callable[[ParamGroup], None] | None = None,
+    def backward(self, on_reduced: Callable[[GatherGroup], None] | None = None,
                  before_abort: Callable[[], None] | None = None) -> Iterator[None]:
         """Active around ``loss.backward()``: fetches become recomputations' (see [Note:
         frozen groups in backward]), ``on_reduced(group)`` is called as each group's gradients

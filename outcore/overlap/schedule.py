@@ -18,7 +18,7 @@ that the next iteration's head needs within the budget is kept when backward fin
 it, and stays gathered through the step instead of being released and read back from disk
 right after. This is only sound where the gathered values can be brought up to date without
 the disk: at one rank, with the fp32 masters in memory, the step refreshes a kept group's
-full tensors from its masters (``ParamGroup.refresh_after_step``). Elsewhere the step
+full tensors from its masters (``GatherGroup.refresh_after_step``). Elsewhere the step
 releases them, as before. Prefetching never reads across the cycle: reads issued before a
 step would fetch values the step is about to change.
 
@@ -45,7 +45,7 @@ import warnings
 from collections.abc import Iterator
 from enum import Enum
 
-from outcore.zero.group import ParamGroup
+from outcore.zero.group import GatherGroup
 from outcore.zero.state import GroupState
 
 log = logging.getLogger("outcore")
@@ -65,7 +65,7 @@ class Mode(str, Enum):
 class Schedule:
     """Fetch and release groups; prefetch along the recorded trace; count what happened."""
 
-    def __init__(self, prefetch_bytes: int, groups: list[ParamGroup] | None = None,
+    def __init__(self, prefetch_bytes: int, groups: list[GatherGroup] | None = None,
                  carry: bool = False) -> None:
         self.prefetch_bytes = prefetch_bytes
         self.groups = groups or []
@@ -158,7 +158,7 @@ class Schedule:
         return head
 
     # -- the three calls the hooks make --------------------------------------------------------
-    def need(self, groups: list[ParamGroup], on_demand: bool = False) -> None:
+    def need(self, groups: list[GatherGroup], on_demand: bool = False) -> None:
         """Make ``groups`` unsharded before returning, then prefetch along the trace."""
         for g in groups:
             self._follow(g)
@@ -175,7 +175,7 @@ class Schedule:
             g.wait_unshard()
         self._prefetch()
 
-    def done(self, group: ParamGroup) -> None:
+    def done(self, group: GatherGroup) -> None:
         """The current user of ``group`` is finished with it: release it, or keep it if the
         trace needs it again within the budget."""
         if group.persistent or group.state is GroupState.SHARDED:
@@ -198,7 +198,7 @@ class Schedule:
         return out
 
     # -- following the trace -------------------------------------------------------------------
-    def _follow(self, g: ParamGroup) -> None:
+    def _follow(self, g: GatherGroup) -> None:
         self.recording.append(g.index)
         if self.mode is not Mode.FOLLOWING:
             return
@@ -215,7 +215,7 @@ class Schedule:
                      "fetching on demand and re-tracing. Later divergences are only counted "
                      "(engine.schedule_stats()).", g.name)
 
-    def _upcoming(self, cycle: bool = False) -> Iterator[ParamGroup]:
+    def _upcoming(self, cycle: bool = False) -> Iterator[GatherGroup]:
         """Groups in the order the trace will need them; with ``cycle``, followed by the next
         iteration's (see [Note: carrying the head across iterations])."""
         if self.mode is not Mode.FOLLOWING or not self.movable:
@@ -234,7 +234,7 @@ class Schedule:
         return sum(nbytes for index, nbytes in self.ahead.items()
                    if self.groups[index].state is not GroupState.SHARDED)
 
-    def _needed_soon(self, group: ParamGroup) -> bool:
+    def _needed_soon(self, group: GatherGroup) -> bool:
         budget = self.prefetch_bytes - self._ahead_bytes()
         for g in self._upcoming(cycle=self.carry):
             if g is group:
@@ -245,7 +245,7 @@ class Schedule:
                 return False
         return False
 
-    def _make_room(self, group: ParamGroup) -> bool:
+    def _make_room(self, group: GatherGroup) -> bool:
         """Keep ``group`` by releasing kept groups the trace needs after it, if that is enough.
 
         [Note: the budget goes to what is needed first]
@@ -320,7 +320,7 @@ class Schedule:
             self.counts["prefetches"] += 1
             self.peak_ahead_bytes = max(self.peak_ahead_bytes, used)
 
-    def _warn_small_budget(self, g: ParamGroup) -> None:
+    def _warn_small_budget(self, g: GatherGroup) -> None:
         if not self._warned_small_budget:
             self._warned_small_budget = True
             warnings.warn(

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from outcore.runtime import Runtime
-from outcore.zero.group import ParamGroup
+from outcore.zero.group import GatherGroup
 from outcore.zero.param import ShardedParam
 from outcore.zero.registry import managed, register
 
@@ -33,19 +33,19 @@ def shard_params(module: nn.Module, rt: Runtime) -> list[ShardedParam]:
 
 
 def build_groups(module: nn.Module, rt: Runtime, persistence_threshold_bytes: int
-                 ) -> tuple[list[ParamGroup], dict[nn.Module, list[ParamGroup]]]:
+                 ) -> tuple[list[GatherGroup], dict[nn.Module, list[GatherGroup]]]:
     """One group per module's own parameters; tied parameters join their first owner.
     Returns the groups and, per module, the groups it uses."""
-    groups: list[ParamGroup] = []
-    module_groups: dict[nn.Module, list[ParamGroup]] = {}
+    groups: list[GatherGroup] = []
+    module_groups: dict[nn.Module, list[GatherGroup]] = {}
     for name, m in module.named_modules():
         own = list({id(sp): sp for p in m._parameters.values()
                     if p is not None and (sp := managed(p))}.values())
         new = [sp for sp in own if sp.group is None]
         if new:
-            groups.append(ParamGroup(len(groups), name or "<root>", new, rt,
+            groups.append(GatherGroup(len(groups), name or "<root>", new, rt,
                                      persistence_threshold_bytes))
-        uses: list[ParamGroup] = []
+        uses: list[GatherGroup] = []
         for sp in own:
             assert sp.group is not None  # the group made above, or an earlier module's
             if sp.group not in uses:

@@ -1,5 +1,10 @@
 """A group of parameters gathered, released and reduced together (one module's own params).
 
+``GatherGroup`` is named for what it does, since "group" means two other things nearby: an
+optimizer's *param group* (``engine.param_groups``, torch's hyper-parameter groups) and the
+*process group* of the ranks (``runtime/comm.py``). In outcore's code a bare "group" is a
+``GatherGroup``; the other two are always spelled out.
+
 [Note: group states and moves]
 A group is in exactly one state: SHARDED (only shards exist), FETCHING (shard reads issued,
 not yet gathered) or UNSHARDED (every parameter shows its full tensor). The moves are
@@ -59,7 +64,7 @@ class PendingUpdate(Protocol):
     def result(self, timeout: float | None = None) -> object: ...
 
 
-class ParamGroup:
+class GatherGroup:
     """Parameters that move together; see the notes above."""
 
     def __init__(self, index: int, name: str, params: list[ShardedParam], rt: Runtime,
@@ -341,11 +346,11 @@ class PendingReduce:
 
     _send: torch.Tensor | None  # the packed gradients, dropped once the collective finished
 
-    def __init__(self, group: ParamGroup, live: list[tuple[ShardedParam, int]],
+    def __init__(self, group: GatherGroup, live: list[tuple[ShardedParam, int]],
                  out: torch.Tensor, send: torch.Tensor, work: Handle) -> None:
         self.group, self._live, self._out, self._send, self._work = group, live, out, send, work
 
-    def finish(self) -> ParamGroup:
+    def finish(self) -> GatherGroup:
         """Wait, then copy-out: each parameter's piece of the mean joins its gradient shard."""
         with record_function(REDUCE_SCATTER):
             self._work.wait()

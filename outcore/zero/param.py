@@ -34,7 +34,7 @@ from outcore.zero.sharding import ShardLayout
 from outcore.zero.state import PARAM_MOVES, ParamState
 
 if TYPE_CHECKING:
-    from outcore.zero.group import ParamGroup
+    from outcore.zero.group import GatherGroup
 
 
 class ShardedParam:
@@ -67,7 +67,7 @@ class ShardedParam:
         self._grad_buffer: torch.Tensor | None = None  # see [Note: gradient buffers]
         self._grad_charge: Charge | None = None  # the bytes of both, on the ledger
         self.has_grad = False  # a gradient arrived since the last step
-        self.group: ParamGroup | None = None  # the group that gathers it (set by the engine)
+        self.group: GatherGroup | None = None  # the group that gathers it (set by the engine)
         self.shown_modify = False  # SHOWN: whether gathered_parameters writes .data back
         self.state = ParamState.SHARDED
         self.full = self._new_full(self.dtype)

@@ -5,7 +5,7 @@ A parameter under outcore is in exactly one ``ParamState`` at a time, and only i
 ``ShardedParam`` moves it (``ShardedParam._move``), asserting that the move is in
 ``PARAM_MOVES``. What a user's call on the parameter means follows from the state alone
 (surface.py), so there are no flags to keep in step. The group a parameter is gathered with
-has its own ``GroupState`` (below), moved only by ``ParamGroup._move`` within
+has its own ``GroupState`` (below), moved only by ``GatherGroup._move`` within
 ``GROUP_MOVES``; the group drives its parameters' GATHERED and SHARDED moves. Whether the
 engine is computing is the runtime's ``Phase`` (runtime/phase.py), moved only by the hooks
 (overlap/hooks.py), as FSDP2 keeps ``TrainingState`` apart from ``ShardedState``.
@@ -62,4 +62,4 @@ GROUP_MOVES: frozenset[tuple[GroupState, GroupState]] = frozenset({
     (GroupState.FETCHING, GroupState.SHARDED),  # reshard() of a prefetch never used
     (GroupState.UNSHARDED, GroupState.SHARDED),  # reshard(), hide_resident()
 })
-"""The moves ``ParamGroup._move`` allows; anything else is a bug in outcore, asserted."""
+"""The moves ``GatherGroup._move`` allows; anything else is a bug in outcore, asserted."""

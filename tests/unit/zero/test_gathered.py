@@ -18,7 +18,7 @@ import outcore
 from outcore.runtime.context import Runtime
 from outcore.zero.build import shard_params
 from outcore.zero.gathered import gathered_parameters
-from outcore.zero.group import ParamGroup
+from outcore.zero.group import GatherGroup
 from outcore.zero.param import ShardedParam
 from outcore.zero.registry import managed
 from outcore.zero.sharding import ShardLayout
@@ -135,7 +135,7 @@ def test_a_zero_copy_group_shows_its_updated_shards_again_afterwards() -> None:
     rt = Runtime(outcore.Config.from_dict(FP32))
     fc = _linear()
     sps = _shard(fc, rt)
-    group = ParamGroup(0, "fc", sps, rt, persistence_threshold_bytes=0)
+    group = GatherGroup(0, "fc", sps, rt, persistence_threshold_bytes=0)
     assert group.zero_copy
     group.wait_unshard()
     with gathered_parameters([fc.weight], modify=True):

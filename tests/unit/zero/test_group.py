@@ -24,7 +24,7 @@ from outcore.errors import StorageError
 from outcore.runtime.context import Runtime
 from outcore.zero.access import raw_data
 from outcore.zero.build import shard_params
-from outcore.zero.group import ParamGroup
+from outcore.zero.group import GatherGroup
 from outcore.zero.param import ShardedParam
 from outcore.zero.registry import storage_key, unregister
 from outcore.zero.sharding import ShardLayout
@@ -43,13 +43,13 @@ def _linear(seed: int = 0) -> nn.Linear:
     return nn.Linear(6, 5)
 
 
-def _group(module: nn.Module, rt: Runtime, threshold: int = 0) -> ParamGroup:
+def _group(module: nn.Module, rt: Runtime, threshold: int = 0) -> GatherGroup:
     """``module``'s own parameters sharded in ``rt`` and gathered as one group."""
-    return ParamGroup(0, "fc", shard_params(module, rt), rt,
+    return GatherGroup(0, "fc", shard_params(module, rt), rt,
                       persistence_threshold_bytes=threshold)
 
 
-def _forget(group: ParamGroup) -> None:
+def _forget(group: GatherGroup) -> None:
     for sp in group.params:
         sp.free_storage()
         unregister(sp.param)

@@ -1,7 +1,7 @@
 """The named states of a parameter and of its group, and the moves allowed between them
 (zero/state.py's [Note: one state, one owner]): ``PARAM_MOVES`` and ``GROUP_MOVES`` hold
 exactly the moves docs/design.md draws, and the one owner of each state
-(``ShardedParam._move``, ``ParamGroup._move``) makes every allowed move and asserts on any
+(``ShardedParam._move``, ``GatherGroup._move``) makes every allowed move and asserts on any
 other, naming the parameter or group and the move, with the state left as it was."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from torch import nn
 
 import outcore
 from outcore.runtime.context import Runtime
-from outcore.zero.group import ParamGroup
+from outcore.zero.group import GatherGroup
 from outcore.zero.param import ShardedParam
 from outcore.zero.registry import register, unregister
 from outcore.zero.state import (
@@ -105,7 +105,7 @@ def test_a_group_makes_every_allowed_move_and_asserts_on_the_others(rt: Runtime)
     sp = ShardedParam(param, rt)
     register(param, sp)
     sp.prepare_for_training()
-    group = ParamGroup(0, "block.fc", [sp], rt, persistence_threshold_bytes=0)
+    group = GatherGroup(0, "block.fc", [sp], rt, persistence_threshold_bytes=0)
     assert group.state is G.SHARDED and sp.group is group
     for a, b in itertools.product(GroupState, repeat=2):
         group.state = a

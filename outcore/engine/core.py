@@ -388,8 +388,11 @@ class Engine:
 
     # -- checkpoints -------------------------------------------------------------------------
     def save_checkpoint(self, path: str | os.PathLike[str],
-                        client_state: dict[str, Any] | None = None) -> Path:
+                        client_state: dict[str, Any] | None = None, *,
+                        replace_folder: bool = False) -> Path:
         """Write a complete checkpoint folder atomically (a collective: every rank calls).
+        ``replace_folder``: an existing folder at ``path`` goes whole, not only the files of a
+        checkpoint (io/checkpoint.py's [Note: replacing a folder]).
 
         From the first save into a folder's parent (the checkpoint root) until ``close()``,
         another process's engine saving into or loading from that root is refused with
@@ -399,7 +402,7 @@ class Engine:
         checkpoint.check_client_state(client_state)  # a mistake here creates no folder
         self._folders.hold(path.parent, self.rt.comm, self.rt.accel, create=True)
         try:
-            return checkpoint.save(self, path, client_state)
+            return checkpoint.save(self, path, client_state, replace_folder=replace_folder)
         finally:  # saving read every shard through the I/O pool
             self.rt.release_idle_io_buffers()
 

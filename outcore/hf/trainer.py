@@ -243,7 +243,7 @@ class OutcoreTrainer(Trainer):
         engine, rank = self.outcore_engine, self.outcore_engine.rank
         peft = saving.is_peft_model(self.model)
         if _internal_call:  # checkpoint-N: what save_pretrained writes, and the shards
-            engine.save_checkpoint(out)
+            engine.save_checkpoint(out, replace_folder=True)  # the Trainer's folder
             if peft:
                 saving.save_adapters(self.model, rank, out)
             else:

@@ -63,12 +63,17 @@ def rank_file(rank: int, world: int) -> str:
 
 
 # -- save ----------------------------------------------------------------------------------------
-def save(engine: Any, path: Path, client_state: dict[str, Any]) -> Path:
+def save(engine: Any, path: Path, client_state: dict[str, Any], *,
+         replace_folder: bool = False) -> Path:
+    """``replace_folder``: a folder already at ``path`` goes whole once the new one is in
+    place, other files included (a Trainer's ``checkpoint-N``, which the Trainer itself
+    deletes whole); otherwise only the files of a checkpoint go ([Note: replacing a folder])."""
     engine.sharded_optimizer.wait()  # updates running during backward must land before we read
-    return _save(engine, path, client_state)
+    return _save(engine, path, client_state, replace_folder)
 
 
-def _save(engine: Any, path: Path, client_state: dict[str, Any]) -> Path:
+def _save(engine: Any, path: Path, client_state: dict[str, Any],
+          replace_folder: bool = False) -> Path:
     """Write a complete checkpoint of ``engine`` to ``path`` (a collective; see the notes).
 
     ``path`` must be on a filesystem every rank sees. Rank 0's ``client_state`` is the one
@@ -80,7 +85,7 @@ def _save(engine: Any, path: Path, client_state: dict[str, Any]) -> Path:
     err: OutcoreError | OSError | None = None
     if comm.rank == 0:
         try:
-            _check_replaceable(path)
+            _check_replaceable(path, replace_folder)
             path.parent.mkdir(parents=True, exist_ok=True)
             _remove_ours(partial)
             partial.mkdir(mode=0o700)
@@ -107,7 +112,7 @@ def _save(engine: Any, path: Path, client_state: dict[str, Any]) -> Path:
             manifest = _manifest(engine, client_state, files)
             sts.write_json_durably(partial / MANIFEST, manifest)
             sts.fsync_dir(partial)
-            _publish(partial, path)
+            _publish(partial, path, replace_folder)
         except (OutcoreError, OSError) as e:
             err = _storage_error(e, path)
     _agree(engine, err, f"publishing {path}")
@@ -219,23 +224,34 @@ def _jsonable(value: Any) -> bool:
         return False
 
 
-def _check_replaceable(path: Path) -> None:
-    """Refuse to replace anything but an empty folder or an outcore checkpoint."""
+def _check_replaceable(path: Path, whole: bool = False) -> None:
+    """Refuse to replace anything but an empty folder or an outcore checkpoint (any folder
+    where the caller owns it ``whole``)."""
     if path.exists() and not path.is_dir():
         raise StorageError(f"checkpoint path {path} exists and is not a folder")
-    if path.is_dir() and any(path.iterdir()) and not (path / MANIFEST).exists():
+    if not whole and path.is_dir() and any(path.iterdir()) and not (path / MANIFEST).exists():
         raise StorageError(f"{path} exists and is not an outcore checkpoint; not replacing it")
 
 
-def _publish(partial: Path, path: Path) -> None:
-    """Move the finished folder into place; delete the old checkpoint only afterwards."""
+def _publish(partial: Path, path: Path, replace_folder: bool = False) -> None:
+    """Move the finished folder into place; delete the old checkpoint only afterwards.
+
+    [Note: replacing a folder]
+    The old folder is renamed aside first, so a crash leaves either checkpoint whole. Then
+    only the files a checkpoint consists of are deleted from it, and a folder still holding
+    others (someone else's) is left with a warning, unless the caller owns the whole
+    folder: under ``OutcoreTrainer`` the ``checkpoint-N`` folders are the Trainer's, with its
+    own files in them, and a second run into the same ``output_dir`` replaces them whole, as
+    the Trainer's own rotation deletes them."""
     aside = None
     if path.exists():
         aside = path.with_name(path.name + _ASIDE + secrets.token_hex(4))
         os.replace(path, aside)
     os.replace(partial, path)
     sts.fsync_dir(path.parent)
-    if aside is not None:
+    if aside is not None and replace_folder:
+        shutil.rmtree(aside, ignore_errors=True)
+    elif aside is not None:
         _remove_ours(aside)
 
 

@@ -603,3 +603,30 @@ print("before exit:", len(list((tmp / "swap").rglob("*.swap"))))
     assert out.returncode == 0, out.stderr[-2000:]
     assert "after gc: 0" in out.stdout and "before exit: 1" in out.stdout
     assert not list((tmp_path / "swap").rglob("*.swap")), "the swap is gone at exit"
+
+
+def test_a_second_run_into_the_same_output_dir_replaces_its_checkpoints(
+        tmp_path: Path) -> None:
+    """The script run again into its ``output_dir``: each ``checkpoint-N`` is replaced whole
+    (the Trainer's own files in it too), with no folder left aside and no warning; a
+    folder beside them that is not the Trainer's is left alone."""
+    keep = tmp_path / "o" / "notes"
+    keep.mkdir(parents=True)
+    (keep / "mine.txt").write_text("mine")
+    runs = []
+    for seed in (0, 1):
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message="left .*outcore did not write")
+            trainer = OutcoreTrainer(model=build("gpt2"),
+                                     args=arguments(tmp_path / "o", max_steps=2, seed=seed,
+                                                    save_strategy="steps", save_steps=2),
+                                     train_dataset=dataset(), outcore_config=nvme(tmp_path))
+            trainer.train()
+        runs.append(logged(trainer, "loss"))
+        trainer.close()
+    out = tmp_path / "o"
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-2", "notes"]
+    assert (keep / "mine.txt").read_text() == "mine"
+    state = json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())
+    assert [h["loss"] for h in state["log_history"] if "loss" in h] == runs[1]  # the new run's
+    assert runs[0] != runs[1]

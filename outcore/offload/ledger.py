@@ -103,6 +103,7 @@ class Charge:
         self._ledger, self._key = ledger, (tier.value, kind.value)
         self._held = [0]  # shared with the finalizer, which must not hold the charge itself
         self._finalizer = weakref.finalize(self, _settle, ledger, self._key, self._held)
+        self._finalizer.atexit = False  # at the process's end there is no one left to count
         self.set(nbytes)
 
     @property

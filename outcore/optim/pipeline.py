@@ -20,8 +20,8 @@ import contextlib
 import queue
 import threading
 from collections.abc import Iterable, Iterator
-from concurrent import futures
 from concurrent.futures import Future
+from concurrent.futures import wait as wait_for
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -204,7 +204,7 @@ class UpdatePipeline:
         kept: list[tuple[UpdateJob, int]] = []
         for older, n in self._submitted:
             if n and held + grad_bytes > self.pending_grad_limit:
-                futures.wait([older.done])  # its gradients are freed once it is done
+                wait_for([older.done])  # its gradients are freed once it is done
                 held -= n
                 if older.done.exception() is None:
                     continue  # done: forgotten, as wait() would

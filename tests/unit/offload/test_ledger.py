@@ -214,3 +214,22 @@ def test_concurrent_changes_from_several_threads_sum_exactly() -> None:
     assert ledger.snapshot()["host.io_buffers"] == total
     assert ledger.tier_bytes("host") == total
     assert ledger.snapshot()["peak.host"] >= total
+
+
+def test_a_charge_dropped_while_its_ledger_is_locked_does_not_deadlock() -> None:
+    """The collector may finalize a charge while this very thread holds the ledger's lock
+    (inside ``_hold``): the finalizer queues its amount instead of taking the lock
+    ([Note: a finalizer never takes the lock]), and the next read applies it."""
+    ledger = Ledger()
+    box = [ledger.charge(Tier.HOST, Kind.GRADS, 100)]
+    done = threading.Event()
+
+    def drop_inside_the_lock() -> None:
+        with ledger._lock:
+            box.clear()  # the last reference: the finalizer runs here, on this thread
+        done.set()
+
+    threading.Thread(target=drop_inside_the_lock, daemon=True).start()
+    assert done.wait(10), "the finalizer waited for a lock its own thread held"
+    assert ledger.snapshot()["host.grads"] == 0
+    assert ledger.tier_bytes("host") == 0

@@ -70,15 +70,16 @@ _KINDS: dict[Any, Kind] = {}
 
 
 def _classify(func: Any) -> Kind:
-    if func in registry.METADATA_CALLS or func in _MORE_META:
+    hashable = getattr(type(func), "__hash__", None) is not None  # else no set can hold it
+    if hashable and (func in registry.METADATA_CALLS or func in _MORE_META):
         return Kind.META
     if func == DATA_GET:  # method-wrappers are made anew on each access: compare, not `is`
         return Kind.DATA_GET
     if func == DATA_SET:
         return Kind.DATA_SET
-    if func in _REPR:
+    if hashable and func in _REPR:
         return Kind.REPR
-    if func in _REFUSED:
+    if hashable and func in _REFUSED:
         return Kind.REFUSED
     name = getattr(func, "__name__", "")
     if name in _INPLACE_DUNDERS or (name.endswith("_") and not name.startswith("__")):

@@ -116,7 +116,7 @@ class Engine:
             raise
         self.rt.engine = weakref.ref(self)
         # the user's optimizer, never stepped: every facade's step() marks it stepped for
-        # schedulers bound to it (facade.py), the Trainer's included
+        # schedulers bound to it (torch_optimizer.py), the Trainer's included
         self.adopted_optimizer = optimizer
         if optimizer is not None and optimizer.state:  # a loaded state dict: into the shards
             self.optimizer.load_state_dict(optimizer.state_dict())
@@ -134,7 +134,7 @@ class Engine:
                                  carry=self.rt.plan.carries_head)
         self.sharded_optimizer = ShardedOptimizer(self._optimizer_groups(param_groups),
                                                   cfg.optimizer, self.rt)
-        self.optimizer = TorchOptimizer(self)  # torch's contract: facade.py's note
+        self.optimizer = TorchOptimizer(self)  # torch's contract: torch_optimizer.py's note
         # weakly: the runtime is reachable from the process-wide registry (registry.py), and a
         # strong path to the optimizer (whose groups hold the parameters) would keep the model
         # and its swap files alive after the user dropped both
@@ -208,8 +208,8 @@ class Engine:
 
     @property
     def plan(self) -> ExecutionPlan:
-        """Which code paths this run takes, and why (plan.py's [Note: one place decides the
-        path]); ``print(engine.plan)`` shows every decision with its reason."""
+        """Which code paths this run takes, and why (runtime/plan.py's [Note: one place
+        decides the path]); ``print(engine.plan)`` shows every decision with its reason."""
         return self.rt.plan
 
     @property

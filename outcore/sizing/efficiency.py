@@ -3,10 +3,11 @@ for a given arithmetic intensity and bandwidth, and what a probed machine predic
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 from outcore.errors import ConfigError
+from outcore.sizing.estimate import JsonRecord
 
 
 # [Note: arithmetic intensity]
@@ -38,7 +39,7 @@ def required_bandwidth(ait: float, peak_TFLOPs: float, target: float = 0.5) -> f
 
 
 @dataclass(frozen=True)
-class Efficiency:
+class Efficiency(JsonRecord):
     """Predicted efficiencies (0..1) of keeping each kind of data in one tier."""
 
     tokens_per_step: int
@@ -48,10 +49,6 @@ class Efficiency:
     optimizer_states: float
     combined: float
     activation_checkpoints: float | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        """Plain data for ``json.dumps``."""
-        return asdict(self)
 
 
 def predict_efficiency(tokens_per_step: int, bandwidth_GBps: float, peak_TFLOPs: float, *,

@@ -196,14 +196,16 @@ STATES_SHARE = 3 / 4
 margin for activations, working memory and buffers (see [Note: usable fraction of each tier])."""
 
 
-class _Json:
+class JsonRecord:
+    """A dataclass of results that ``outcore estimate --json`` prints as is."""
+
     def to_json(self) -> dict[str, Any]:
         """Plain ``dict``/``list``/number data for ``json.dumps``."""
         return asdict(self)  # type: ignore[call-overload]
 
 
 @dataclass(frozen=True)
-class TierBytes(_Json):
+class TierBytes(JsonRecord):
     """Bytes one device needs in each tier, and what each tier holds."""
 
     device: int
@@ -214,7 +216,7 @@ class TierBytes(_Json):
 
 
 @dataclass(frozen=True)
-class MemoryEstimate(_Json):
+class MemoryEstimate(JsonRecord):
     """Memory of one model and workload, overall and per strategy, per device."""
 
     shape: ModelShape
@@ -361,7 +363,7 @@ def resolve_model(spec: str, preset: Callable[[str], ModelShape] | None = None) 
 
 
 @dataclass(frozen=True)
-class MaxModel(_Json):
+class MaxModel(JsonRecord):
     """The largest model each strategy can train on some hardware."""
 
     max_params: dict[str, int]

@@ -199,9 +199,8 @@ def _values_of(found: list[Touch]) -> dict[int, torch.Tensor]:
 
 
 def _geometry(sp: ShardedParam, chain: Chain) -> torch.Tensor:
-    """A meta tensor with the shape, strides, offset (and dtype shown) of ``chain`` of ``sp``."""
-    dtype = raw_data(sp.param).dtype if sp.state is ParamState.SHOWN else sp.dtype
-    return apply_chain(torch.empty(sp.shape, dtype=dtype, device="meta"), chain)
+    """A meta tensor with the shape, strides and offset of ``chain`` cut from ``sp``."""
+    return apply_chain(torch.empty(sp.shape, dtype=sp.dtype, device="meta"), chain)
 
 
 def apply_chain(base: torch.Tensor, chain: Chain) -> torch.Tensor:

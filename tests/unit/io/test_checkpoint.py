@@ -344,3 +344,38 @@ def test_no_module_imports_another_modules_private_names() -> None:
                 leaks += [f"{path.relative_to(root)}: {node.module}.{a.name}"
                           for a in node.names if a.name.startswith("_")]
     assert not leaks
+
+
+@pytest.mark.parametrize("replace_folder", [False, True])
+def test_saving_over_a_checkpoint_with_other_files_in_it(tmp_path: Path,
+                                                          replace_folder: bool) -> None:
+    """Saving over a checkpoint replaces it atomically. Files outcore did not write stay, in
+    the old folder set aside with a warning, unless ``replace_folder=True`` says the caller
+    owns the folder (io/checkpoint.py's [Note: replacing a folder]); a folder that is no
+    checkpoint at all is refused unless the caller owns it."""
+    model, engine = _engine(BASE, 0)
+    path = tmp_path / "ckpt" / "step-1"
+    engine.save_checkpoint(path)
+    (path / "trainer_state.json").write_text("{}")  # someone else's file in it
+    if replace_folder:
+        engine.save_checkpoint(path, replace_folder=True)
+    else:
+        with pytest.warns(UserWarning, match="outcore did not write"):
+            engine.save_checkpoint(path)
+    aside = [p for p in path.parent.iterdir() if p.name.startswith("step-1.")]
+    assert (path / checkpoint.MANIFEST).exists() and not (path / "trainer_state.json").exists()
+    if replace_folder:
+        assert aside == []
+    else:
+        assert [sorted(f.name for f in a.iterdir()) for a in aside] == [["trainer_state.json"]]
+    plain = tmp_path / "ckpt" / "notes"
+    plain.mkdir()
+    (plain / "mine.txt").write_text("mine")
+    if replace_folder:
+        engine.save_checkpoint(plain, replace_folder=True)
+        assert (plain / checkpoint.MANIFEST).exists() and not (plain / "mine.txt").exists()
+    else:
+        with pytest.raises(outcore.StorageError, match="not an outcore checkpoint"):
+            engine.save_checkpoint(plain)
+        assert (plain / "mine.txt").read_text() == "mine"
+    engine.close()

@@ -39,8 +39,8 @@ def test_planning_never_imports_the_app() -> None:
     """Presets belong to the application (outcore.app.models); the library below knows none."""
     import ast
 
-    planning = Path(est.__file__).parent
-    for path in planning.glob("*.py"):
+    sizing = Path(est.__file__).parent
+    for path in sizing.glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
                      [node.module or ""] if isinstance(node, ast.ImportFrom) else [])

@@ -25,9 +25,9 @@ as transformers derives it (``10 h`` elements). The prefetch bucket is not: tran
 ``0.9 h^2`` elements sizes DeepSpeed's bucket of single parameters, which is smaller than one
 ``h x h`` projection, while outcore's budget counts whole modules' gathered bytes, so a
 budget that small would prefetch no weight matrix at all; outcore's default
-``zero.prefetch_bytes`` stays. Outside the
-Trainer nothing gives those values: an ``"auto"`` precision means outcore's ``dtype: auto``,
-and every other ``"auto"`` keeps outcore's default for that key, listed in the one warning.
+``zero.prefetch_bytes`` stays. Outside the Trainer nothing gives those values: an ``"auto"``
+precision means outcore's ``dtype: auto``, and every other ``"auto"`` keeps outcore's default
+for that key, listed in the one warning.
 """
 
 from __future__ import annotations

@@ -172,13 +172,13 @@ class Config(_Section):
             return source
         data = source if isinstance(source, dict) else read_mapping(source)
         if is_deepspeed(data):  # a DeepSpeed config works wherever a config is taken
-            return cls.from_dict(translate_and_warn(data, stacklevel=3))
+            return cls.from_dict(translate_and_warn(data, stacklevel=2))
         return cls.from_dict(data) if isinstance(source, dict) else cls.from_file(source)
 
     @classmethod
     def from_deepspeed(cls, source: dict[str, Any] | str | os.PathLike[str]) -> Config:
         """Map a DeepSpeed ZeRO-3 config (dict or JSON path); warns once about ignored keys."""
-        return cls.from_dict(translate_and_warn(read(source), stacklevel=3))
+        return cls.from_dict(translate_and_warn(read(source), stacklevel=2))
 
     @classmethod
     def auto(cls, model_or_params: Any, base: Config | dict[str, Any] | None = None, *,

@@ -41,6 +41,10 @@ def test_deepspeed_zero3_nvme_config_maps_and_reports_ignored_keys(tmp_path) -> 
                 "stage3_max_live_parameters", "offload_param.pin_memory", "aio.queue_depth"):
         assert key in text
     assert len(caught) == 1
+    assert caught[0].filename == __file__, "the warning points at the caller's line"
+    with pytest.warns(UserWarning) as caught:
+        outcore.Config.load(ds)  # wherever a config is taken
+    assert caught[0].filename == __file__
     assert cfg.dtype == "bf16" and cfg.gradient_accumulation_steps == 2
     assert cfg.optimizer.lr == 3e-4 and cfg.optimizer.weight_decay == 0.1
     assert cfg.offload.params == "nvme" and cfg.offload.optimizer == "nvme"

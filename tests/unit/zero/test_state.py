@@ -7,6 +7,8 @@ other, naming the parameter or group and the move, with the state left as it was
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterable
+from typing import Any
 
 import pytest
 import torch
@@ -75,21 +77,28 @@ def rt() -> Runtime:
         {"dtype": "fp32", "offload": {"params": "cpu", "optimizer": "cpu"}}))
 
 
+def _every_move(owner: Any, states: Iterable[Any], documented: set[Any] | frozenset[Any],
+                label: str) -> None:
+    """Try every (from, to) pair on ``owner._move``: the documented ones move, the others
+    raise an AssertionError naming ``label`` and the move, and leave the state."""
+    for a, b in itertools.product(states, repeat=2):
+        owner.state = a
+        if (a, b) in documented:
+            owner._move(b)
+            assert owner.state is b
+        else:
+            with pytest.raises(AssertionError, match=f"{label}: {a.value} -> {b.value}$"):
+                owner._move(b)
+            assert owner.state is a, "a refused move leaves the state"
+
+
 def test_a_parameter_makes_every_allowed_move_and_asserts_on_the_others(rt: Runtime) -> None:
     param = nn.Parameter(torch.ones(3, 2))
     sp = ShardedParam(param, rt)
     sp.name = "w"
     register(param, sp)
     assert sp.state is P.SHARDED
-    for a, b in itertools.product(ParamState, repeat=2):
-        sp.state = a
-        if (a, b) in DOCUMENTED_PARAM_MOVES:
-            sp._move(b)
-            assert sp.state is b
-        else:
-            with pytest.raises(AssertionError, match=f"parameter w: {a.value} -> {b.value}$"):
-                sp._move(b)
-            assert sp.state is a, "a refused move leaves the state"
+    _every_move(sp, ParamState, DOCUMENTED_PARAM_MOVES, "parameter w")
     sp.state = P.SHARDED
     unregister(param)
 
@@ -107,14 +116,6 @@ def test_a_group_makes_every_allowed_move_and_asserts_on_the_others(rt: Runtime)
     sp.prepare_for_training()
     group = GatherGroup(0, "block.fc", [sp], rt, persistence_threshold_bytes=0)
     assert group.state is G.SHARDED and sp.group is group
-    for a, b in itertools.product(GroupState, repeat=2):
-        group.state = a
-        if (a, b) in DOCUMENTED_GROUP_MOVES:
-            group._move(b)
-            assert group.state is b
-        else:
-            with pytest.raises(AssertionError, match=f"group block.fc: {a.value} -> {b.value}$"):
-                group._move(b)
-            assert group.state is a
+    _every_move(group, GroupState, DOCUMENTED_GROUP_MOVES, "group block.fc")
     group.state = G.SHARDED
     unregister(param)

@@ -13,6 +13,7 @@ Run by hand; results go to bench/RESULTS.md. Needs ~16 bytes per parameter free 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import resource
 import sys
@@ -58,6 +59,10 @@ def _page_cache() -> int:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="gpt-3b", choices=sorted(PRESETS))
+    ap.add_argument("--layers", type=int, help="a GPT of this depth instead of a preset "
+                    "(with --hidden; heads = hidden / 128, vocab 32000): e.g. 48 x 2816, "
+                    "4.66B parameters, the largest whose states fit ~75 GB of free disk")
+    ap.add_argument("--hidden", type=int)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--seq", type=int, default=512)
@@ -78,6 +83,10 @@ def main(argv: list[str] | None = None) -> int:
 
         probe = measure(args.nvme_path).to_json()
     gpt = PRESETS[args.model]
+    if args.layers is not None:
+        gpt = dataclasses.replace(gpt, layers=args.layers, hidden=args.hidden,
+                                  heads=args.hidden // 128)
+        args.model = f"gpt-{args.layers}x{args.hidden}"
     n = num_params(gpt)
     cfg = outcore.Config.from_dict({
         "dtype": args.dtype, "optimizer": {"lr": 1e-4, "betas": [0.9, 0.95]},
@@ -92,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     torch.manual_seed(0)
     with outcore.init(cfg):
-        model = build_model(args.model)
+        model = build_model(gpt)
     engine = outcore.initialize(model, cfg)
     build_s = time.perf_counter() - t0
     dtype = engine.dtype_choice.name

@@ -7,8 +7,9 @@ parameters and the optimizer state are on NVMe.
 
 The model is a Llama built from a ``LlamaConfig`` with random weights, so nothing is
 downloaded; ``--model FOLDER`` fine-tunes a local Hugging Face folder instead (its
-``config.json`` and ``*.safetensors``), built sharded under ``outcore.init`` and filled
-with ``outcore.load_pretrained`` so it never exists in full in memory::
+``config.json`` and ``*.safetensors``), built under ``outcore.init(cfg, weights=FOLDER)``,
+which computes no values and gives each rank's shards their slices of the files, so the model
+never exists in full in memory::
 
     python examples/hf_trainer_full.py                       # ~30M-parameter Llama, 100 steps
     python examples/hf_trainer_full.py --model path/to/hf-folder --out run
@@ -54,10 +55,8 @@ def build_model(cfg: outcore.Config, args: argparse.Namespace) -> torch.nn.Modul
     """The model, sharded as it is created: a local folder's, or a random Llama."""
     torch.manual_seed(0)                          # the same seed on every rank
     if args.model:
-        with outcore.init(cfg):
-            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model))
-        outcore.load_pretrained(model, args.model)    # each rank reads only its own slices
-        return model
+        with outcore.init(cfg, weights=args.model):   # each rank reads its own slices
+            return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model))
     small = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
     useful = dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=8,

@@ -1,8 +1,9 @@
-"""LoRA fine-tuning with ``OutcoreTrainer``: the frozen base on NVMe in 16 bits, adapters trained.
+"""LoRA fine-tuning with ``OutcoreTrainer``: the frozen base read in place, adapters trained.
 
-Built under ``outcore.init(cfg, frozen=True)``, every base parameter is stored only as its
-training-dtype shard (no fp32 master, gradient or optimizer state), on NVMe here; only the
-LoRA adapters, added by PEFT afterwards, carry those. ``trainer.save_model`` writes PEFT's
+Built under ``outcore.init(cfg, frozen=True, weights=base)``, every base parameter is read
+from the folder's own ``*.safetensors`` files at every use, in the files' dtype (no copy on
+disk, no fp32 master, gradient or optimizer state); only the LoRA adapters, added by PEFT
+afterwards, carry those. ``trainer.save_model`` writes PEFT's
 own adapter files, which ``PeftModel.from_pretrained`` loads over the original base.
 
 The base is a local Hugging Face folder (``--base FOLDER``: its ``config.json`` and
@@ -118,9 +119,8 @@ def main() -> None:
                 write_stand_in_base(base, args.tiny)
 
     torch.manual_seed(0)                          # the same seed on every rank (outcore checks)
-    with outcore.init(cfg, frozen=True):          # the base: 16-bit shards, on NVMe
+    with outcore.init(cfg, frozen=True, weights=base):   # the base, read in place from its files
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(base))
-    outcore.load_pretrained(model, base)          # each rank reads only its own slices
     torch.manual_seed(1)
     model = apply_lora(model, args.lora)          # or peft.get_peft_model(model, LoraConfig(...))
     vocab, seq = model.config.vocab_size, 16 if args.tiny else 128

@@ -37,6 +37,7 @@ from outcore.app.models import preset_shape
 from outcore.errors import ConfigError, DataError, OutcoreError
 from outcore.sizing import efficiency as eff
 from outcore.sizing import estimate as est
+from outcore.sizing.frozen_base import FrozenBaseEstimate, frozen_base
 from outcore.units import format_bytes, format_count, parse_count, parse_size
 
 __all__ = ["build_parser", "main"]
@@ -165,6 +166,9 @@ def _add_estimate(p: argparse.ArgumentParser) -> None:
                    help="count an fp32 gradient copy: 20 bytes/param, the paper's accounting")
     w.add_argument("--no-checkpointing", action="store_true", help="keep all activations")
     w.add_argument("--tiles", type=_positive, default=1, help="memory-centric tiling factor")
+    w.add_argument("--trainable", type=_count, metavar="N",
+                   help="LoRA: N trainable adapter parameters over the frozen --model, its "
+                        "base read in place from its files (e.g. 13.1M)")
     h = p.add_argument_group("largest model (--max-model)")
     h.add_argument("--max-model", action="store_true", help="largest model per strategy")
     h.add_argument("--gpu-memory", type=_size, help="memory per device, e.g. 32GB")
@@ -216,6 +220,13 @@ def _run_estimate(args: argparse.Namespace) -> int:
         out["memory"] = est.memory_estimate(
             shape, batch=args.batch, seq_len=seq, devices=args.gpus, state_bytes=state_bytes,
             checkpointing=not args.no_checkpointing, tiles=args.tiles)
+    if args.trainable is not None:
+        if shape is None:
+            raise ConfigError("--trainable prices adapters over a model: give --model too")
+        rate = (_read_probe(args.probe).get("disk_read_GBps") if args.probe else None)
+        out["frozen_base"] = frozen_base(
+            shape, args.trainable, base_bytes=_files_bytes(args.model), batch=args.batch,
+            seq_len=seq, activations=out["memory"].activations_full, disk_read_GBps=rate)
     if args.max_model:
         if args.gpu_memory is None:
             raise ConfigError("--max-model needs --gpu-memory (and --host-memory, --nvme)")
@@ -232,6 +243,12 @@ def _run_estimate(args: argparse.Namespace) -> int:
     else:
         print("\n\n".join(_render(k, v) for k, v in out.items()))
     return 0
+
+
+def _files_bytes(model: str | None) -> int | None:
+    """The size of a Hugging Face folder's weight files (what a base read in place reads)."""
+    files = list(Path(model).glob("*.safetensors")) if model and Path(model).is_dir() else []
+    return sum(f.stat().st_size for f in files) or None
 
 
 def _read_probe(path: str) -> dict[str, Any]:
@@ -251,6 +268,8 @@ def _estimate_json(out: dict[str, Any]) -> dict[str, Any]:
         data["memory"] = out["memory"].to_json()
     if "max" in out:
         data.update(out["max"].to_json())
+    if "frozen_base" in out:
+        data["frozen_base"] = out["frozen_base"].to_json()
     if "efficiency" in out:
         data["efficiency"] = {tier: e.to_json() for tier, e in out["efficiency"].items()}
     return data
@@ -297,6 +316,18 @@ def _render(kind: str, value: Any) -> str:
             f"{a['seq_len']} per device, GPT shape, usable fraction "
             + ", ".join(f"{t} {f:.0%}" for t, f in a["usable_fraction"].items()),
             "", _table(rows)])
+    if kind == "frozen_base":
+        b: FrozenBaseEstimate = value
+        floor = (f"{b.floor_s:.1f} s at {b.disk_read_GBps:.3g} GB/s" if b.floor_s is not None
+                 else "give --probe FILE.json for the disk's rate")
+        return "\n".join([
+            f"LoRA: {format_count(b.trainable)} adapter parameters over a frozen base of "
+            f"{format_count(b.base_params)}, read in place from its files", "",
+            _table([["base on disk (read, never written)", format_bytes(b.base_bytes)],
+                    ["adapters' state (what outcore stores)", format_bytes(b.adapter_state_bytes)],
+                    ["host memory, peak", format_bytes(b.host_bytes)],
+                    ["read per step (forward and backward)", format_bytes(b.read_per_step)],
+                    ["step floor (disk)", floor]])])
     effs: dict[str, eff.Efficiency] = value
     first = next(iter(effs.values()))
     rows = [["tier", "read GB/s", "params+grads", "optimizer", "both, no overlap",

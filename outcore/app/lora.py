@@ -179,7 +179,11 @@ def footprint(engine: Any) -> dict[str, Any]:
         out["base_params"] += sp.numel
         for s in stored:
             if s is sp.compute_shard:
-                base[s.tier.value] = base.get(s.tier.value, 0) + s.nbytes
+                where = "place" if s.read_only else s.tier.value  # read from its own file
+                base[where] = base.get(where, 0) + s.nbytes
+                if s.read_only:
+                    out["base_folder"] = str(s.path.parent)
+                    out["base_dtype"] = str(s.dtype).removeprefix("torch.")
             else:  # an fp32 master beside a 16-bit shard: should not exist for frozen params
                 out["base_extra"] += s.nbytes
         out["base_extra"] += sum(s.nbytes for s in moments)
@@ -189,7 +193,10 @@ def footprint(engine: Any) -> dict[str, Any]:
 def memory_line(engine: Any) -> str:
     """The summary's line on what the frozen base and the adapters cost (this rank's shards)."""
     f = footprint(engine)
-    where = ", ".join(f"{format_bytes(b)} in {t}" for t, b in f["base_bytes"].items()) or "none"
+    where = ", ".join(
+        f"{format_bytes(b)} of {f['base_dtype']} read in place from {f['base_folder']}"
+        if t == "place" else f"{format_bytes(b)} in {t}"
+        for t, b in f["base_bytes"].items()) or "none"
     per = sum(f["base_bytes"].values()) / max(f["base_params"], 1)
     extra = ("no master, gradient or optimizer state" if not f["base_extra"]
              else f"plus {format_bytes(f['base_extra'])} of master/optimizer state")

@@ -45,7 +45,6 @@ from outcore.errors import ConfigError
 from outcore.guard.lock import lock_run_folder
 from outcore.guard.preemption import EXIT_PREEMPTED, Preemption, preemption
 from outcore.io.checkpoint import latest_checkpoint
-from outcore.io.pretrained import load_pretrained
 from outcore.offload.storage import Tier
 from outcore.sizing.estimate import shape_from_hf_config
 from outcore.sizing.placement import check_fits
@@ -57,6 +56,7 @@ __all__ = ["JOB_DEFAULTS", "add_arguments", "run"]
 JOB_DEFAULTS: dict[str, Any] = {
     "model": "small", "data": None, "steps": 300, "save_every": 100, "out": "./outcore-run",
     "batch": 8, "seq": None, "offload": "nvme", "lr_schedule": "cosine", "lora": None,
+    "checkpoint_activations": "auto",
 }
 """The job's own settings when neither a flag nor the config file's ``train:`` section sets them."""
 
@@ -90,6 +90,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="warmup then cosine decay to 10%%, or constant (default: cosine)")
     a("--dtype", choices=["auto", "bf16", "fp16", "fp32"],
       help="compute dtype (default: auto, the fastest this device multiplies natively)")
+    a("--checkpoint-activations", choices=["auto", "on", "off"],
+      help="keep only each block's input for backward and recompute the rest (default: auto, "
+      "on where the model's activations would pass 1/8 of the device's memory)")
     a("--lora", metavar="SPEC", help="train LoRA adapters over the frozen --model HF_FOLDER, "
       "e.g. r=8,alpha=16,targets=q_proj,v_proj (keys r, alpha, dropout, targets; peft's "
       "module names); writes them in PEFT's format to OUT/adapter at the end")
@@ -119,6 +122,9 @@ def _job_settings(args: argparse.Namespace, file_job: dict[str, Any]) -> dict[st
         if value is not None and (not isinstance(value, int) or value < 1):
             raise ConfigError(f"--{key.replace('_', '-')}: must be a whole number >= 1, "
                               f"got {value!r}")
+    if job["checkpoint_activations"] not in ("auto", "on", "off"):
+        raise ConfigError(f"train.checkpoint_activations: got {job['checkpoint_activations']!r}"
+                          "; allowed: auto, on, off")
     if job["offload"] not in ("none", "cpu", "nvme", "auto"):
         raise ConfigError(f"train.offload: got {job['offload']!r}; allowed: none, cpu, nvme, auto")
     job["out"] = Path(job["out"])
@@ -273,14 +279,19 @@ def _run_holding_out(args: argparse.Namespace, job: dict[str, Any], cfg: Config,
 
     out.mkdir(parents=True, exist_ok=True)  # the default swap folder lives inside it
     torch.manual_seed(cfg.seed)
-    # a LoRA base is born frozen: its 16-bit shards only, never an fp32 master (param.py)
-    with init(cfg, frozen=lora is not None):
+    # a LoRA base is born frozen, never with an fp32 master (param.py), and read in place
+    # from the folder's own files when it lives on NVMe (zero/deferred.py, offload/file_shard.py)
+    weights = job["model"] if is_hf and models.hf_has_weights(job["model"]) else None
+    if weights is not None:
+        _say(f"fine-tuning: {'reading' if lora is not None else 'loading'} the weights in "
+             f"{job['model']}")
+    with init(cfg, frozen=lora is not None, weights=weights):
         model = _build(job["model"])
-    if is_hf and latest is None and models.hf_has_weights(job["model"]):
-        _say(f"fine-tuning: loading the weights in {job['model']}")
-        load_pretrained(model, job["model"])  # shard by shard, straight into the tiers
     if lora is not None:  # before the engine: its optimizer gets the adapters only
+        torch.manual_seed(cfg.seed)  # the adapters' init, whatever the base's build drew
         model = loramod.wrap(model, lora, job["model"])
+    checkpointed = models.checkpoint_blocks(model, job["checkpoint_activations"],
+                                            job["batch"], seq)
     # SIGTERM or Ctrl-C: finish the step, save, close (swap removed), then exit 75 or 130
     with preemption() as stop, initialize(model, cfg) as engine:
         rank, world = engine.rank, engine.world_size
@@ -306,7 +317,9 @@ def _run_holding_out(args: argparse.Namespace, job: dict[str, Any], cfg: Config,
              f"tokens: {tokenized_by}), "
              f"batch {job['batch']}x{seq} per rank x{accum} accumulation\n  out: {out}"
              + (f" (resuming at step {start})" if start else "")
-             + (f"\n  {loramod.describe(model, lora)}" if lora is not None else ""))
+             + (f"\n  {loramod.describe(model, lora)}" if lora is not None else "")
+             + (f"\n  activations: {checkpointed} blocks checkpointed (inputs kept, the rest "
+                "recomputed in backward)" if checkpointed else ""))
         metrics = MetricsWriter(out / "metrics.jsonl", resume_step=start) if rank == 0 else None
         try:
             stopped_at = _loop(engine, sampler, job, seq, start, state, metrics, is_hf, stop)

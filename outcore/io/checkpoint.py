@@ -46,6 +46,7 @@ import torch
 from safetensors import safe_open
 
 from outcore.errors import ConfigError, OutcoreError, StorageError
+from outcore.io import base_record
 from outcore.io import safetensors_stream as sts
 from outcore.io.safetensors_stream import CHECKSUM, FileInfo, StreamWriter, TensorSpec
 from outcore.offload.storage import load_now
@@ -134,6 +135,8 @@ def check_client_state(client_state: dict[str, Any]) -> None:
 def _state(engine: Any, sp: Any) -> list[tuple[str, Any]]:
     """(key suffix, StoredShard) saved for one parameter: master + optimizer states, or values."""
     state = engine.sharded_optimizer.state.get(sp)
+    if base_record.in_place(sp):  # read from the base's own file: named, not stored
+        return []
     if sp.trainable and sp.master_shard is not None:
         return [("master", sp.master_shard), *(state.moments.items() if state else ())]
     return [("values", sp.master_shard if sp.master_shard is not None else sp.compute_shard)]
@@ -195,6 +198,8 @@ def _manifest(engine: Any, client_state: dict[str, Any], files: dict[str, dict])
         params[sp.name] = {"shape": list(sp.shape), "numel": sp.numel, "trainable": sp.trainable,
                            "step": engine.sharded_optimizer.step_of(sp),
                            "aliases": [n for n in names if n != sp.name]}
+        if base_record.in_place(sp):
+            params[sp.name]["base"] = sp.compute_shard.entry.name
     groups = [{k: v for k, v in hp.items() if _jsonable(v)} for hp in engine.param_groups]
     man = {"format": FORMAT, "version": VERSION, "world_size": engine.rt.world_size,
            "dtype": engine.cfg.dtype, "dtype_reason": engine.dtype_choice.reason,
@@ -205,7 +210,8 @@ def _manifest(engine: Any, client_state: dict[str, Any], files: dict[str, dict])
            "params": params, "buffers": list(_buffers(engine.module)),
            "scaler": engine.scaler.state_dict(), "param_groups": groups,
            "config": engine.cfg.model_dump(mode="json"), "client_state": client_state,
-           "checksum": CHECKSUM, "files": files}
+           "checksum": CHECKSUM, "files": files,
+           "base": base_record.record(base_record.base_files(engine))}
     return {**man, "manifest_checksum": manifest_checksum(man)}
 
 
@@ -370,7 +376,7 @@ def _load(engine: Any, path: Path) -> dict[str, Any]:
     folder, err, man, plan = Path(path), None, {}, {}
     try:
         man = read_manifest(folder)
-        plan = _plan(engine, man)
+        plan = _plan(engine, man, folder)
         for r in sorted(plan["ranks"]):
             check_file(folder, man, rank_file(r, man["world_size"]))
     except OutcoreError as e:
@@ -411,7 +417,7 @@ def _load(engine: Any, path: Path) -> dict[str, Any]:
     return man["client_state"]
 
 
-def _plan(engine: Any, man: dict) -> dict[str, Any]:
+def _plan(engine: Any, man: dict, folder: Path) -> dict[str, Any]:
     """Match the model against the manifest (ConfigError naming what differs) and list the
     old rank files this rank must read."""
     by_name = {}
@@ -424,6 +430,7 @@ def _plan(engine: Any, man: dict) -> dict[str, Any]:
     if missing or extra:
         raise ConfigError(f"checkpoint does not match the model: parameters missing from the "
                           f"checkpoint {missing}, in the checkpoint but not the model {extra}")
+    base_record.check_engine(engine, man, by_name, folder)
     shapes = [f"{sp.name}: checkpoint {by_name[sp.name][1]['shape']}, model {list(sp.shape)}"
               for sp in engine.params if by_name[sp.name][1]["shape"] != list(sp.shape)]
     if shapes:
@@ -471,7 +478,11 @@ def _load_param(optimizer: Any, sp: Any, found: tuple[str, dict], man: dict,
         return out
 
     src = "master" if entry["trainable"] else "values"
-    if sp.master_shard is not None:
+    if entry.get("base"):  # read in place, checked unchanged by _check_base
+        pass
+    elif sp.master_shard is None and sp.compute_shard.read_only:  # saved values win
+        sp.write_shard(read(src, torch.float32))
+    elif sp.master_shard is not None:
         master = read(src, torch.float32)
         sp.master_shard.save(master).result()
         if sp.compute_shard is not sp.master_shard:

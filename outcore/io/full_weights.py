@@ -17,9 +17,14 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from outcore.errors import ConfigError
+from outcore.io import base_record
 from outcore.io import safetensors_stream as sts
 from outcore.io.checkpoint import check_file, rank_file, read_manifest
 from outcore.io.safetensors_stream import StreamWriter, TensorSpec
+from outcore.offload.aio import AioEngine
+from outcore.offload.source_file import SourceReader, TensorEntry
+from outcore.zero.deferred import folder_tensors
 
 
 def consolidate(ckpt: str | os.PathLike[str], out: str | os.PathLike[str]) -> Path:
@@ -43,9 +48,13 @@ def consolidate(ckpt: str | os.PathLike[str], out: str | os.PathLike[str]) -> Pa
     for r in range(old):
         check_file(folder, man, rank_file(r, old))
     out.parent.mkdir(parents=True, exist_ok=True)
+    base = _base_reader(man, folder)
     with contextlib.ExitStack() as stack:
         handles = {r: stack.enter_context(safe_open(folder / rank_file(r, old), "pt"))
                    for r in range(old)}
+        if base is not None:
+            stack.callback(base[1].engine.close)
+            stack.callback(base[1].close)
         specs = [TensorSpec(n, torch.float32, tuple(e["shape"]))
                  for canon, e in man["params"].items() for n in (canon, *e["aliases"])]
         buf_dtypes = {}
@@ -58,7 +67,11 @@ def consolidate(ckpt: str | os.PathLike[str], out: str | os.PathLike[str]) -> Pa
             for canon, e in man["params"].items():
                 n, kind = e["numel"], "master" if e["trainable"] else "values"
                 full = torch.empty(n, dtype=torch.float32)
-                sts.read_flat_range(handles, old, f"{canon}::{kind}", n, 0, n, full)
+                if "base" in e and base is not None:  # named, not stored: read from its file
+                    t = base[0][e["base"]]
+                    base[1].read_now(t.path, t.offset, full, t.dtype)
+                else:
+                    sts.read_flat_range(handles, old, f"{canon}::{kind}", n, 0, n, full)
                 for name in (canon, *e["aliases"]):
                     w.write(name, full.view(e["shape"]))
                 del full
@@ -68,6 +81,21 @@ def consolidate(ckpt: str | os.PathLike[str], out: str | os.PathLike[str]) -> Pa
     _copy_hf_config(folder, out.parent)
     sts.fsync_dir(out.parent)
     return out
+
+
+def _base_reader(man: dict, folder: Path) -> tuple[dict[str, TensorEntry], SourceReader] | None:
+    """The base's tensors and a reader for them, where the checkpoint names its base instead
+    of storing it (base_record.py's note); the base must be the one it trained over."""
+    if not man.get("base"):
+        return None
+    base = Path(man["base"]["folder"])
+    try:
+        tensors = folder_tensors(base)
+    except ConfigError as e:
+        raise ConfigError(f"{folder} holds no copy of its frozen base, which was read from "
+                          f"{base}: {e}") from None
+    base_record.check(man["base"], sorted({t.path for t in tensors.values()}), folder)
+    return tensors, SourceReader(AioEngine(threads=4))
 
 
 def _copy_hf_config(folder: Path, dest: Path) -> None:

@@ -55,6 +55,8 @@ class StoredShard:
     tier: Tier
     numel: int
     dtype: torch.dtype
+    read_only = False
+    """True for a shard read in place from a file outcore never writes (file_shard.py)."""
 
     @property
     def nbytes(self) -> int:

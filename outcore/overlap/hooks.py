@@ -22,9 +22,18 @@ node unpacks a saved parameter on the same thread. Nodes on one thread run one a
 another, and a node unpacks everything it saved before it computes, so by then no node is
 still reading the group; if a later node needs it again, the unpack fetches it again (the
 schedule keeps it instead when its trace says so). Without this, fine-tuning a mostly frozen
-model would hold every frozen layer gathered until backward ends. A group a recomputation
-(activation checkpointing) fetched during backward is left alone: checkpoint keeps raw views
-of its weights, which no unpack of ours would bring back.
+model would hold every frozen layer gathered until backward ends.
+
+A group a recomputation (activation checkpointing) fetched during backward is different:
+checkpoint keeps raw views of its weights, which no unpack of ours would see, so it stays
+("pinned") while that block's backward runs. It is released when the next recomputation
+begins: a forward hook in backward under another autograd node than the one whose unpack
+started the recomputation before (a recomputation runs whole inside that one unpack).
+Autograd runs a block's nodes only once every node that needs its output's gradient has run,
+so the block recomputed before is done, and its saved views are gone with its nodes. Holding
+every pinned group until backward ends instead kept a LoRA run's whole frozen base gathered:
+for a 30B model, more memory than the host has (measured: bench/results, 'LoRA at 13B and
+30B').
 """
 
 from __future__ import annotations
@@ -99,6 +108,7 @@ class Hooks:
         # see [Note: frozen groups in backward]: (group, node that last unpacked it, thread)
         self._frozen_held: list[tuple[GatherGroup, object, int | None]] = []
         self._pinned: set[int] = set()  # groups a recomputation fetched in this backward
+        self._recomputing: object = None  # the autograd node whose unpack recomputes now
         self._handles: list[RemovableHandle] = []
         for m, gs in module_groups.items():
             if gs:
@@ -171,6 +181,10 @@ class Hooks:
         with self.mode.suspended():
             groups = self.module_groups[module]
             if self._in_backward:  # a recomputation: see [Note: frozen groups in backward]
+                node = torch._C._current_autograd_node()
+                if node is not self._recomputing:  # a new one begins: the one before is done
+                    self._release_pinned(keep=groups)
+                    self._recomputing = node
                 self._pinned.update(g.index for g in groups)
             # push the frame before fetching: if the fetch raises, the post-forward hook (which
             # always runs) must pop this frame, not its parent's
@@ -241,6 +255,16 @@ class Hooks:
                 self.schedule.done(g)
         self._frozen_held = still
 
+    def _release_pinned(self, keep: list[GatherGroup]) -> None:
+        """Release the frozen groups the previous recomputation fetched (see the note)."""
+        for index in self._pinned:
+            g = self.groups[index]
+            if g in keep or g.trainable or g.persistent or g.holds > 0:
+                continue
+            if g.state is not GroupState.SHARDED:
+                self.schedule.done(g)
+        self._pinned = set()
+
     def _make_grad_hook(self, sp: ShardedParam) -> Callable[[torch.Tensor], None]:
         """The parameter's post-accumulate-grad hook. It holds these hooks weakly: torch keeps
         a tensor's hooks on the C++ side, where the garbage collector cannot see a cycle
@@ -308,7 +332,7 @@ class Hooks:
         self.pending.clear()
         for g in self.groups:
             g.forget_grads_seen()
-        self._frozen_held, self._pinned = [], set()
+        self._frozen_held, self._pinned, self._recomputing = [], set(), None
         self.schedule.end_iteration()
 
     def finish_backward(self) -> None:
@@ -319,7 +343,7 @@ class Hooks:
                 self._reduce(g)
         while self.pending:
             self._reduced(self.pending.popleft().finish())
-        self._frozen_held, self._pinned = [], set()
+        self._frozen_held, self._pinned, self._recomputing = [], set(), None
         self.schedule.end_iteration(carry=True)
 
 

@@ -27,6 +27,7 @@ from outcore.offload.host_memory import (
 )
 from outcore.offload.ledger import Kind
 from outcore.offload.nvme import NvmeStore
+from outcore.offload.source_file import SourceReader
 from outcore.offload.stale import remove_stale_swap
 from outcore.offload.storage import Ledger, MemoryShard, NvmeShard, StoredShard, Tier
 from outcore.runtime.bootstrap import join_world
@@ -57,6 +58,8 @@ class Runtime:
             keep_freed_memory_for_reuse(force=reuse is True)
         self.full_regions = self._full_regions(cfg)
         self._nvme = None
+        self._aio: AioEngine | None = None
+        self._reader: SourceReader | None = None
         self.closed = False
         self.phase = Phase.IDLE  # moved only by the engine's hooks (state.py's note)
         self.shown = 0  # parameters gathered_parameters shows now (ShardedParam keeps it)
@@ -101,13 +104,29 @@ class Runtime:
             off = self.cfg.offload
             assert off.nvme_path is not None  # guaranteed by Config validation
             remove_stale_swap(off.nvme_path)
-            engine = AioEngine(threads=off.io_threads, block_bytes=off.io_block_bytes)
+            engine = self.aio
             pool_bytes = off.host_buffer_bytes - self.staging_bytes
             buffer_bytes = min(off.io_block_bytes, pool_bytes)
             pool = BufferPool(pool_bytes, buffer_bytes, pin=self.accel.pin_host_buffers)
             self._nvme = NvmeStore(off.nvme_path, rank=self.rank, engine=engine, pool=pool)
             self._pool_charge = self.ledger.charge(Tier.HOST, Kind.IO_BUFFERS, pool.capacity_bytes)
         return self._nvme
+
+    @property
+    def aio(self) -> AioEngine:
+        """The I/O threads, shared by the swap store and the base files' reader."""
+        if self._aio is None:
+            off = self.cfg.offload
+            self._aio = AioEngine(threads=off.io_threads, block_bytes=off.io_block_bytes)
+        return self._aio
+
+    @property
+    def reader(self) -> SourceReader:
+        """Reads a frozen base from the model's own files (source_file.py's [Note: the base
+        stays where it is]), created on first use."""
+        if self._reader is None:
+            self._reader = SourceReader(self.aio, pin=self.accel.pin_host_buffers)
+        return self._reader
 
     def _full_regions(self, cfg: Config) -> AlignedRegions | None:
         """Aligned memory for full tensors where disk reads land in them: one rank, params
@@ -197,7 +216,12 @@ class Runtime:
         collected: a run that failed on its disk leaves no thread behind."""
         if self._nvme is not None:
             self._nvme.close()
-            self._nvme.engine.close()
             self._pool_charge.release()
             self._nvme = None
+        if self._reader is not None:
+            self._reader.close()
+            self._reader = None
+        if self._aio is not None:
+            self._aio.close()
+            self._aio = None
         self.closed = True

@@ -21,16 +21,21 @@ All ranks must build the model with the same seed; ``init`` checks this.
 from __future__ import annotations
 
 import hashlib
+import os
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.nn.modules.module import register_module_parameter_registration_hook
+from torch.nn.modules.module import (
+    register_module_module_registration_hook,
+    register_module_parameter_registration_hook,
+)
 
 from outcore.config import Config
 from outcore.errors import ConfigError
 from outcore.runtime import Runtime
 from outcore.zero.access_mode import ParamAccessMode
+from outcore.zero.deferred import DeferredBuild
 from outcore.zero.param import ShardedParam
 from outcore.zero.registry import OVERWRITE_CALLS, managed, register
 
@@ -42,45 +47,75 @@ class init:  # noqa: N801  (a context manager named like the function users call
     """``with outcore.init(cfg): model = build()`` builds a model whose parameters are shards."""
 
     def __init__(self, cfg: Config | dict[str, Any] | str | None = None, *,
-                 frozen: bool = False) -> None:
+                 frozen: bool = False, weights: str | os.PathLike[str] | None = None) -> None:
         """``frozen=True``: every parameter created here starts with ``requires_grad=False``
         and keeps only its training-dtype shard (param.py's [Note: a parameter born frozen]):
-        for a base model that LoRA adapters will be trained over."""
+        for a base model that LoRA adapters will be trained over.
+
+        ``weights``: a ``.safetensors`` file or a Hugging Face folder holding every parameter
+        of the model built here; the build then computes no values and each parameter is
+        read from the files when the context ends (deferred.py's [Note: build empty, then bind
+        by name]). With ``frozen=True`` and parameters on NVMe the base is never copied: it
+        is read from those files at every use (file_shard.py)."""
         self.cfg = Config.load(cfg)
         self.frozen = frozen
         self.runtime: Runtime | None = None
         self._open: ShardedParam | None = None
         self._mode = ParamAccessMode(self._materialize)
-        self._handle: RemovableHandle | None = None
+        self._handles: list[RemovableHandle] = []
+        self._deferred = DeferredBuild(weights) if weights is not None else None
 
     def __enter__(self) -> init:
         self.runtime = Runtime(self.cfg, trainable_fraction=0.0 if self.frozen else 1.0)
         _check_same_rng(self.runtime)
-        self._handle = register_module_parameter_registration_hook(self._on_register)
+        # torch's stub says the hook returns None; it may return a replacement (deferred.py)
+        hook = register_module_parameter_registration_hook
+        self._handles.append(hook(self._on_register))  # type: ignore[arg-type]
+        if self._deferred is not None:
+            self._handles.append(register_module_module_registration_hook(self._on_module))
         self._mode.__enter__()  # type: ignore[no-untyped-call]  # unannotated in torch
         return self
 
     def __exit__(self, kind: object, err: object, tb: object) -> None:
+        failed = kind is not None
         try:
             if kind is None:
                 with self._mode.suspended():
                     self._close_open()
         finally:
             self._mode.__exit__(kind, err, tb)  # type: ignore[no-untyped-call]  # as __enter__
-            assert self._handle is not None  # __exit__ follows a successful __enter__
-            self._handle.remove()
-            if kind is not None and self.runtime is not None:
-                self.runtime.close()  # the half-built model is gone: so are its swap files
+            for handle in self._handles:
+                handle.remove()
+            self._handles = []
+            try:
+                if not failed and self._deferred is not None:
+                    assert self.runtime is not None  # __exit__ follows __enter__
+                    self._deferred.bind(self.runtime)
+            except BaseException:
+                failed = True
+                raise
+            finally:
+                if failed and self.runtime is not None:
+                    self.runtime.close()  # the half-built model is gone: so are its swap files
 
-    def _on_register(self, module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+    def _on_register(self, module: nn.Module, name: str, param: nn.Parameter | None
+                     ) -> nn.Parameter | None:
         if param is None or managed(param) is not None:
             return None
         assert self.runtime is not None  # the hook is registered only inside the context
+        if self._deferred is not None:
+            if self.frozen:
+                param.requires_grad_(False)
+            return self._deferred.on_param(module, name, param)
         with self._mode.suspended():
             if self.frozen:
                 param.requires_grad_(False)
             register(param, ShardedParam(param, self.runtime))
         return None
+
+    def _on_module(self, parent: nn.Module, name: str, child: nn.Module | None) -> None:
+        assert self._deferred is not None  # registered only with ``weights``
+        self._deferred.on_module(parent, child)
 
     def _materialize(self, sp: ShardedParam, func: object) -> None:
         if self._open is sp:

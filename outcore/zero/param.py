@@ -27,6 +27,7 @@ from torch import nn
 from outcore.errors import ConfigError, ParamAccessError
 from outcore.offload.ledger import Charge, Kind
 from outcore.offload.storage import StoredShard, load_now
+from outcore.offload.tier import Tier
 from outcore.runtime import Runtime
 from outcore.zero import registry, surface
 from outcore.zero.access import dropped_message, raw_data
@@ -40,7 +41,10 @@ if TYPE_CHECKING:
 class ShardedParam:
     """Rank-local state of one parameter: its shards, gradient, and ``ParamState``."""
 
-    def __init__(self, param: nn.Parameter, rt: Runtime) -> None:
+    def __init__(self, param: nn.Parameter, rt: Runtime, *,
+                 shards: tuple[StoredShard | None, StoredShard | None] | None = None) -> None:
+        """``shards``: (master, compute) made elsewhere (zero/deferred.py reads them from the
+        model's files); otherwise they are cut from ``param``'s values."""
         if not param.is_floating_point():
             shape = tuple(param.shape)
             raise ConfigError(f"cannot shard a {param.dtype} parameter of shape {shape}")
@@ -55,9 +59,11 @@ class ShardedParam:
         self.master_shard: StoredShard | None = None
         self.compute_shard: StoredShard | None = None
         values = param.detach()
+        if shards is not None:
+            self.master_shard, self.compute_shard = shards
         # [Note: a parameter born frozen] outcore.init(frozen=True): values only, in the
         # training dtype, in the parameter tier; there is never an fp32 master to drop
-        if not param.requires_grad and not rt.plan.compute_is_master:
+        elif not param.requires_grad and not rt.plan.compute_is_master:
             self.compute_shard = rt.store(self.layout.cut(values, rt.compute_dtype).to(rt.device),
                                     rt.param_tier, Kind.PARAMS)
         else:
@@ -268,7 +274,10 @@ class ShardedParam:
                 "(it was frozen when outcore sharded it: under outcore.init(frozen=True), or by "
                 "an earlier engine) and is now trainable; build what you train outside frozen "
                 "init (LoRA adapters are), or set requires_grad=False on it")
-        if self.compute_shard.dtype != rt.compute_dtype:  # initialize asked for another dtype
+        if self.compute_shard.read_only:  # read in place, cast as it lands (file_shard.py)
+            if self.compute_shard.tier is not rt.param_tier:  # the engine keeps it elsewhere
+                self._own_values(load_now(self.compute_shard, rt.device).to(rt.compute_dtype))
+        elif self.compute_shard.dtype != rt.compute_dtype:  # initialize asked for another dtype
             values = load_now(self.compute_shard, rt.device).to(rt.compute_dtype)
             self.compute_shard.free()
             self.compute_shard = rt.store(values, rt.param_tier, Kind.PARAMS)
@@ -289,9 +298,13 @@ class ShardedParam:
             self.master_shard = rt.store(values, rt.state_tier, Kind.MASTER)
         else:
             assert self.compute_shard is not None
-            values = load_now(self.compute_shard, rt.device)
-            self.compute_shard.free()
-            self.compute_shard = rt.store(values, rt.param_tier, Kind.PARAMS)
+            rehome = getattr(self.compute_shard, "rehome", None)
+            if rehome is not None and rt.param_tier is Tier.NVME:  # still read in place
+                self.compute_shard = rehome(rt.reader)
+            else:
+                values = load_now(self.compute_shard, rt.device)
+                self.compute_shard.free()
+                self.compute_shard = rt.store(values, rt.param_tier, Kind.PARAMS)
         self.rt = rt
 
     # -- gradients ------------------------------------------------------------------------------
@@ -423,8 +436,17 @@ class ShardedParam:
         """Replace this rank's shard (fp32, ``shard_numel`` long, zero padding) everywhere."""
         if self.master_shard is not None:
             self.master_shard.save(shard).result()
-        if self.compute_shard is not None and self.compute_shard is not self.master_shard:
+        if self.compute_shard is not None and self.compute_shard.read_only:
+            self._own_values(shard.to(self.rt.compute_dtype))
+        elif self.compute_shard is not None and self.compute_shard is not self.master_shard:
             self.compute_shard.save(shard.to(self.compute_shard.dtype)).result()
+
+    def _own_values(self, shard: torch.Tensor) -> None:
+        """A parameter read in place from the model's file gets a shard of its own holding
+        ``shard`` (file_shard.py: outcore never writes the user's files)."""
+        assert self.compute_shard is not None
+        self.compute_shard.free()
+        self.compute_shard = self.rt.store(shard, self.rt.param_tier, Kind.PARAMS)
 
     def overwrite(self, shard: torch.Tensor) -> None:
         """Write new values between steps (a user's write, a weight load): the group's full

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import json
 import shutil
 import sys
 from pathlib import Path
@@ -67,6 +68,7 @@ def _reference(llama: Path, corpus: Path, steps: int, lr: float) -> torch.nn.Mod
     model = transformers.AutoModelForCausalLM.from_config(
         transformers.AutoConfig.from_pretrained(llama))
     model.load_state_dict(safetensors_torch.load_file(llama / "model.safetensors"))
+    torch.manual_seed(0)  # the job seeds the adapters' init anew, whatever the build drew
     model = apply_lora(model, SPEC)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
@@ -111,34 +113,53 @@ def test_adapters_equal_plain_peft_training_and_load_with_peft(
                                    rtol=1e-4, atol=1e-5)
 
 
-def test_frozen_base_on_nvme_costs_its_16_bit_bytes_only(
-        tmp_path: Path, llama: Path, corpus: Path, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.fixture(scope="module")
+def llama_bf16(tmp_path_factory: pytest.TempPathFactory, llama: Path) -> Path:
+    """The same Llama saved in bf16, as pretrained models ship, in two files and an index."""
+    folder = tmp_path_factory.mktemp("llama_bf16")
+    model = transformers.AutoModelForCausalLM.from_pretrained(llama, dtype=torch.bfloat16)
+    model.save_pretrained(folder, max_shard_size="120KB")
+    assert (folder / "model.safetensors.index.json").is_file()
+    return folder
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_frozen_base_is_read_in_place_never_copied(
+        tmp_path: Path, llama_bf16: Path, corpus: Path, dtype: str,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A bf16 base on NVMe is read from the folder's own files, in bf16 whatever the compute
+    dtype: nothing of it is written to the swap file or the checkpoint."""
+    before = {p: p.stat().st_mtime_ns for p in llama_bf16.iterdir()}
     out = tmp_path / "run"
-    code, err = _run(capsys, _train(llama, corpus, out, "--steps", "2", "--dtype", "bf16",
+    code, err = _run(capsys, _train(llama_bf16, corpus, out, "--steps", "2", "--dtype", dtype,
                                     "--offload", "nvme", "--lora", SPEC))
     assert code == 0, err
     total, adapters = 109_120, 1_792
-    # the summary says so, from the shards themselves
-    assert ("frozen base 107K params, 215 KB in nvme (2 B/param, bfloat16; no master, gradient "
-            "or optimizer state); adapters 1.79K params, 25.1 KB with master and optimizer "
-            "state") in err
-    # the ledger agrees: every parameter's 16-bit shard, and fp32 master + AdamW's two fp32
-    # moments for the adapters alone; on disk the checkpoint holds the base in 16 bits too
+    # the summary says so, from the shards themselves: 2 bytes per parameter, in bf16
+    compute = "bfloat16" if dtype == "bf16" else "float32"
+    assert (f"frozen base 107K params, 215 KB of bfloat16 read in place from "
+            f"{llama_bf16.resolve()} (2 B/param, {compute}; no master, gradient or optimizer "
+            "state)") in err
+    # the ledger counts outcore's own bytes on disk: the adapters' master and AdamW moments
+    # (and their bf16 copy, where the compute dtype is not the master's)
     record = read_metrics(out / "metrics.jsonl")[-1]
-    assert record["bytes_nvme"] == total * 2 + adapters * (4 + 8)
+    assert record["bytes_nvme"] == adapters * (4 + 8 + (2 if dtype == "bf16" else 0))
+    assert (total - adapters) * 2 == sum(p.stat().st_size for p in llama_bf16.glob(
+        "*.safetensors")) - sum(8 + int.from_bytes(p.read_bytes()[:8], "little")
+                                for p in llama_bf16.glob("*.safetensors"))
+    # the checkpoint names the base's files and stores the adapters' state only
     ckpt = outcore.latest_checkpoint(out / "checkpoints")
-    kinds: dict[str, set[str]] = {}
     with safe_open(next(ckpt.glob("*.safetensors")), "pt") as h:
-        for key in h.keys():  # noqa: SIM118  (safe_open is not a dict)
-            name, kind = key.split("::", 1)
-            if not name.startswith("__"):
-                kinds.setdefault("adapter" if ".lora_" in name else "base", set()).add(
-                    f"{kind} {h.get_slice(key).get_dtype()}")
-    assert kinds == {"base": {"values BF16"},
-                     "adapter": {"master F32", "exp_avg F32", "exp_avg_sq F32"}}
-    # PEFT's names would load as nothing into from_pretrained: no config.json invites it
+        kinds = {k.split("::", 1)[1] for k in h.keys() if not k.startswith("__")}  # noqa: SIM118
+        assert all(".lora_" in k for k in h.keys() if not k.startswith("__"))  # noqa: SIM118
+    assert kinds == {"master", "exp_avg", "exp_avg_sq"}
+    man = json.loads((ckpt / "manifest.json").read_text())
+    assert sorted(man["base"]["files"]) == sorted(p.name for p in llama_bf16.glob("*.safetensors"))
+    assert man["base"]["folder"] == str(llama_bf16.resolve())
+    assert all(len(f["xxh3_128"]) == 32 for f in man["base"]["files"].values())
     assert not (ckpt / "config.json").exists()
     assert not [p for p in (out / "swap").rglob("*") if p.is_file()]  # swap removed at close
+    assert {p: p.stat().st_mtime_ns for p in llama_bf16.iterdir()} == before  # untouched
 
 
 def test_resume_continues_to_the_uninterrupted_adapters(

@@ -135,3 +135,35 @@ def test_hf_model_from_a_local_config(tmp_path) -> None:
     model = load_hf_model(tmp_path)  # random init from config.json alone, no download
     assert isinstance(model, transformers.GPT2LMHeadModel)
     assert model.config.vocab_size == 300 and not hf_has_weights(tmp_path)
+
+
+def test_checkpointed_blocks_give_the_same_gradients_and_auto_picks_by_size(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import transformers
+
+    from outcore.app import models as app_models
+    from outcore.app.models import checkpoint_blocks
+
+    torch.manual_seed(0)
+    plain = build_model("tiny")
+    torch.manual_seed(0)
+    ckpt = build_model("tiny")
+    assert checkpoint_blocks(ckpt, "auto", 2, 32) == 0  # a few KB of activations: left alone
+    assert checkpoint_blocks(ckpt, "off", 2, 32) == 0
+    assert checkpoint_blocks(ckpt, "on", 2, 32) == len(ckpt.blocks)
+    x = torch.randint(0, 256, (2, 33))
+    for m in (plain, ckpt):
+        m(x[:, :-1], x[:, 1:]).backward()
+    for (name, a), b in zip(plain.named_parameters(), ckpt.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, msg=name)
+    # a 30B Llama at 256 tokens keeps ~4.5 GB of activations: auto checkpoints its 60 layers
+    # where that passes 1/8 of the memory (a 24 GiB host)
+    monkeypatch.setattr(app_models, "_device_memory", lambda: 24 << 30)
+    config = transformers.LlamaConfig(hidden_size=6656, intermediate_size=17920,
+                                      num_hidden_layers=60, num_attention_heads=52,
+                                      vocab_size=32000)
+    with torch.device("meta"):
+        llama = transformers.LlamaForCausalLM(config)
+    assert checkpoint_blocks(llama, "auto", 1, 256) == 60 and llama.config.use_cache is False
+    monkeypatch.setattr(app_models, "_device_memory", lambda: 64 << 30)  # a larger host
+    assert checkpoint_blocks(llama, "auto", 1, 256) == 0

@@ -1,0 +1,192 @@
+"""``outcore.init(cfg, weights=folder)``: a model built without values, bound to its files.
+
+[Note: build empty, then bind by name]
+A model whose weights come from a folder needs no values while it is built: whatever its
+constructor and ``_init_weights`` compute would be overwritten, and for a large model that
+work (and writing it into the swap file) is most of the start-up. So under ``weights=`` each
+parameter is swapped, as it is registered, for a parameter on PyTorch's ``meta`` device:
+shape and dtype, no storage, and init code runs on it at no cost. Buffers are built as usual
+(rotary tables and the like are computed, not loaded).
+
+When the context ends, the names are known: the model's root modules (those no other module
+holds) name every parameter, tied ones under each of their names. Each is looked up in the
+folder's headers (source_file.py), its shape checked, and it becomes a sharded parameter
+whose shards come from the file: a frozen one on NVMe reads its bytes in place
+(file_shard.py), any other gets this rank's slice read once into its home tier. The meta
+parameter is then replaced in every module that holds it, so ties stay ties. Anything that
+does not match (a missing name, a shape, a tensor the model has no place for) is refused
+before a shard exists, naming what differs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import weakref
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from outcore.errors import ConfigError
+from outcore.offload.file_shard import FileShard
+from outcore.offload.ledger import Kind
+from outcore.offload.source_file import TensorEntry, read_header
+from outcore.offload.storage import StoredShard
+from outcore.offload.tier import Tier
+from outcore.runtime import Runtime
+from outcore.zero.param import ShardedParam
+from outcore.zero.registry import register
+from outcore.zero.sharding import ShardLayout
+
+_INDEX = "model.safetensors.index.json"
+
+
+def folder_tensors(path: str | os.PathLike[str]) -> dict[str, TensorEntry]:
+    """Every tensor of a ``.safetensors`` file or a Hugging Face folder, from the headers."""
+    p = Path(path)
+    if p.is_file():
+        files = [p]
+    elif (p / _INDEX).is_file():
+        try:
+            weight_map = json.loads((p / _INDEX).read_text())["weight_map"]
+        except (OSError, ValueError, KeyError) as e:
+            raise ConfigError(f"{p / _INDEX} is not a readable weight index: {e}") from None
+        files = sorted({p / f for f in weight_map.values()})
+    elif p.is_dir():
+        files = sorted(p.glob("*.safetensors"))
+        if not files:
+            raise ConfigError(f"no *.safetensors files in {p}")
+    else:
+        raise ConfigError(f"pretrained weights not found: {p}")
+    out: dict[str, TensorEntry] = {}
+    for f in files:
+        if not f.is_file():
+            raise ConfigError(f"{p / _INDEX} names {f.name}, which is not in {p}")
+        out.update(read_header(f))
+    return out
+
+
+class DeferredBuild:
+    """The build side of [Note: build empty, then bind by name]."""
+
+    def __init__(self, folder: str | os.PathLike[str]) -> None:
+        self.folder = Path(folder)
+        self.tensors = folder_tensors(folder)  # a wrong folder fails before the build
+        self._pending: dict[int, nn.Parameter] = {}
+        self._holders: dict[int, list[tuple[weakref.ref[nn.Module], str]]] = {}
+        self._children: set[int] = set()
+        self._modules: list[weakref.ref[nn.Module]] = []
+
+    def on_param(self, module: nn.Module, name: str, param: nn.Parameter
+                 ) -> nn.Parameter | None:
+        """The registration hook's part: the meta stand-in ``module.name`` gets instead."""
+        meta = param if id(param) in self._pending else nn.Parameter(
+            torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
+        self._pending[id(meta)] = meta
+        self._holders.setdefault(id(meta), []).append((weakref.ref(module), name))
+        self._modules.append(weakref.ref(module))
+        return None if meta is param else meta
+
+    def on_module(self, parent: nn.Module, child: nn.Module | None) -> None:
+        """A module became another's child: it is no root."""
+        self._modules.append(weakref.ref(parent))
+        if child is not None:
+            self._children.add(id(child))
+
+    def bind(self, rt: Runtime) -> None:
+        """Give every stand-in that a root module holds its shards from the folder."""
+        roots, seen = [], set()
+        for ref in self._modules:
+            m = ref()
+            if m is not None and id(m) not in self._children and id(m) not in seen:
+                seen.add(id(m))
+                roots.append(m)
+        names: dict[int, list[str]] = {}
+        for root in roots:
+            for name, p in root.named_parameters(remove_duplicate=False):
+                if id(p) in self._pending:
+                    names.setdefault(id(p), []).append(name)
+        if not names:  # the model built here was dropped before the context ended
+            self._pending.clear()
+            return
+        plan, missing, bad = [], [], []
+        for key, found in names.items():
+            entry = next((self.tensors[n] for n in found if n in self.tensors), None)
+            if entry is None:
+                missing.append(found[0])
+            elif entry.shape != tuple(self._pending[key].shape):
+                bad.append(f"{entry.name}: file {list(entry.shape)} vs model "
+                           f"{list(self._pending[key].shape)}")
+            else:
+                plan.append((key, entry))
+        used = {n for found in names.values() for n in found}
+        unexpected = sorted(n for n in self.tensors if n not in used and not _is_buffer(roots, n))
+        if missing or unexpected:
+            raise ConfigError(f"weights in {self.folder} do not match the model: missing "
+                              f"{_few(missing)}; unexpected {_few(unexpected)}")
+        if bad:
+            raise ConfigError(f"shape mismatch in {self.folder}: " + "; ".join(bad[:10]))
+        with torch.no_grad():
+            for key, entry in plan:
+                self._bind_one(rt, self._pending[key], entry)
+            for root in roots:
+                _load_buffers(rt, root, self.tensors)
+        self._pending.clear()
+
+    def _bind_one(self, rt: Runtime, meta: nn.Parameter, entry: TensorEntry) -> None:
+        param = nn.Parameter(torch.empty(meta.shape, dtype=meta.dtype),
+                             requires_grad=meta.requires_grad)
+        sp = ShardedParam(param, rt, shards=_shards(rt, entry, meta.requires_grad))
+        register(param, sp)
+        for ref, name in self._holders[id(meta)]:
+            module = ref()
+            if module is not None and module._parameters.get(name) is meta:
+                module._parameters[name] = param
+
+
+def _shards(rt: Runtime, entry: TensorEntry, trainable: bool
+            ) -> tuple[StoredShard | None, StoredShard | None]:
+    """(master, compute) for one parameter from its tensor in the file."""
+    numel = 1
+    for d in entry.shape:
+        numel *= d
+    lay = ShardLayout(numel, rt.world_size, rt.rank)
+    if not trainable and rt.param_tier is Tier.NVME:  # read in place, every step
+        return None, FileShard(rt.reader, entry, lay.start, lay.valid_numel, lay.shard_numel,
+                               verify=rt.cfg.offload.verify_swap)
+    dtype = torch.float32 if trainable or rt.plan.compute_is_master else rt.compute_dtype
+    shard = torch.zeros(lay.shard_numel, dtype=dtype)
+    if lay.valid_numel:
+        offset = entry.offset + lay.start * entry.dtype.itemsize
+        rt.reader.read_now(entry.path, offset, shard[: lay.valid_numel], entry.dtype)
+    if trainable or rt.plan.compute_is_master:
+        return rt.store(shard.to(rt.device), rt.state_tier, Kind.MASTER), None
+    return None, rt.store(shard.to(rt.device), rt.param_tier, Kind.PARAMS)
+
+
+def _is_buffer(roots: list[nn.Module], name: str) -> bool:
+    return any(name in dict(r.named_buffers()) for r in roots)
+
+
+def _load_buffers(rt: Runtime, root: nn.Module, tensors: dict[str, TensorEntry]) -> None:
+    """Persistent buffers the folder holds are loaded (non-persistent ones are computed)."""
+    for mod_name, mod in root.named_modules():
+        for name, buf in mod._buffers.items():
+            full = f"{mod_name}.{name}" if mod_name else name
+            if buf is None or name in mod._non_persistent_buffers_set or full not in tensors:
+                continue
+            entry = tensors[full]
+            if entry.shape != tuple(buf.shape):
+                raise ConfigError(f"shape mismatch in {entry.path}: buffer {full}: file "
+                                  f"{list(entry.shape)} vs model {list(buf.shape)}")
+            staged = torch.empty(entry.shape, dtype=buf.dtype)
+            rt.reader.read_now(entry.path, entry.offset, staged, entry.dtype)
+            buf.copy_(staged)
+
+
+def _few(names: list[str]) -> str:
+    if not names:
+        return "none"
+    more = f" and {len(names) - 10} more" if len(names) > 10 else ""
+    return ", ".join(names[:10]) + more

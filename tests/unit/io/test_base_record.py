@@ -1,0 +1,114 @@
+"""A checkpoint of a model whose frozen base is read in place names the base's files (size,
+time, content hash) instead of storing them, and a resume over another base is refused."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import outcore
+from outcore.errors import ConfigError
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+
+def _config():
+    return transformers.LlamaConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+
+
+@pytest.fixture
+def folder(tmp_path: Path) -> Path:
+    torch.manual_seed(0)
+    out = tmp_path / "base"
+    transformers.LlamaForCausalLM(_config()).to(torch.bfloat16).save_pretrained(
+        out, max_shard_size="100KB")
+    return out
+
+
+def _engine(folder: Path, swap: Path, weights: bool = True):
+    from outcore.hf.lora import apply_lora
+
+    cfg = {"dtype": "fp32", "offload": {"params": "nvme", "optimizer": "cpu",
+                                        "nvme_path": str(swap)}}
+    torch.manual_seed(0)
+    with outcore.init(cfg, frozen=True, weights=folder if weights else None):
+        model = transformers.AutoModelForCausalLM.from_config(_config())
+    torch.manual_seed(1)
+    model = apply_lora(model, "r=4,alpha=8,targets=q_proj,v_proj")
+    engine = outcore.initialize(model, cfg)
+    x = torch.arange(32).reshape(2, 16) % 300
+    loss = engine(input_ids=x, labels=x).loss
+    engine.backward(loss)
+    engine.step()
+    return engine
+
+
+def _touch(path: Path, flip: bool) -> None:
+    raw = bytearray(path.read_bytes())
+    if flip:
+        raw[-3] ^= 0x01
+    path.write_bytes(bytes(raw))  # a new modification time either way
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 5_000_000_000))
+
+
+def test_the_checkpoint_names_the_base_and_refuses_another(folder: Path, tmp_path: Path) -> None:
+    engine = _engine(folder, tmp_path / "swap")
+    ckpt = engine.save_checkpoint(tmp_path / "ckpt")
+    engine.close()
+    man = json.loads((ckpt / "manifest.json").read_text())
+    files = sorted(p.name for p in folder.glob("*.safetensors"))
+    assert sorted(man["base"]["files"]) == files and man["base"]["folder"] == str(folder)
+    for name, rec in man["base"]["files"].items():
+        assert rec["bytes"] == (folder / name).stat().st_size
+    base_entries = [e for e in man["params"].values() if "base" in e]
+    assert len(base_entries) == 21 and not any(e["trainable"] for e in base_entries)
+    stored = sum(f["bytes"] for f in man["files"].values())
+    assert stored < sum((folder / f).stat().st_size for f in files)  # adapters, not the base
+
+    # same content under a new modification time: hashed again and accepted
+    _touch(folder / files[0], flip=False)
+    engine = _engine(folder, tmp_path / "swap")
+    engine.load_checkpoint(ckpt)
+    engine.close()
+    # one byte changed: refused in words, naming the file
+    _touch(folder / files[-1], flip=True)
+    engine = _engine(folder, tmp_path / "swap")
+    with pytest.raises(ConfigError, match=f"base file .*{files[-1]} changed since"):
+        engine.load_checkpoint(ckpt)
+    engine.close()
+
+
+def test_a_model_not_built_from_the_base_is_told_where_it_is(folder: Path,
+                                                            tmp_path: Path) -> None:
+    engine = _engine(folder, tmp_path / "swap")
+    ckpt = engine.save_checkpoint(tmp_path / "ckpt")
+    engine.close()
+    engine = _engine(folder, tmp_path / "swap", weights=False)
+    with pytest.raises(ConfigError, match=f"does not hold .* read from the base model in "
+                                          f"{folder}"):
+        engine.load_checkpoint(ckpt)
+    engine.close()
+
+
+def test_consolidated_weights_read_the_base_from_its_files(folder: Path, tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    engine = _engine(folder, tmp_path / "swap")
+    ckpt = engine.save_checkpoint(tmp_path / "ckpt")
+    engine.close()
+    full = load_file(outcore.consolidate(ckpt, tmp_path / "full"))
+    base = {}
+    for f in folder.glob("*.safetensors"):
+        base.update(load_file(f))
+    q = "base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight"
+    assert torch.equal(full[q], base["model.layers.0.self_attn.q_proj.weight"].float())
+    assert torch.equal(full["base_model.model.lm_head.weight"], base["lm_head.weight"].float())
+    assert any(".lora_A." in k for k in full) and len(full) == 21 + 8

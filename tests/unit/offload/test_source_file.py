@@ -1,0 +1,144 @@
+"""Reading a model's own safetensors files in place: headers, unaligned ranges, casts, the
+file's last page, chunk queueing, and what a changed or malformed file does."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from outcore.errors import ConfigError, StorageError
+from outcore.offload.aio import AioEngine
+from outcore.offload.file_shard import FileShard
+from outcore.offload.source_file import SourceReader, content_hash, read_header
+
+
+@pytest.fixture
+def st_file(tmp_path: Path) -> Path:
+    """Tensors of odd sizes, so most start at offsets no page boundary meets."""
+    g = torch.Generator().manual_seed(0)
+    tensors = {"a": torch.randn(7, generator=g).to(torch.bfloat16),
+               "b": torch.randn(3001, 5, generator=g).to(torch.bfloat16),
+               "c": torch.randn(1234, generator=g),
+               "d": torch.randn(40000, generator=g).to(torch.float16),
+               "z": torch.arange(11, dtype=torch.int64)}
+    path = tmp_path / "m.safetensors"
+    save_file(tensors, path)
+    return path
+
+
+@pytest.fixture
+def reader():
+    with AioEngine(threads=3) as engine:
+        r = SourceReader(engine, chunk_bytes=8192, buffers=2)  # many chunks, few buffers
+        yield r
+        r.close()
+
+
+def test_header_names_the_bytes_safetensors_reads(st_file: Path) -> None:
+    entries = read_header(st_file)
+    raw = st_file.read_bytes()
+    with safe_open(st_file, "pt") as h:
+        assert sorted(entries) == sorted(h.keys())
+        for name, e in entries.items():
+            t = h.get_tensor(name)
+            assert (e.dtype, e.shape) == (t.dtype, tuple(t.shape))
+            want = t.contiguous().view(-1).view(torch.uint8)
+            got = torch.frombuffer(bytearray(raw[e.offset : e.offset + e.nbytes]),
+                                   dtype=torch.uint8)
+            assert torch.equal(got, want)
+
+
+def test_reads_at_any_offset_cast_into_the_destination(st_file: Path, reader: SourceReader
+                                                       ) -> None:
+    entries = read_header(st_file)
+    with safe_open(st_file, "pt") as h:
+        for name in "abcd":
+            e, t = entries[name], h.get_tensor(name).reshape(-1)
+            for dtype in (e.dtype, torch.float32):
+                for lo, hi in ((0, t.numel()), (3, t.numel() - 2), (t.numel() // 2, t.numel())):
+                    out = torch.full((hi - lo,), 7.0, dtype=dtype)
+                    reader.read_now(e.path, e.offset + lo * e.dtype.itemsize, out, e.dtype)
+                    assert torch.equal(out, t[lo:hi].to(dtype)), (name, dtype, lo, hi)
+    assert reader.bytes_read > 0
+
+
+def test_many_reads_queue_for_two_buffers_without_blocking_the_caller(
+        st_file: Path, reader: SourceReader) -> None:
+    e = read_header(st_file)["d"]
+    outs = [torch.empty(40000, dtype=torch.float16) for _ in range(6)]
+    futures = [reader.read(e.path, e.offset, o, e.dtype) for o in outs]  # 10 chunks each
+    for f in futures:
+        f.result(timeout=30)
+    with safe_open(st_file, "pt") as h:
+        for o in outs:
+            assert torch.equal(o, h.get_tensor("d"))
+
+
+def test_a_short_file_is_an_error_naming_it(st_file: Path, reader: SourceReader) -> None:
+    e = max(read_header(st_file).values(), key=lambda t: t.offset)  # the file's last tensor
+    out = torch.empty(e.nbytes // e.dtype.itemsize + 600, dtype=e.dtype)  # past the file's end
+    with pytest.raises(StorageError, match="m.safetensors"):
+        reader.read_now(e.path, e.offset, out, e.dtype)
+
+
+def test_malformed_files_are_refused_in_words(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"\xff" * 8 + b"{}")
+    with pytest.raises(ConfigError, match="bad.safetensors is not a readable safetensors"):
+        read_header(bad)
+    bad.write_bytes((2).to_bytes(8, "little") + b"{!")
+    with pytest.raises(ConfigError, match="not a readable"):
+        read_header(bad)
+
+
+def test_close_waits_for_reads_in_flight(st_file: Path) -> None:
+    with AioEngine(threads=1) as engine:
+        r = SourceReader(engine, chunk_bytes=4096, buffers=1)
+        e = read_header(st_file)["d"]
+        out = torch.empty(40000, dtype=torch.float16)
+        fut = r.read(e.path, e.offset, out, e.dtype)
+        closer = threading.Thread(target=r.close)
+        closer.start()
+        fut.result(timeout=30)  # completed, not failed by a closed descriptor
+        closer.join(timeout=30)
+        assert r.closed and not closer.is_alive()
+
+
+def test_file_shard_pads_verifies_and_refuses_writes(st_file: Path, reader: SourceReader) -> None:
+    e = read_header(st_file)["b"]
+    full = e.shape[0] * e.shape[1]
+    shard = FileShard(reader, e, start=full - 100, valid=100, numel=128)
+    out = torch.full((128,), 5.0)
+    shard.load(out).result()
+    with safe_open(st_file, "pt") as h:
+        want = h.get_tensor("b").reshape(-1)[-100:].float()
+    assert torch.equal(out[:100], want) and not out[100:].any()  # padding is zeros
+    part = torch.empty(30)
+    shard.load_range(90, part).result()  # 10 values, then padding
+    assert torch.equal(part[:10], want[90:]) and not part[10:].any()
+    with pytest.raises(StorageError, match="never writes"):
+        shard.save(out)
+    # the same bytes rewritten on disk (same size, new values) are caught at the next read
+    raw = bytearray(st_file.read_bytes())
+    raw[e.offset + e.nbytes - 4] ^= 0xFF
+    with open(st_file, "r+b") as f:
+        f.write(raw)
+        f.flush()
+        os.fsync(f.fileno())
+    with pytest.raises(StorageError, match="changed while outcore used it"):
+        shard.load(out).result()
+
+
+def test_content_hash_is_of_the_bytes(tmp_path: Path) -> None:
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.write_bytes(b"x" * 10_000_000)
+    b.write_bytes(b"x" * 9_999_999 + b"y")
+    seen: list[int] = []
+    assert content_hash(a, seen.append) != content_hash(b)
+    assert sum(seen) == 10_000_000 and len(content_hash(a)) == 32

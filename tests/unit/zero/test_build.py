@@ -1,0 +1,33 @@
+"""What the engine builds over a model: here, the prefetch budget it gives the schedule."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import outcore
+from outcore.zero.build import prefetch_budget
+
+MiB = 1 << 20
+
+
+def _groups(*sizes: int, persistent: int = 0) -> list:
+    return [SimpleNamespace(full_bytes=s, persistent=i < persistent, zero_copy=False)
+            for i, s in enumerate(sizes)]
+
+
+def test_a_default_budget_grows_to_the_two_largest_fetched_groups() -> None:
+    cfg = outcore.Config()
+    assert prefetch_budget(cfg, _groups(8 * MiB, 50 * MiB)) == 128 * MiB  # small layers
+    # a 13B Llama's MLP projections (141 MB) and embedding (328 MB): both largest fit
+    assert prefetch_budget(cfg, _groups(141_557_760, 327_680_000, 52_428_800, 141_557_760)
+                           ) == 327_680_000 + 141_557_760
+    # groups kept gathered for good are not fetched: they do not count
+    assert prefetch_budget(cfg, _groups(900 * MiB, 200 * MiB, 100 * MiB, persistent=1)) == (
+        300 * MiB)
+
+
+def test_a_budget_the_user_set_is_kept() -> None:
+    cfg = outcore.Config(zero={"prefetch_bytes": 64 * MiB})
+    assert prefetch_budget(cfg, _groups(141_557_760, 327_680_000)) == 64 * MiB
+    cfg = outcore.Config(zero={"prefetch_bytes": 128 * MiB})  # the default value, but set
+    assert prefetch_budget(cfg, _groups(141_557_760, 327_680_000)) == 128 * MiB

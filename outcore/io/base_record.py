@@ -15,13 +15,15 @@ from __future__ import annotations
 
 import sys
 import threading
+import warnings
 from pathlib import Path
 from typing import Any
 
+import torch
 from tqdm import tqdm
 
 from outcore.errors import ConfigError
-from outcore.offload.source_file import Identity, content_hash
+from outcore.offload.source_file import Identity, TensorEntry, content_hash, read_header
 
 _HASHES: dict[tuple[Path, Identity], str] = {}  # the process's cache, by file and identity
 _LOCK = threading.Lock()
@@ -88,17 +90,50 @@ def check(saved: dict[str, Any] | None, files: list[Path], checkpoint: Path) -> 
 
 
 def check_engine(engine: Any, man: dict[str, Any], by_name: dict[str, tuple[str, dict]],
-                 checkpoint: Path) -> None:
-    """Parameters the checkpoint names in its base must be read from that base now, and the
-    base must be unchanged (see the note above); ``by_name`` maps names to manifest entries."""
-    folder = (man.get("base") or {}).get("folder")
+                 checkpoint: Path) -> dict[str, TensorEntry]:
+    """Check the base a checkpoint names against the files this run reads (see the note
+    above); return the base's tensors by name where parameters the checkpoint does not hold
+    are not read in place now (another placement): those are loaded from the base's files."""
+    saved = man.get("base")
+    files: set[Path] = set()
+    elsewhere = []
     for sp in engine.params:
         tensor = by_name[sp.name][1].get("base") if sp.name in by_name else None
-        if tensor is not None and not (in_place(sp) and sp.compute_shard.entry.name == tensor):
-            raise ConfigError(f"the checkpoint does not hold {sp.name}: it was read from the "
-                              f"base model in {folder} (tensor {tensor}); build the model from "
-                              f"that folder: outcore.init(cfg, frozen=True, weights=\"{folder}\")"
-                              " or outcore train --model FOLDER")
-    named = {Path(sp.compute_shard.path) for sp in engine.params
-             if in_place(sp) and sp.name in by_name and by_name[sp.name][1].get("base")}
-    check(man.get("base"), sorted(named), checkpoint)
+        if tensor is None:
+            continue
+        if in_place(sp) and sp.compute_shard.entry.name == tensor:
+            files.add(Path(sp.compute_shard.path))
+        else:
+            elsewhere.append(sp.name)
+    tensors: dict[str, TensorEntry] = {}
+    if elsewhere:
+        assert saved is not None  # entries name a base only where the manifest records it
+        try:
+            for name in saved["files"]:
+                tensors.update(read_header(Path(saved["folder"]) / name))
+        except ConfigError as e:
+            raise ConfigError(f"the checkpoint does not hold {elsewhere[0]}: it was read from "
+                              f"the base model in {saved['folder']}, which cannot be read now "
+                              f"({e})") from None
+        files |= {t.path for t in tensors.values()}
+    check(saved, sorted(files), checkpoint)
+    return tensors
+
+
+def load_values(sp: Any, tensor: TensorEntry) -> None:
+    """Write this rank's slice of ``tensor`` (a base file's) into a sharded parameter."""
+    lay = sp.layout
+    shard = torch.zeros(lay.shard_numel)
+    sp.rt.reader.read_now(tensor.path, tensor.offset + lay.start * tensor.dtype.itemsize,
+                          shard[: lay.valid_numel], tensor.dtype)
+    sp.write_shard(shard)
+
+
+def stored_over_base(sp: Any, values: torch.Tensor) -> None:
+    """A checkpoint that stores values for a parameter read in place (saved before bases
+    were named, or after a user's write): the values win, in a shard of the parameter's
+    own (param.py's ``write_shard``), which costs swap space the base did not; say so once."""
+    warnings.warn("the checkpoint stores values of parameters this model reads in place from "
+                  "its base files; they are loaded into the swap file (save a new checkpoint "
+                  "to name the base instead)", stacklevel=2)
+    sp.write_shard(values)

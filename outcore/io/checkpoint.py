@@ -59,8 +59,7 @@ _OPTIM = "__optimizer__::"  # replicated optimizer state (rank 0's file)
 
 
 def rank_file(rank: int, world: int) -> str:
-    """Name of rank ``rank``'s shard file in a checkpoint saved at ``world`` ranks."""
-    return f"rank{rank:05d}-of-{world:05d}.safetensors"
+    return f"rank{rank:05d}-of-{world:05d}.safetensors"  # rank's file of a world-rank save
 
 
 # -- save ----------------------------------------------------------------------------------------
@@ -393,7 +392,8 @@ def _load(engine: Any, path: Path) -> dict[str, Any]:
                 g.reshard()
             engine.schedule.end_iteration()
             for sp in engine.params:
-                _load_param(engine.sharded_optimizer, sp, plan["entries"][sp.name], man, handles)
+                _load_param(engine.sharded_optimizer, sp, plan["entries"][sp.name], man, handles,
+                            plan["base"])
             for name, buf in _buffers(engine.module).items():
                 buf.copy_(handles[0].get_tensor(f"__buffer__::{name}"))
             for key, target in _replicated(engine).items():
@@ -430,7 +430,7 @@ def _plan(engine: Any, man: dict, folder: Path) -> dict[str, Any]:
     if missing or extra:
         raise ConfigError(f"checkpoint does not match the model: parameters missing from the "
                           f"checkpoint {missing}, in the checkpoint but not the model {extra}")
-    base_record.check_engine(engine, man, by_name, folder)
+    base_tensors = base_record.check_engine(engine, man, by_name, folder)
     shapes = [f"{sp.name}: checkpoint {by_name[sp.name][1]['shape']}, model {list(sp.shape)}"
               for sp in engine.params if by_name[sp.name][1]["shape"] != list(sp.shape)]
     if shapes:
@@ -462,11 +462,11 @@ def _plan(engine: Any, man: dict, folder: Path) -> dict[str, Any]:
     for sp in engine.params:
         ranks.update(sts.pieces_overlapping(sp.numel, old, sp.layout.start, sp.layout.valid_numel))
     return {"entries": {sp.name: by_name[sp.name] for sp in engine.params}, "ranks": ranks,
-            "rng_rank": rng_rank}
+            "rng_rank": rng_rank, "base": base_tensors}
 
 
 def _load_param(optimizer: Any, sp: Any, found: tuple[str, dict], man: dict,
-                handles: dict[int, Any]) -> None:
+                handles: dict[int, Any], base: dict[str, Any]) -> None:
     """Re-cut one parameter's saved state into this rank's shard and write it to its tiers."""
     canon, entry = found
     lay, old = sp.layout, man["world_size"]
@@ -478,10 +478,12 @@ def _load_param(optimizer: Any, sp: Any, found: tuple[str, dict], man: dict,
         return out
 
     src = "master" if entry["trainable"] else "values"
-    if entry.get("base"):  # read in place, checked unchanged by _check_base
+    if entry.get("base") in base:  # not read in place now: its values from the base's file
+        base_record.load_values(sp, base[entry["base"]])
+    elif entry.get("base"):  # read in place, checked unchanged by base_record.check_engine
         pass
     elif sp.master_shard is None and sp.compute_shard.read_only:  # saved values win
-        sp.write_shard(read(src, torch.float32))
+        base_record.stored_over_base(sp, read(src, torch.float32))
     elif sp.master_shard is not None:
         master = read(src, torch.float32)
         sp.master_shard.save(master).result()

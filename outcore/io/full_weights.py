@@ -23,8 +23,7 @@ from outcore.io import safetensors_stream as sts
 from outcore.io.checkpoint import check_file, rank_file, read_manifest
 from outcore.io.safetensors_stream import StreamWriter, TensorSpec
 from outcore.offload.aio import AioEngine
-from outcore.offload.source_file import SourceReader, TensorEntry
-from outcore.zero.deferred import folder_tensors
+from outcore.offload.source_file import SourceReader, TensorEntry, read_header
 
 
 def consolidate(ckpt: str | os.PathLike[str], out: str | os.PathLike[str]) -> Path:
@@ -88,9 +87,10 @@ def _base_reader(man: dict, folder: Path) -> tuple[dict[str, TensorEntry], Sourc
     of storing it (base_record.py's note); the base must be the one it trained over."""
     if not man.get("base"):
         return None
-    base = Path(man["base"]["folder"])
+    base, tensors = Path(man["base"]["folder"]), {}
     try:
-        tensors = folder_tensors(base)
+        for name in man["base"]["files"]:  # the files it named, whatever else is beside them
+            tensors.update(read_header(base / name))
     except ConfigError as e:
         raise ConfigError(f"{folder} holds no copy of its frozen base, which was read from "
                           f"{base}: {e}") from None

@@ -19,8 +19,9 @@ machine, ~0.35 CPU-seconds per GB buffered against ~0.02 with O_DIRECT, plus the
 the buffer, which a cast needs anyway. A read is cut into chunks at fixed file offsets
 (multiples of the chunk size), and the chunks of all reads queue for the buffers: a chunk
 starts when a buffer is free, so issuing a read never blocks the caller (a prefetch issued
-ahead of compute must not wait for the disk). The page that holds a file's end is read
-without O_DIRECT, as a read that ends at the file's end cannot be a whole page.
+ahead of compute must not wait for the disk). A chunk whose pages would run past the file's
+end (at most the file's last 4 MiB) is read without O_DIRECT, as a read that ends at the
+file's end cannot be a whole page.
 
 [Note: a base changed during a run is detected]
 The first read of each chunk records the xxh3 digest of its bytes; every later read of the
@@ -37,6 +38,7 @@ import collections
 import contextlib
 import errno
 import json
+import math
 import os
 import struct
 import threading
@@ -103,6 +105,8 @@ def read_header(path: Path) -> dict[str, TensorEntry]:
             header = json.loads(f.read(n))
     except (OSError, ValueError, struct.error) as e:
         raise ConfigError(f"{path} is not a readable safetensors file: {e}") from None
+    if not isinstance(header, dict):
+        raise ConfigError(f"{path} is not a readable safetensors file: its header is no map")
     start, out = 8 + n, {}
     for name, spec in header.items():
         if name == "__metadata__":
@@ -117,7 +121,17 @@ def read_header(path: Path) -> dict[str, TensorEntry]:
         if not 0 <= begin <= end <= size - start:
             raise ConfigError(f"{path}: tensor {name!r} lies outside the file (bytes {begin}.."
                               f"{end} of data, the file holds {size - start}); truncated?")
-        out[name] = TensorEntry(name, Path(path), dtype, shape, start + begin, end - begin)
+        if end - begin != math.prod(shape) * dtype.itemsize:
+            raise ConfigError(f"{path}: tensor {name!r} of shape {list(shape)} in {spec['dtype']} "
+                              f"needs {math.prod(shape) * dtype.itemsize} bytes, its header "
+                              f"gives {end - begin}")
+        if (start + begin) % dtype.itemsize:
+            # the safetensors library pads the header so that every tensor is aligned
+            raise ConfigError(f"{path}: tensor {name!r} starts at byte {start + begin}, not a "
+                              f"multiple of its element size {dtype.itemsize}; save the file "
+                              "again with the safetensors library")
+        out[name] = TensorEntry(name, Path(path).resolve(), dtype, shape, start + begin,
+                                end - begin)
     return out
 
 
@@ -177,12 +191,18 @@ class _File:
         self.direct: int | None = None
         flag = getattr(os, "O_DIRECT", 0)
         if flag and self.identity.size >= ALIGN:
-            with contextlib.suppress(OSError):
+            try:
                 fd = os.open(path, os.O_RDONLY | flag | getattr(os, "O_CLOEXEC", 0))
-                if self._direct_works(fd):
-                    self.direct = fd
-                else:
-                    os.close(fd)
+            except OSError:
+                return  # no O_DIRECT here: buffered reads
+            try:
+                works = self._direct_works(fd)
+            except OSError:
+                works = False
+            if works:
+                self.direct = fd
+            else:
+                os.close(fd)
 
     def _direct_works(self, fd: int) -> bool:
         page = aligned_empty(ALIGN)
@@ -196,10 +216,10 @@ class _File:
 
     def close(self) -> None:
         for fd in (self.direct, self.buffered):
-            if fd is not None:
+            if fd is not None and fd >= 0:
                 with contextlib.suppress(OSError):
                     os.close(fd)
-        self.direct = None
+        self.direct, self.buffered = None, -1
 
 
 Check = Callable[[int, torch.Tensor], None]
@@ -262,21 +282,26 @@ class SourceReader:
             parts.append(_Chunk(f, pos, stop - pos, flat[lo:hi], dtype, check, IOFuture()))
             pos = stop
         with self._lock:
+            if self.closed:  # close() ran since file(): its descriptors are gone
+                raise RuntimeError("SourceReader is closed")
             self._queue.extend(parts)
             self._inflight += len(parts)
         self._pump()
         return IOFuture.gather(c.future for c in parts)
 
     def _pump(self) -> None:
-        """Start queued chunks while buffers are free (any thread; never blocks)."""
+        """Start queued chunks while buffers are free (any thread; never blocks). A chunk that
+        cannot start fails here, in this loop, so a long queue does not recurse."""
         while True:
             with self._lock:
                 if not self._queue or not self._free:
                     return
                 chunk, buf = self._queue.popleft(), self._free.pop()
-            self._start(chunk, buf)
+            error = self._start(chunk, buf)
+            if error is not None:
+                self._settle(chunk, buf, error)
 
-    def _start(self, chunk: _Chunk, buf: torch.Tensor) -> None:
+    def _start(self, chunk: _Chunk, buf: torch.Tensor) -> BaseException | None:
         f = chunk.file
         lo = chunk.offset // ALIGN * ALIGN
         hi = -(-(chunk.offset + chunk.nbytes) // ALIGN) * ALIGN
@@ -288,9 +313,9 @@ class SourceReader:
         try:
             fut = self.engine.pread(fd, buf[: hi - lo], lo, path=f.path)
         except BaseException as e:  # noqa: BLE001 - handed to the chunk's future
-            self._finish(chunk, buf, e)
-            return
+            return e
         fut.add_done_callback(lambda done: self._done(chunk, buf, lo, done))
+        return None
 
     def _done(self, chunk: _Chunk, buf: torch.Tensor, lo: int, done: IOFuture) -> None:
         error = done.exception()
@@ -305,6 +330,11 @@ class SourceReader:
         self._finish(chunk, buf, error)
 
     def _finish(self, chunk: _Chunk, buf: torch.Tensor, error: BaseException | None) -> None:
+        self._settle(chunk, buf, error)
+        self._pump()
+
+    def _settle(self, chunk: _Chunk, buf: torch.Tensor, error: BaseException | None) -> None:
+        """Give the buffer back and complete the chunk's future."""
         with self._lock:
             self._free.append(buf)
             self._inflight -= 1
@@ -315,7 +345,6 @@ class SourceReader:
             chunk.future.set_result(chunk.nbytes)
         else:
             chunk.future.set_exception(error)
-        self._pump()
 
     def read_now(self, path: Path, offset: int, out: torch.Tensor, dtype: torch.dtype) -> None:
         """``read`` and wait."""

@@ -108,7 +108,8 @@ class Hooks:
         # see [Note: frozen groups in backward]: (group, node that last unpacked it, thread)
         self._frozen_held: list[tuple[GatherGroup, object, int | None]] = []
         self._pinned: set[int] = set()  # groups a recomputation fetched in this backward
-        self._recomputing: object = None  # the autograd node whose unpack recomputes now
+        # per thread, the autograd node whose unpack recomputes now (see the note)
+        self._recomputing: dict[int, object] = {}
         self._handles: list[RemovableHandle] = []
         for m, gs in module_groups.items():
             if gs:
@@ -182,9 +183,10 @@ class Hooks:
             groups = self.module_groups[module]
             if self._in_backward:  # a recomputation: see [Note: frozen groups in backward]
                 node = torch._C._current_autograd_node()
-                if node is not self._recomputing:  # a new one begins: the one before is done
+                mark = self._recomputing.get(threading.get_ident())
+                if node is not mark:  # a new one begins: the one before is done
                     self._release_pinned(keep=groups)
-                    self._recomputing = node
+                    self._recomputing[threading.get_ident()] = node
                 self._pinned.update(g.index for g in groups)
             # push the frame before fetching: if the fetch raises, the post-forward hook (which
             # always runs) must pop this frame, not its parent's
@@ -332,7 +334,7 @@ class Hooks:
         self.pending.clear()
         for g in self.groups:
             g.forget_grads_seen()
-        self._frozen_held, self._pinned, self._recomputing = [], set(), None
+        self._frozen_held, self._pinned, self._recomputing = [], set(), {}
         self.schedule.end_iteration()
 
     def finish_backward(self) -> None:
@@ -343,7 +345,7 @@ class Hooks:
                 self._reduce(g)
         while self.pending:
             self._reduced(self.pending.popleft().finish())
-        self._frozen_held, self._pinned, self._recomputing = [], set(), None
+        self._frozen_held, self._pinned, self._recomputing = [], set(), {}
         self.schedule.end_iteration(carry=True)
 
 

@@ -52,7 +52,7 @@ def frozen_base(shape: ModelShape, trainable: int, *, base_bytes: int | None = N
                 ) -> FrozenBaseEstimate:
     """See [Note: pricing a base read in place]; ``base_bytes`` is the files' size where
     known (a Hugging Face folder), else ``storage_bytes`` per parameter."""
-    base_params = max(shape.params - trainable, 0)
+    base_params = shape.params  # adapters are added to the model, not cut out of it
     stored = base_bytes if base_bytes is not None else base_params * storage_bytes
     h, f = shape.hidden, shape.ffn_width
     layers = sorted([shape.vocab * h, shape.vocab * h, h * f, h * f], reverse=True)

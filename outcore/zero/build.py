@@ -81,8 +81,8 @@ def cast_floats(obj: Any, dtype: torch.dtype) -> Any:
 
 
 def prefetch_budget(cfg: Config, groups: list[GatherGroup]) -> int:
-    """The schedule's budget for groups fetched ahead: ``zero.prefetch_bytes`` as set, and
-    where it was left at its default, at least the two largest groups that are fetched.
+    """The schedule's budget for groups fetched ahead: ``zero.prefetch_bytes``, and where it
+    is at its default value, at least the two largest groups that are fetched.
 
     [Note: a default budget that fits the model's layers]
     A group larger than the budget is never prefetched, and the schedule's read-ahead stops
@@ -91,13 +91,15 @@ def prefetch_budget(cfg: Config, groups: list[GatherGroup]) -> int:
     parameters, but a 13B Llama's MLP projections are 141 MB each in bf16 (238 MB at ~30B),
     and its embedding and head more: with the default, such a run reads a third of its bytes
     on demand (measured: bench/results, 'LoRA at 13B and 30B', 1.2x the disk's floor
-    instead of 1.05x). So a budget the user did not set grows to the two largest groups that
-    are fetched (the one computing and the next one), which costs host memory of the same
-    order as the layers the run moves anyway; a budget the user set is what they get, with
-    the schedule's warning when a group does not fit.
+    instead of 1.05x). So a budget at the default value grows to the two largest groups
+    that are fetched (the one computing and the next one), which costs host memory of the
+    same order as the layers the run moves anyway; any other budget is what the user gets,
+    with the schedule's warning when a group does not fit. The value decides, not whether
+    the key was written: configs pass through dumps and merges (``Config.auto``, a
+    DeepSpeed file, the Trainer's arguments) that write every key.
     """
     budget = cfg.zero.prefetch_bytes
-    if "prefetch_bytes" in cfg.zero.model_fields_set:
+    if budget != type(cfg.zero).model_fields["prefetch_bytes"].default:
         return budget
     fetched = sorted((g.full_bytes for g in groups if not (g.persistent or g.zero_copy)),
                      reverse=True)

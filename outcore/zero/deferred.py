@@ -43,16 +43,17 @@ _INDEX = "model.safetensors.index.json"
 
 
 def folder_tensors(path: str | os.PathLike[str]) -> dict[str, TensorEntry]:
-    """Every tensor of a ``.safetensors`` file or a Hugging Face folder, from the headers."""
-    p = Path(path)
+    """Every tensor of a ``.safetensors`` file or a Hugging Face folder, from the headers; a
+    name in two files is refused."""
+    p = Path(path).resolve()
     if p.is_file():
         files = [p]
     elif (p / _INDEX).is_file():
         try:
             weight_map = json.loads((p / _INDEX).read_text())["weight_map"]
-        except (OSError, ValueError, KeyError) as e:
-            raise ConfigError(f"{p / _INDEX} is not a readable weight index: {e}") from None
-        files = sorted({p / f for f in weight_map.values()})
+            files = sorted({p / str(f) for f in weight_map.values()})
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ConfigError(f"{p / _INDEX} is not a readable weight index: {e!r}") from None
     elif p.is_dir():
         files = sorted(p.glob("*.safetensors"))
         if not files:
@@ -63,7 +64,11 @@ def folder_tensors(path: str | os.PathLike[str]) -> dict[str, TensorEntry]:
     for f in files:
         if not f.is_file():
             raise ConfigError(f"{p / _INDEX} names {f.name}, which is not in {p}")
-        out.update(read_header(f))
+        for name, entry in read_header(f).items():
+            if name in out:
+                raise ConfigError(f"tensor {name!r} is in both {out[name].path.name} and "
+                                  f"{f.name} in {p}: which one the model gets is unclear")
+            out[name] = entry
     return out
 
 
@@ -71,53 +76,59 @@ class DeferredBuild:
     """The build side of [Note: build empty, then bind by name]."""
 
     def __init__(self, folder: str | os.PathLike[str]) -> None:
-        self.folder = Path(folder)
         self.tensors = folder_tensors(folder)  # a wrong folder fails before the build
-        self._pending: dict[int, nn.Parameter] = {}
-        self._holders: dict[int, list[tuple[weakref.ref[nn.Module], str]]] = {}
-        self._children: set[int] = set()
-        self._modules: list[weakref.ref[nn.Module]] = []
+        self.folder = Path(folder).resolve()
+        self._modules: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+        self._children: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
     def on_param(self, module: nn.Module, name: str, param: nn.Parameter
                  ) -> nn.Parameter | None:
         """The registration hook's part: the meta stand-in ``module.name`` gets instead."""
-        meta = param if id(param) in self._pending else nn.Parameter(
-            torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
-        self._pending[id(meta)] = meta
-        self._holders.setdefault(id(meta), []).append((weakref.ref(module), name))
-        self._modules.append(weakref.ref(module))
-        return None if meta is param else meta
+        self._modules.add(module)
+        if param.is_meta:  # a stand-in already (a tie), or a model built on meta by itself
+            return None
+        meta = nn.Parameter(torch.empty_like(param, device="meta"),
+                            requires_grad=param.requires_grad)
+        meta.__dict__.update(param.__dict__)  # attributes code set on it (_no_weight_decay)
+        return meta
 
     def on_module(self, parent: nn.Module, child: nn.Module | None) -> None:
         """A module became another's child: it is no root."""
-        self._modules.append(weakref.ref(parent))
+        self._modules.add(parent)
         if child is not None:
-            self._children.add(id(child))
+            self._children.add(child)
 
     def bind(self, rt: Runtime) -> None:
-        """Give every stand-in that a root module holds its shards from the folder."""
-        roots, seen = [], set()
-        for ref in self._modules:
-            m = ref()
-            if m is not None and id(m) not in self._children and id(m) not in seen:
-                seen.add(id(m))
-                roots.append(m)
+        """Give every meta parameter the live roots hold its shards from the folder: those the
+        hook replaced and copies of them (``copy.deepcopy`` registers nothing)."""
+        roots = [m for m in list(self._modules) if m not in self._children]
+        found_in = [(root, _metas(root)) for root in roots]
+        # a root none of whose names the files hold is no model of theirs (a template layer
+        # still in a variable): left alone, unless no root matches at all
+        matching = [(r, m) for r, m in found_in
+                    if any(n in self.tensors for ns in m[1].values() for n in ns)]
+        found_in = matching or found_in[:1]
+        roots = [r for r, _ in found_in]
+        metas: dict[int, nn.Parameter] = {}
         names: dict[int, list[str]] = {}
-        for root in roots:
-            for name, p in root.named_parameters(remove_duplicate=False):
-                if id(p) in self._pending:
-                    names.setdefault(id(p), []).append(name)
-        if not names:  # the model built here was dropped before the context ended
-            self._pending.clear()
+        holders: dict[int, list[tuple[nn.Module, str]]] = {}
+        for _, (by_id, by_name, held) in found_in:
+            metas.update(by_id)
+            for key, found in by_name.items():
+                names.setdefault(key, []).extend(found)
+            for key, places in held.items():
+                holders.setdefault(key, []).extend(places)
+        if not metas:  # nothing built here is alive (or every value came another way)
             return
         plan, missing, bad = [], [], []
         for key, found in names.items():
+            found = list(dict.fromkeys(found))
             entry = next((self.tensors[n] for n in found if n in self.tensors), None)
             if entry is None:
                 missing.append(found[0])
-            elif entry.shape != tuple(self._pending[key].shape):
+            elif entry.shape != tuple(metas[key].shape):
                 bad.append(f"{entry.name}: file {list(entry.shape)} vs model "
-                           f"{list(self._pending[key].shape)}")
+                           f"{list(metas[key].shape)}")
             else:
                 plan.append((key, entry))
         used = {n for found in names.values() for n in found}
@@ -129,20 +140,34 @@ class DeferredBuild:
             raise ConfigError(f"shape mismatch in {self.folder}: " + "; ".join(bad[:10]))
         with torch.no_grad():
             for key, entry in plan:
-                self._bind_one(rt, self._pending[key], entry)
+                self._bind_one(rt, metas[key], entry, holders[key])
             for root in roots:
                 _load_buffers(rt, root, self.tensors)
-        self._pending.clear()
 
-    def _bind_one(self, rt: Runtime, meta: nn.Parameter, entry: TensorEntry) -> None:
+    def _bind_one(self, rt: Runtime, meta: nn.Parameter, entry: TensorEntry,
+                  holders: list[tuple[nn.Module, str]]) -> None:
         param = nn.Parameter(torch.empty(meta.shape, dtype=meta.dtype),
                              requires_grad=meta.requires_grad)
+        param.__dict__.update(meta.__dict__)
         sp = ShardedParam(param, rt, shards=_shards(rt, entry, meta.requires_grad))
         register(param, sp)
-        for ref, name in self._holders[id(meta)]:
-            module = ref()
-            if module is not None and module._parameters.get(name) is meta:
-                module._parameters[name] = param
+        for module, name in holders:
+            module._parameters[name] = param
+
+
+def _metas(root: nn.Module) -> tuple[dict[int, nn.Parameter], dict[int, list[str]],
+                                     dict[int, list[tuple[nn.Module, str]]]]:
+    """The meta parameters under ``root``: by id, their names, and (module, key) holding each."""
+    metas: dict[int, nn.Parameter] = {}
+    names: dict[int, list[str]] = {}
+    holders: dict[int, list[tuple[nn.Module, str]]] = {}
+    for mod_name, mod in root.named_modules(remove_duplicate=False):
+        for key, p in mod._parameters.items():
+            if p is not None and p.is_meta:
+                metas[id(p)] = p
+                names.setdefault(id(p), []).append(f"{mod_name}.{key}" if mod_name else key)
+                holders.setdefault(id(p), []).append((mod, key))
+    return metas, names, holders
 
 
 def _shards(rt: Runtime, entry: TensorEntry, trainable: bool

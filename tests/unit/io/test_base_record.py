@@ -86,14 +86,31 @@ def test_the_checkpoint_names_the_base_and_refuses_another(folder: Path, tmp_pat
     engine.close()
 
 
-def test_a_model_not_built_from_the_base_is_told_where_it_is(folder: Path,
-                                                            tmp_path: Path) -> None:
+def test_another_placement_reads_the_base_values_from_the_named_files(folder: Path,
+                                                                      tmp_path: Path) -> None:
+    """A model whose base is not read in place now (built without ``weights=``, or with its
+    parameters in memory) gets the base's values from the files the checkpoint names."""
+    from safetensors.torch import load_file
+
     engine = _engine(folder, tmp_path / "swap")
     ckpt = engine.save_checkpoint(tmp_path / "ckpt")
     engine.close()
-    engine = _engine(folder, tmp_path / "swap", weights=False)
-    with pytest.raises(ConfigError, match=f"does not hold .* read from the base model in "
-                                          f"{folder}"):
+    engine = _engine(folder, tmp_path / "swap", weights=False)  # a random base
+    engine.load_checkpoint(ckpt)
+    base = {}
+    for f in folder.glob("*.safetensors"):
+        base.update(load_file(f))
+    w = engine.module.base_model.model.model.layers[1].mlp.up_proj.weight
+    with engine.gathered_parameters([w]):
+        torch.testing.assert_close(w.detach(), base["model.layers.1.mlp.up_proj.weight"].float())
+    engine.close()
+    moved = folder.rename(tmp_path / "moved")  # the same files elsewhere: accepted
+    engine = _engine(moved, tmp_path / "swap")
+    engine.load_checkpoint(ckpt)
+    engine.close()
+    engine = _engine(moved, tmp_path / "swap", weights=False)  # the named base is gone
+    with pytest.raises(ConfigError, match=f"read from the base model in {folder}, which "
+                                          "cannot be read now"):
         engine.load_checkpoint(ckpt)
     engine.close()
 

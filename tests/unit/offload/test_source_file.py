@@ -95,6 +95,23 @@ def test_malformed_files_are_refused_in_words(tmp_path: Path) -> None:
     bad.write_bytes((2).to_bytes(8, "little") + b"{!")
     with pytest.raises(ConfigError, match="not a readable"):
         read_header(bad)
+    bad.write_bytes((2).to_bytes(8, "little") + b"[]")
+    with pytest.raises(ConfigError, match="header is no map"):
+        read_header(bad)
+
+    def write(header: bytes, data: bytes) -> None:
+        bad.write_bytes(len(header).to_bytes(8, "little") + header + data)
+
+    # a header that gives a tensor fewer bytes than its shape needs
+    write(b'{"w":{"dtype":"F32","shape":[4],"data_offsets":[0,12]}}', bytes(16))
+    with pytest.raises(ConfigError, match="'w' of shape \\[4\\] in F32 needs 16 bytes"):
+        read_header(bad)
+    # an F32 tensor at an odd byte (no header padding): refused, not misread
+    head = b'{"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}'
+    assert (8 + len(head)) % 4
+    write(head, bytes(8))
+    with pytest.raises(ConfigError, match="not a multiple of its element size 4"):
+        read_header(bad)
 
 
 def test_close_waits_for_reads_in_flight(st_file: Path) -> None:

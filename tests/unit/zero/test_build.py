@@ -29,5 +29,13 @@ def test_a_default_budget_grows_to_the_two_largest_fetched_groups() -> None:
 def test_a_budget_the_user_set_is_kept() -> None:
     cfg = outcore.Config(zero={"prefetch_bytes": 64 * MiB})
     assert prefetch_budget(cfg, _groups(141_557_760, 327_680_000)) == 64 * MiB
-    cfg = outcore.Config(zero={"prefetch_bytes": 128 * MiB})  # the default value, but set
-    assert prefetch_budget(cfg, _groups(141_557_760, 327_680_000)) == 128 * MiB
+    cfg = outcore.Config(zero={"prefetch_bytes": 256 * MiB})
+    assert prefetch_budget(cfg, _groups(141_557_760, 327_680_000)) == 256 * MiB
+
+
+def test_the_default_survives_the_round_trips_configs_make() -> None:
+    """Config.auto, DeepSpeed files and the Trainer dump and rebuild configs, writing every
+    key: the default value still grows."""
+    cfg = outcore.Config.from_dict(outcore.Config().model_dump(mode="json"))
+    cfg = cfg.with_overrides({"offload": {"params": "cpu"}})
+    assert prefetch_budget(cfg, _groups(141_557_760, 327_680_000)) == 469_237_760

@@ -160,3 +160,60 @@ def test_a_base_file_changed_during_the_run_is_caught(tmp_path: Path) -> None:
     with pytest.raises(outcore.errors.StorageError, match="changed while outcore used it"), \
             torch.no_grad():
         engine(input_ids=x)
+
+
+def test_deep_copied_layers_and_relative_paths_are_bound_too(tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch
+                                                             ) -> None:
+    """``copy.deepcopy`` of a layer registers nothing (nn.TransformerEncoder builds its layers
+    so); its copies are bound by name like the rest, and a relative path is resolved once."""
+    import copy
+
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    want = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(3)])
+    save_file({k: v.contiguous() for k, v in want.state_dict().items()},
+              tmp_path / "m.safetensors")
+    monkeypatch.chdir(tmp_path)
+    cfg = _cfg(str(tmp_path / "swap"))
+    with outcore.init(cfg, frozen=True, weights="m.safetensors"):
+        template = torch.nn.Linear(8, 8)
+        model = torch.nn.Sequential(*[copy.deepcopy(template) for _ in range(3)])
+    monkeypatch.chdir("/")
+    assert not any(p.is_meta for p in model.parameters())
+    engine = outcore.initialize(model, cfg)
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(engine(x), want(x))
+    assert str(managed(model[0].weight).compute_shard.path) == str(tmp_path / "m.safetensors")
+    engine.close()
+
+
+def test_a_second_engine_and_the_hand_back_keep_the_files_values(tmp_path: Path) -> None:
+    """What users do around an engine with a base read in place: a second engine on the same
+    model (its own placement), then close(keep_values=True) hands back a plain model holding
+    the files' values; state_dict works at every step."""
+    from safetensors.torch import load_file
+
+    folder = _folder(tmp_path)
+    want = {}
+    for f in folder.glob("*.safetensors"):
+        want.update(load_file(f))
+    cfg = _cfg(str(tmp_path / "swap"))
+    with outcore.init(cfg, frozen=True, weights=folder):
+        model = transformers.AutoModelForCausalLM.from_config(_config())
+    x = torch.arange(32).reshape(2, 16) % 300
+    engine = outcore.initialize(model, cfg)
+    with torch.no_grad():
+        first = engine(input_ids=x).logits.clone()
+    engine.close()  # keeps the shards: the model stays sharded for the next engine
+    engine = outcore.initialize(model, _cfg(str(tmp_path / "swap2"), params="cpu"))
+    assert not any(managed(p).compute_shard.read_only for p in model.parameters())
+    with torch.no_grad():
+        torch.testing.assert_close(engine(input_ids=x).logits, first)
+    sd = model.state_dict()
+    torch.testing.assert_close(sd["model.norm.weight"], want["model.norm.weight"].float())
+    engine.close(keep_values=True)
+    assert managed(model.lm_head.weight) is None  # a plain model again
+    torch.testing.assert_close(model.lm_head.weight.detach(), want["lm_head.weight"].float())

@@ -245,3 +245,28 @@ def char_tokenizer(folder):
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
     fast.save_pretrained(folder)
     return transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
+
+
+def save_tiny_llama(folder: Path, dtype: torch.dtype = torch.float32, seed: int = 1) -> Path:
+    """A 2-layer Llama (about 109K parameters) saved as a Hugging Face folder: config.json and
+    model.safetensors, in ``dtype``. Needs ``transformers``."""
+    import transformers
+
+    torch.manual_seed(seed)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=260, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+    )).to(dtype).save_pretrained(folder)
+    return folder
+
+
+def hf_steps(engine, ids: torch.Tensor, steps: int) -> list[float]:
+    """``steps`` optimizer steps of a Hugging Face causal LM on one batch (its own labels);
+    the losses."""
+    losses = []
+    for _ in range(steps):
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses

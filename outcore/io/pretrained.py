@@ -16,7 +16,6 @@ leaves the model as it was and the error lists every offending name.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 from pathlib import Path
 
@@ -26,31 +25,13 @@ from torch import nn
 
 from outcore.errors import ConfigError
 from outcore.io.safetensors_stream import read_flat_range
+from outcore.zero.deferred import folder_tensors
 from outcore.zero.registry import managed
-
-_INDEX = "model.safetensors.index.json"
 
 
 def weight_files(path: str | os.PathLike[str]) -> dict[str, Path]:
     """Map tensor name -> file for a ``.safetensors`` file or a Hugging Face style folder."""
-    p = Path(path)
-    if p.is_file():
-        files = [p]
-    elif (p / _INDEX).is_file():
-        weight_map = json.loads((p / _INDEX).read_text())["weight_map"]
-        return {name: p / fname for name, fname in weight_map.items()}
-    elif p.is_dir():
-        files = sorted(p.glob("*.safetensors"))
-        if not files:
-            raise ConfigError(f"no *.safetensors files in {p}")
-    else:
-        raise ConfigError(f"pretrained weights not found: {p}")
-    out: dict[str, Path] = {}
-    for f in files:
-        with safe_open(f, framework="pt") as h:
-            for name in h.keys():  # noqa: SIM118  (safe_open is not a dict)
-                out[name] = f
-    return out
+    return {name: entry.path for name, entry in folder_tensors(path).items()}
 
 
 def load_pretrained(model: nn.Module, path: str | os.PathLike[str]) -> None:

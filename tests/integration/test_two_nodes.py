@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from outcore.app.report import read_metrics
-from tests.common import REPO
+from tests.common import REPO, save_tiny_llama
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("peft")
@@ -28,13 +28,8 @@ SPEC = "r=4,alpha=8,targets=q_proj,v_proj"
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("llama")
-    torch.manual_seed(1)
-    transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=260, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-    )).to(torch.bfloat16).save_pretrained(folder)
-    return folder
+    """A 2-layer Llama (about 109K parameters) with config.json and model.safetensors."""
+    return save_tiny_llama(tmp_path_factory.mktemp("llama"), torch.bfloat16)
 
 
 @pytest.fixture(scope="module")

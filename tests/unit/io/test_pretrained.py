@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import save_file
 
 import outcore
+from tests.common import hf_steps
 from tests.distributed import run_world
 
 transformers = pytest.importorskip("transformers")
@@ -35,12 +36,7 @@ def _load_and_finetune(folder: str, swap: str, out: str) -> dict:
     with engine.gathered_parameters():
         loaded = {n: p.data.clone() for n, p in model.named_parameters()}
     ids = (torch.arange(32).reshape(2, 16) % 96).to(engine.device)
-    losses = []
-    for _ in range(3):
-        loss = engine(input_ids=ids, labels=ids).loss
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
+    losses = hf_steps(engine, ids, 3)
     engine.eval()
     with torch.no_grad():
         logits = engine(input_ids=ids).logits.clone()

@@ -1,43 +1,18 @@
 """Reading a model's own safetensors files in place: headers, unaligned ranges, casts, the
-file's last page, chunk queueing, and what a changed or malformed file does."""
+file's last page, chunk queueing, and what a malformed file does (fixtures: conftest.py)."""
 
 from __future__ import annotations
 
-import os
 import threading
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from outcore.errors import ConfigError, StorageError
 from outcore.offload.aio import AioEngine
-from outcore.offload.file_shard import FileShard
 from outcore.offload.source_file import SourceReader, content_hash, read_header
-
-
-@pytest.fixture
-def st_file(tmp_path: Path) -> Path:
-    """Tensors of odd sizes, so most start at offsets no page boundary meets."""
-    g = torch.Generator().manual_seed(0)
-    tensors = {"a": torch.randn(7, generator=g).to(torch.bfloat16),
-               "b": torch.randn(3001, 5, generator=g).to(torch.bfloat16),
-               "c": torch.randn(1234, generator=g),
-               "d": torch.randn(40000, generator=g).to(torch.float16),
-               "z": torch.arange(11, dtype=torch.int64)}
-    path = tmp_path / "m.safetensors"
-    save_file(tensors, path)
-    return path
-
-
-@pytest.fixture
-def reader():
-    with AioEngine(threads=3) as engine:
-        r = SourceReader(engine, chunk_bytes=8192, buffers=2)  # many chunks, few buffers
-        yield r
-        r.close()
 
 
 def test_header_names_the_bytes_safetensors_reads(st_file: Path) -> None:
@@ -125,31 +100,6 @@ def test_close_waits_for_reads_in_flight(st_file: Path) -> None:
         fut.result(timeout=30)  # completed, not failed by a closed descriptor
         closer.join(timeout=30)
         assert r.closed and not closer.is_alive()
-
-
-def test_file_shard_pads_verifies_and_refuses_writes(st_file: Path, reader: SourceReader) -> None:
-    e = read_header(st_file)["b"]
-    full = e.shape[0] * e.shape[1]
-    shard = FileShard(reader, e, start=full - 100, valid=100, numel=128)
-    out = torch.full((128,), 5.0)
-    shard.load(out).result()
-    with safe_open(st_file, "pt") as h:
-        want = h.get_tensor("b").reshape(-1)[-100:].float()
-    assert torch.equal(out[:100], want) and not out[100:].any()  # padding is zeros
-    part = torch.empty(30)
-    shard.load_range(90, part).result()  # 10 values, then padding
-    assert torch.equal(part[:10], want[90:]) and not part[10:].any()
-    with pytest.raises(StorageError, match="never writes"):
-        shard.save(out)
-    # the same bytes rewritten on disk (same size, new values) are caught at the next read
-    raw = bytearray(st_file.read_bytes())
-    raw[e.offset + e.nbytes - 4] ^= 0xFF
-    with open(st_file, "r+b") as f:
-        f.write(raw)
-        f.flush()
-        os.fsync(f.fileno())
-    with pytest.raises(StorageError, match="changed while outcore used it"):
-        shard.load(out).result()
 
 
 def test_content_hash_is_of_the_bytes(tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ import outcore
 from outcore.errors import ConfigError
 from outcore.offload.file_shard import FileShard
 from outcore.zero.registry import managed
+from tests.common import hf_steps
 from tests.distributed import run_world
 
 transformers = pytest.importorskip("transformers")
@@ -106,13 +107,7 @@ def _finetune(folder: str, swap: str, deferred: bool) -> list[float]:
     if not deferred:
         outcore.load_pretrained(model, folder)
     engine = outcore.initialize(model, cfg)
-    x = torch.arange(32).reshape(2, 16) % 300
-    losses = []
-    for _ in range(3):
-        loss = engine(input_ids=x, labels=x).loss
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
+    losses = hf_steps(engine, torch.arange(32).reshape(2, 16) % 300, 3)
     engine.close()
     return losses
 

@@ -212,3 +212,14 @@ def test_a_second_engine_and_the_hand_back_keep_the_files_values(tmp_path: Path)
     engine.close(keep_values=True)
     assert managed(model.lm_head.weight) is None  # a plain model again
     torch.testing.assert_close(model.lm_head.weight.detach(), want["lm_head.weight"].float())
+
+
+def test_a_tensor_in_two_files_is_refused(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    from outcore.zero.deferred import folder_tensors
+
+    save_file({"w": torch.zeros(2)}, tmp_path / "a.safetensors")
+    save_file({"w": torch.ones(2)}, tmp_path / "b.safetensors")
+    with pytest.raises(ConfigError, match="'w' is in both a.safetensors and b.safetensors"):
+        folder_tensors(tmp_path)

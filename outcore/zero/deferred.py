@@ -134,8 +134,10 @@ class DeferredBuild:
         used = {n for found in names.values() for n in found}
         unexpected = sorted(n for n in self.tensors if n not in used and not _is_buffer(roots, n))
         if missing or unexpected:
+            hint = ("; parameters that are not in the files (LoRA adapters) are made after "
+                    "the with block" if missing else "")
             raise ConfigError(f"weights in {self.folder} do not match the model: missing "
-                              f"{_few(missing)}; unexpected {_few(unexpected)}")
+                              f"{_few(missing)}; unexpected {_few(unexpected)}{hint}")
         if bad:
             raise ConfigError(f"shape mismatch in {self.folder}: " + "; ".join(bad[:10]))
         with torch.no_grad():

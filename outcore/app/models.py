@@ -13,12 +13,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import psutil
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from outcore.device.accel import default_device
+from outcore.device.machine import gpu_description
 from outcore.errors import ConfigError
+from outcore.guard.memory import available_memory
 from outcore.memory.activations import checkpoint_activations
 from outcore.sizing.estimate import ModelShape, memory_estimate, shape_from_hf_config
 
@@ -217,7 +219,11 @@ def preset_shape(name: str) -> ModelShape:
     if name not in PRESETS:
         raise ConfigError(f"unknown model {name!r}; give a preset "
                           f"({', '.join(PRESETS)}), a config.json or a Hugging Face model folder")
-    cfg = PRESETS[name]
+    return shape_of(PRESETS[name], name)
+
+
+def shape_of(cfg: GPTConfig, name: str = "") -> ModelShape:
+    """A GPT config as the estimator's ``ModelShape``."""
     return ModelShape(layers=cfg.layers, hidden=cfg.hidden, heads=cfg.heads, vocab=cfg.vocab,
                       seq_len=cfg.seq_len, ffn=cfg.mlp_ratio * cfg.hidden,
                       tie_embeddings=cfg.tie_embeddings, name=name)
@@ -273,7 +279,7 @@ def load_hf_tokenizer(path: str | Path) -> Any | None:
 
 ACTIVATIONS_SHARE = 1 / 8
 """``--checkpoint-activations auto`` turns on where activations would pass this share of the
-compute device's memory (host memory on a CPU)."""
+compute device's memory (on a CPU, the host memory this process may still use)."""
 
 
 def checkpoint_blocks(model: nn.Module, mode: str, batch: int, seq: int) -> int:
@@ -287,13 +293,13 @@ def checkpoint_blocks(model: nn.Module, mode: str, batch: int, seq: int) -> int:
     so the disk reads no more, the loss is the same, and compute grows by about one forward
     (that run's step: 123 s against 78 s on 2 cores, at 2.7 GiB). So ``auto`` turns it on
     only where the estimate of the activations (sizing/estimate.py, no checkpointing) passes
-    ``ACTIVATIONS_SHARE`` of the compute device's memory: the 30B run on a 24 GiB host, not
-    the 13B one (2.3 GB). The blocks are a Hugging Face model's ``_no_split_modules`` (its
-    decoder layers) or a preset's ``Block``.
+    ``ACTIVATIONS_SHARE`` of the compute device's memory (on a CPU, what the process may still
+    use): the 30B run on a 24 GiB host, not the 13B one (2.3 GB). The blocks are a Hugging
+    Face model's ``_no_split_modules`` (its decoder layers) or a preset's ``Block``.
     """
     if mode == "off":
         return 0
-    names = set(getattr(model, "_no_split_modules", None) or ())
+    names: set[str] = set()
     for m in model.modules():  # a PEFT wrapper: the wrapped model says
         names |= set(getattr(m, "_no_split_modules", None) or ())
     if mode == "auto" and (_activation_bytes(model, batch, seq)
@@ -307,18 +313,18 @@ def checkpoint_blocks(model: nn.Module, mode: str, batch: int, seq: int) -> int:
 
 
 def _device_memory() -> int:
-    """Bytes of memory activations live in: the GPU's where one computes, else the host's."""
-    if torch.cuda.is_available():
-        return int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
-    return int(psutil.virtual_memory().total)
+    """Bytes of memory activations live in: the GPU's where one computes, else what this
+    process may still use of the host's (its cgroup's room included)."""
+    device = default_device()
+    gpu = gpu_description(device) if device.type == "cuda" else None
+    return int(gpu["memory_bytes"]) if gpu else available_memory().bytes
 
 
 def _activation_bytes(model: nn.Module, batch: int, seq: int) -> int:
     config = getattr(model, "config", None)
     try:
         if isinstance(config, GPTConfig):
-            shape = ModelShape(layers=config.layers, hidden=config.hidden, heads=config.heads,
-                               vocab=config.vocab, seq_len=config.seq_len)
+            shape = shape_of(config)
         else:
             shape = shape_from_hf_config(config.to_dict())  # type: ignore[union-attr]
         return memory_estimate(shape, batch=batch, seq_len=seq, checkpointing=False

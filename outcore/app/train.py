@@ -92,7 +92,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="compute dtype (default: auto, the fastest this device multiplies natively)")
     a("--checkpoint-activations", choices=["auto", "on", "off"],
       help="keep only each block's input for backward and recompute the rest (default: auto, "
-      "on where the model's activations would pass 1/8 of the device's memory)")
+      "on where the model's activations would pass 1/8 of the memory left to them)")
     a("--lora", metavar="SPEC", help="train LoRA adapters over the frozen --model HF_FOLDER, "
       "e.g. r=8,alpha=16,targets=q_proj,v_proj (keys r, alpha, dropout, targets; peft's "
       "module names); writes them in PEFT's format to OUT/adapter at the end")

@@ -108,24 +108,29 @@ def check_engine(engine: Any, man: dict[str, Any], by_name: dict[str, tuple[str,
     tensors: dict[str, TensorEntry] = {}
     if elsewhere:
         assert saved is not None  # entries name a base only where the manifest records it
-        try:
-            for name in saved["files"]:
-                tensors.update(read_header(Path(saved["folder"]) / name))
-        except ConfigError as e:
-            raise ConfigError(f"the checkpoint does not hold {elsewhere[0]}: it was read from "
-                              f"the base model in {saved['folder']}, which cannot be read now "
-                              f"({e})") from None
+        tensors = named_tensors(saved, f"the checkpoint does not hold {elsewhere[0]}")
         files |= {t.path for t in tensors.values()}
     check(saved, sorted(files), checkpoint)
     return tensors
 
 
+def named_tensors(saved: dict[str, Any], what: str) -> dict[str, TensorEntry]:
+    """The tensors of the files a checkpoint's ``base`` entry names (and only those, whatever
+    else is in the folder); ``what`` opens the error if they cannot be read."""
+    tensors: dict[str, TensorEntry] = {}
+    try:
+        for name in saved["files"]:
+            tensors.update(read_header(Path(saved["folder"]) / name))
+    except ConfigError as e:
+        raise ConfigError(f"{what}: it was read from the base model in {saved['folder']}, "
+                          f"which cannot be read now ({e})") from None
+    return tensors
+
+
 def load_values(sp: Any, tensor: TensorEntry) -> None:
     """Write this rank's slice of ``tensor`` (a base file's) into a sharded parameter."""
-    lay = sp.layout
-    shard = torch.zeros(lay.shard_numel)
-    sp.rt.reader.read_now(tensor.path, tensor.offset + lay.start * tensor.dtype.itemsize,
-                          shard[: lay.valid_numel], tensor.dtype)
+    shard = torch.zeros(sp.layout.shard_numel)
+    sp.rt.reader.read_now(tensor, sp.layout.start, shard[: sp.layout.valid_numel])
     sp.write_shard(shard)
 
 

@@ -17,13 +17,12 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from outcore.errors import ConfigError
 from outcore.io import base_record
 from outcore.io import safetensors_stream as sts
 from outcore.io.checkpoint import check_file, rank_file, read_manifest
 from outcore.io.safetensors_stream import StreamWriter, TensorSpec
 from outcore.offload.aio import AioEngine
-from outcore.offload.source_file import SourceReader, TensorEntry, read_header
+from outcore.offload.source_file import SourceReader, TensorEntry
 
 
 def consolidate(ckpt: str | os.PathLike[str], out: str | os.PathLike[str]) -> Path:
@@ -67,8 +66,7 @@ def consolidate(ckpt: str | os.PathLike[str], out: str | os.PathLike[str]) -> Pa
                 n, kind = e["numel"], "master" if e["trainable"] else "values"
                 full = torch.empty(n, dtype=torch.float32)
                 if "base" in e and base is not None:  # named, not stored: read from its file
-                    t = base[0][e["base"]]
-                    base[1].read_now(t.path, t.offset, full, t.dtype)
+                    base[1].read_now(base[0][e["base"]], 0, full)
                 else:
                     sts.read_flat_range(handles, old, f"{canon}::{kind}", n, 0, n, full)
                 for name in (canon, *e["aliases"]):
@@ -87,13 +85,7 @@ def _base_reader(man: dict, folder: Path) -> tuple[dict[str, TensorEntry], Sourc
     of storing it (base_record.py's note); the base must be the one it trained over."""
     if not man.get("base"):
         return None
-    base, tensors = Path(man["base"]["folder"]), {}
-    try:
-        for name in man["base"]["files"]:  # the files it named, whatever else is beside them
-            tensors.update(read_header(base / name))
-    except ConfigError as e:
-        raise ConfigError(f"{folder} holds no copy of its frozen base, which was read from "
-                          f"{base}: {e}") from None
+    tensors = base_record.named_tensors(man["base"], f"{folder} holds no copy of its frozen base")
     base_record.check(man["base"], sorted({t.path for t in tensors.values()}), folder)
     return tensors, SourceReader(AioEngine(threads=4))
 

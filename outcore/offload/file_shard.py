@@ -63,9 +63,8 @@ class FileShard(StoredShard):
             flat[n:].zero_()  # this rank's padding past the tensor's end
         if n == 0:
             return IOFuture.completed(0)
-        offset = self.entry.offset + (self.start + start) * self.dtype.itemsize
-        return self.reader.read(self.path, offset, flat[:n], self.dtype,
-                                self._check if self.verify else None)
+        return self.reader.read_elements(self.entry, self.start + start, flat[:n],
+                                         self._check if self.verify else None)
 
     def _check(self, offset: int, raw: torch.Tensor) -> None:
         """[Note: a base changed during a run is detected] (source_file.py)."""

@@ -346,9 +346,16 @@ class SourceReader:
         else:
             chunk.future.set_exception(error)
 
-    def read_now(self, path: Path, offset: int, out: torch.Tensor, dtype: torch.dtype) -> None:
-        """``read`` and wait."""
-        self.read(path, offset, out, dtype).result()
+    def read_elements(self, entry: TensorEntry, start: int, out: torch.Tensor,
+                      check: Check | None = None) -> IOFuture:
+        """Elements ``[start, start + out.numel())`` of ``entry``'s flattened tensor into
+        ``out`` (cast to its dtype)."""
+        return self.read(entry.path, entry.offset + start * entry.dtype.itemsize, out,
+                         entry.dtype, check)
+
+    def read_now(self, entry: TensorEntry, start: int, out: torch.Tensor) -> None:
+        """``read_elements`` and wait."""
+        self.read_elements(entry, start, out).result()
 
     def close(self) -> None:
         """Wait for the reads in flight, then close the files; idempotent."""

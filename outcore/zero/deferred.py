@@ -21,6 +21,7 @@ before a shard exists, naming what differs.
 from __future__ import annotations
 
 import json
+import math
 import os
 import weakref
 from pathlib import Path
@@ -101,38 +102,33 @@ class DeferredBuild:
     def bind(self, rt: Runtime) -> None:
         """Give every meta parameter the live roots hold its shards from the folder: those the
         hook replaced and copies of them (``copy.deepcopy`` registers nothing)."""
-        roots = [m for m in list(self._modules) if m not in self._children]
-        found_in = [(root, _metas(root)) for root in roots]
+        slots = {root: _meta_slots(root) for root in list(self._modules)
+                 if root not in self._children}
         # a root none of whose names the files hold is no model of theirs (a template layer
         # still in a variable): left alone, unless no root matches at all
-        matching = [(r, m) for r, m in found_in
-                    if any(n in self.tensors for ns in m[1].values() for n in ns)]
-        found_in = matching or found_in[:1]
-        roots = [r for r, _ in found_in]
-        metas: dict[int, nn.Parameter] = {}
-        names: dict[int, list[str]] = {}
-        holders: dict[int, list[tuple[nn.Module, str]]] = {}
-        for _, (by_id, by_name, held) in found_in:
-            metas.update(by_id)
-            for key, found in by_name.items():
-                names.setdefault(key, []).extend(found)
-            for key, places in held.items():
-                holders.setdefault(key, []).extend(places)
+        roots = [r for r, found in slots.items() if any(n in self.tensors for n, *_ in found)]
+        roots = roots or list(slots)[:1]
+        metas: dict[int, tuple[nn.Parameter, list[str], list[tuple[nn.Module, str]]]] = {}
+        for root in roots:
+            for name, module, key, p in slots[root]:
+                _, names, holders = metas.setdefault(id(p), (p, [], []))
+                if name not in names:
+                    names.append(name)
+                holders.append((module, key))
         if not metas:  # nothing built here is alive (or every value came another way)
             return
         plan, missing, bad = [], [], []
-        for key, found in names.items():
-            found = list(dict.fromkeys(found))
-            entry = next((self.tensors[n] for n in found if n in self.tensors), None)
+        for p, names, holders in metas.values():
+            entry = next((self.tensors[n] for n in names if n in self.tensors), None)
             if entry is None:
-                missing.append(found[0])
-            elif entry.shape != tuple(metas[key].shape):
-                bad.append(f"{entry.name}: file {list(entry.shape)} vs model "
-                           f"{list(metas[key].shape)}")
+                missing.append(names[0])
+            elif entry.shape != tuple(p.shape):
+                bad.append(f"{entry.name}: file {list(entry.shape)} vs model {list(p.shape)}")
             else:
-                plan.append((key, entry))
-        used = {n for found in names.values() for n in found}
-        unexpected = sorted(n for n in self.tensors if n not in used and not _is_buffer(roots, n))
+                plan.append((p, entry, holders))
+        used = {n for _, names, _ in metas.values() for n in names}
+        buffers = {n for r in roots for n, _ in r.named_buffers()}
+        unexpected = sorted(n for n in self.tensors if n not in used and n not in buffers)
         if missing or unexpected:
             hint = ("; parameters that are not in the files (LoRA adapters) are made after "
                     "the with block" if missing else "")
@@ -141,59 +137,44 @@ class DeferredBuild:
         if bad:
             raise ConfigError(f"shape mismatch in {self.folder}: " + "; ".join(bad[:10]))
         with torch.no_grad():
-            for key, entry in plan:
-                self._bind_one(rt, metas[key], entry, holders[key])
+            for meta, entry, holders in plan:
+                _bind_one(rt, meta, entry, holders)
             for root in roots:
                 _load_buffers(rt, root, self.tensors)
 
-    def _bind_one(self, rt: Runtime, meta: nn.Parameter, entry: TensorEntry,
-                  holders: list[tuple[nn.Module, str]]) -> None:
-        param = nn.Parameter(torch.empty(meta.shape, dtype=meta.dtype),
-                             requires_grad=meta.requires_grad)
-        param.__dict__.update(meta.__dict__)
-        sp = ShardedParam(param, rt, shards=_shards(rt, entry, meta.requires_grad))
-        register(param, sp)
-        for module, name in holders:
-            module._parameters[name] = param
+
+def _bind_one(rt: Runtime, meta: nn.Parameter, entry: TensorEntry,
+              holders: list[tuple[nn.Module, str]]) -> None:
+    """A real parameter with shards from ``entry`` in place of ``meta`` wherever it is held."""
+    param = nn.Parameter(torch.empty(meta.shape, dtype=meta.dtype),
+                         requires_grad=meta.requires_grad)
+    param.__dict__.update(meta.__dict__)
+    register(param, ShardedParam(param, rt, shards=_shards(rt, entry, meta.requires_grad)))
+    for module, key in holders:
+        module._parameters[key] = param
 
 
-def _metas(root: nn.Module) -> tuple[dict[int, nn.Parameter], dict[int, list[str]],
-                                     dict[int, list[tuple[nn.Module, str]]]]:
-    """The meta parameters under ``root``: by id, their names, and (module, key) holding each."""
-    metas: dict[int, nn.Parameter] = {}
-    names: dict[int, list[str]] = {}
-    holders: dict[int, list[tuple[nn.Module, str]]] = {}
-    for mod_name, mod in root.named_modules(remove_duplicate=False):
-        for key, p in mod._parameters.items():
-            if p is not None and p.is_meta:
-                metas[id(p)] = p
-                names.setdefault(id(p), []).append(f"{mod_name}.{key}" if mod_name else key)
-                holders.setdefault(id(p), []).append((mod, key))
-    return metas, names, holders
+def _meta_slots(root: nn.Module) -> list[tuple[str, nn.Module, str, nn.Parameter]]:
+    """(full name, module, key, parameter) for every meta parameter under ``root``."""
+    return [(f"{mod_name}.{key}" if mod_name else key, mod, key, p)
+            for mod_name, mod in root.named_modules(remove_duplicate=False)
+            for key, p in mod._parameters.items() if p is not None and p.is_meta]
 
 
 def _shards(rt: Runtime, entry: TensorEntry, trainable: bool
             ) -> tuple[StoredShard | None, StoredShard | None]:
     """(master, compute) for one parameter from its tensor in the file."""
-    numel = 1
-    for d in entry.shape:
-        numel *= d
-    lay = ShardLayout(numel, rt.world_size, rt.rank)
+    lay = ShardLayout(math.prod(entry.shape), rt.world_size, rt.rank)
     if not trainable and rt.param_tier is Tier.NVME:  # read in place, every step
         return None, FileShard(rt.reader, entry, lay.start, lay.valid_numel, lay.shard_numel,
                                verify=rt.cfg.offload.verify_swap)
     dtype = torch.float32 if trainable or rt.plan.compute_is_master else rt.compute_dtype
     shard = torch.zeros(lay.shard_numel, dtype=dtype)
     if lay.valid_numel:
-        offset = entry.offset + lay.start * entry.dtype.itemsize
-        rt.reader.read_now(entry.path, offset, shard[: lay.valid_numel], entry.dtype)
+        rt.reader.read_now(entry, lay.start, shard[: lay.valid_numel])
     if trainable or rt.plan.compute_is_master:
         return rt.store(shard.to(rt.device), rt.state_tier, Kind.MASTER), None
     return None, rt.store(shard.to(rt.device), rt.param_tier, Kind.PARAMS)
-
-
-def _is_buffer(roots: list[nn.Module], name: str) -> bool:
-    return any(name in dict(r.named_buffers()) for r in roots)
 
 
 def _load_buffers(rt: Runtime, root: nn.Module, tensors: dict[str, TensorEntry]) -> None:
@@ -208,7 +189,7 @@ def _load_buffers(rt: Runtime, root: nn.Module, tensors: dict[str, TensorEntry])
                 raise ConfigError(f"shape mismatch in {entry.path}: buffer {full}: file "
                                   f"{list(entry.shape)} vs model {list(buf.shape)}")
             staged = torch.empty(entry.shape, dtype=buf.dtype)
-            rt.reader.read_now(entry.path, entry.offset, staged, entry.dtype)
+            rt.reader.read_now(entry, 0, staged)
             buf.copy_(staged)
 
 

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from outcore.errors import ConfigError, ParamAccessError
+from outcore.offload.file_shard import FileShard
 from outcore.offload.ledger import Charge, Kind
 from outcore.offload.storage import StoredShard, load_now
 from outcore.offload.tier import Tier
@@ -274,13 +275,12 @@ class ShardedParam:
                 "(it was frozen when outcore sharded it: under outcore.init(frozen=True), or by "
                 "an earlier engine) and is now trainable; build what you train outside frozen "
                 "init (LoRA adapters are), or set requires_grad=False on it")
-        if self.compute_shard.read_only:  # read in place, cast as it lands (file_shard.py)
-            if self.compute_shard.tier is not rt.param_tier:  # the engine keeps it elsewhere
-                self._own_values(load_now(self.compute_shard, rt.device).to(rt.compute_dtype))
-        elif self.compute_shard.dtype != rt.compute_dtype:  # initialize asked for another dtype
-            values = load_now(self.compute_shard, rt.device).to(rt.compute_dtype)
-            self.compute_shard.free()
-            self.compute_shard = rt.store(values, rt.param_tier, Kind.PARAMS)
+        shard = self.compute_shard
+        # read in place, it is cast as it lands (file_shard.py), unless the engine keeps the
+        # parameter in another tier; a shard of ours must be in the compute dtype
+        if (shard.tier is not rt.param_tier) if shard.read_only else (
+                shard.dtype != rt.compute_dtype):
+            self._own_values(load_now(shard, rt.device).to(rt.compute_dtype))
         self.adopt_dtype(rt.compute_dtype)
 
     def move_to(self, rt: Runtime) -> None:
@@ -298,9 +298,8 @@ class ShardedParam:
             self.master_shard = rt.store(values, rt.state_tier, Kind.MASTER)
         else:
             assert self.compute_shard is not None
-            rehome = getattr(self.compute_shard, "rehome", None)
-            if rehome is not None and rt.param_tier is Tier.NVME:  # still read in place
-                self.compute_shard = rehome(rt.reader)
+            if isinstance(self.compute_shard, FileShard) and rt.param_tier is Tier.NVME:
+                self.compute_shard = self.compute_shard.rehome(rt.reader)  # still in place
             else:
                 values = load_now(self.compute_shard, rt.device)
                 self.compute_shard.free()

@@ -25,7 +25,7 @@ from torch import nn
 
 from outcore.errors import ConfigError
 from outcore.io.safetensors_stream import read_flat_range
-from outcore.zero.deferred import folder_tensors
+from outcore.zero.deferred import few_names, folder_tensors
 from outcore.zero.registry import managed
 
 
@@ -66,7 +66,7 @@ def load_pretrained(model: nn.Module, path: str | os.PathLike[str]) -> None:
     unexpected = sorted(set(where) - used)
     if missing or unexpected:
         raise ConfigError(f"weights in {path} do not match the model: missing "
-                          f"{_few(missing)}; unexpected {_few(unexpected)}")
+                          f"{few_names(missing)}; unexpected {few_names(unexpected)}")
     with contextlib.ExitStack() as stack:
         handles: dict[Path, object] = {}
 
@@ -107,10 +107,3 @@ def _persistent_buffers(model: nn.Module):
         for name, buf in mod._buffers.items():
             if buf is not None and name not in mod._non_persistent_buffers_set:
                 yield (f"{mod_name}.{name}" if mod_name else name), buf
-
-
-def _few(names: list[str]) -> str:
-    if not names:
-        return "none"
-    more = f" and {len(names) - 10} more" if len(names) > 10 else ""
-    return ", ".join(names[:10]) + more

@@ -133,7 +133,7 @@ class DeferredBuild:
             hint = ("; parameters that are not in the files (LoRA adapters) are made after "
                     "the with block" if missing else "")
             raise ConfigError(f"weights in {self.folder} do not match the model: missing "
-                              f"{_few(missing)}; unexpected {_few(unexpected)}{hint}")
+                              f"{few_names(missing)}; unexpected {few_names(unexpected)}{hint}")
         if bad:
             raise ConfigError(f"shape mismatch in {self.folder}: " + "; ".join(bad[:10]))
         with torch.no_grad():
@@ -193,7 +193,8 @@ def _load_buffers(rt: Runtime, root: nn.Module, tensors: dict[str, TensorEntry])
             buf.copy_(staged)
 
 
-def _few(names: list[str]) -> str:
+def few_names(names: list[str]) -> str:
+    """Up to ten names for a message, and how many more."""
     if not names:
         return "none"
     more = f" and {len(names) - 10} more" if len(names) > 10 else ""

@@ -250,6 +250,8 @@ class SourceReader:
         self._inflight = 0  # chunks queued or reading: close() waits for them
         self._queue: collections.deque[_Chunk] = collections.deque()
         self._free = [aligned_empty(chunk_bytes + 2 * ALIGN, pin=pin) for _ in range(buffers)]
+        self.capacity_bytes = sum(b.numel() for b in self._free)
+        """Host memory of the read buffers (the runtime puts it on the ledger)."""
         self.bytes_read = 0
         """Bytes delivered to callers (the file bytes, before any cast)."""
         self.closed = False

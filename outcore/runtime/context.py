@@ -126,6 +126,8 @@ class Runtime:
         stays where it is]), created on first use."""
         if self._reader is None:
             self._reader = SourceReader(self.aio, pin=self.accel.pin_host_buffers)
+            self._reader_charge = self.ledger.charge(Tier.HOST, Kind.IO_BUFFERS,
+                                                     self._reader.capacity_bytes)
         return self._reader
 
     def _full_regions(self, cfg: Config) -> AlignedRegions | None:
@@ -220,6 +222,7 @@ class Runtime:
             self._nvme = None
         if self._reader is not None:
             self._reader.close()
+            self._reader_charge.release()
             self._reader = None
         if self._aio is not None:
             self._aio.close()

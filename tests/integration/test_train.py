@@ -284,3 +284,23 @@ def test_hf_folder_tokens_use_its_tokenizer_else_bytes(tmp_path: Path, text_file
     (folder / "tokenizer_config.json").unlink()
     with pytest.raises(ConfigError, match="256"):
         train._tokens(job, vocab=100)
+
+
+@needs_engine
+def test_checkpointed_activations_train_the_same(tmp_path: Path, text_file: Path,
+                                                 capsys: pytest.CaptureFixture) -> None:
+    """``--checkpoint-activations on`` as a user passes it: the banner says so, the losses
+    are those of the run without it; a bad value is refused in one line; ``auto`` leaves the
+    tiny preset alone."""
+    losses = {}
+    for mode in ("off", "on", "auto"):
+        out = tmp_path / mode
+        assert train.run(_parse(*_job(out, text_file, "--steps", "2", "--dtype", "fp32",
+                                      "--checkpoint-activations", mode))) == 0
+        losses[mode] = _losses(out)
+        err = capsys.readouterr().err
+        assert ("blocks checkpointed" in err) == (mode == "on"), mode
+    assert losses["on"] == pytest.approx(losses["off"], rel=1e-6)
+    assert losses["auto"] == losses["off"]
+    with pytest.raises(ConfigError, match="train.checkpoint_activations: got 'yes'"):
+        train._job_settings(_parse(), {"checkpoint_activations": "yes"})

@@ -185,7 +185,9 @@ def run_row(name: str, model: str, points: list[tuple[int, int]], args, dtype: s
         res, err = train.run_child(cmd, logs / f"{model}-{name}.log", args.row_timeout)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-    say(f"  {'failed: ' + err.splitlines()[0] if err else 'done'}")
+    # the row's raw result in the log too: a session cut short still brings back the rows run
+    say(f"  failed: {err.splitlines()[0]}" if err else
+        f"  done: {json.dumps(res, default=str)[:1500]}")
     return {"result": res, "error": err}
 
 

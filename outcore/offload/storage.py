@@ -229,10 +229,13 @@ class NvmeShard(StoredShard):
 
 
 def load_now(stored: StoredShard, device: torch.device | None = None) -> torch.Tensor:
-    """The stored tensor, read synchronously (resident tensors are returned, not copied)."""
+    """The stored tensor, read synchronously (resident tensors are returned, not copied).
+
+    Disk reads land in host memory (the I/O path takes CPU tensors only) and are then moved
+    to ``device`` when that is an accelerator."""
     t = stored.resident()
     if t is not None:
         return t
-    out = torch.empty(stored.numel, dtype=stored.dtype, device=device)
+    out = torch.empty(stored.numel, dtype=stored.dtype)
     stored.load(out).result()
-    return out
+    return out if device is None or device.type == "cpu" else out.to(device)

@@ -50,7 +50,7 @@ from outcore.zero.param import ShardedParam
 from outcore.zero.state import GROUP_MOVES, GroupState, ParamState
 
 if TYPE_CHECKING:
-    from outcore.offload.storage import Future
+    from outcore.offload.storage import Future, StoredShard
     from outcore.runtime.comm import Handle
 
 
@@ -91,6 +91,7 @@ class GatherGroup:
         self.holds = 0  # running modules using it now (hooks.py); see hold()/unhold()
         self._send: torch.Tensor | None = None
         self._reads: list[Future] = []
+        self._staged: list[tuple[torch.Tensor, torch.Tensor]] = []  # (full, host copy)
         self._grads_seen: set[int] = set()
         self.trainable = [sp for sp in params if sp.trainable]
         self._updates: list[PendingUpdate] = []  # optimizer updates of its shards still running
@@ -169,11 +170,18 @@ class GatherGroup:
         # every parameter of a group has its training-dtype shard (prepare_for_training)
         reads: list[Future] = []
         if self.rt.world_size == 1:
-            # A shard is the whole parameter: read it straight into the full tensor.
+            # A shard is the whole parameter: read it straight into the full tensor, or on an
+            # accelerator, where disk reads cannot land, into host memory first
             for sp in self._fetched():
                 shard = sp.compute_shard
                 assert shard is not None
-                reads.append(shard.load(sp.alloc_full().view(-1)))
+                full = sp.alloc_full().view(-1)
+                if self._stages(shard):
+                    host = torch.empty(full.numel(), dtype=full.dtype,
+                                       pin_memory=self.rt.accel.pin_host_buffers)
+                    self._staged.append((full, host))
+                    full = host
+                reads.append(shard.load(full))
             self._reads = reads
             return
         dtype = self.rt.compute_dtype
@@ -185,6 +193,22 @@ class GatherGroup:
             reads.append(shard.load(send[off : off + sp.shard_numel]))
         self._reads = reads
         self._send = send
+
+    def _stages(self, shard: StoredShard) -> bool:
+        """[Note: disk reads reach the device through host memory]
+        The I/O path (``nvme.py``, ``source_file.py``) reads into CPU tensors only, so at one
+        rank on an accelerator a shard on disk is read into a page-locked host tensor and
+        copied to the device on the accelerator's copy stream once the read is done
+        (``wait_unshard``); the compute stream waits for that copy, not the host. A shard in
+        memory is copied by its own ``load``. On the CPU nothing is staged."""
+        return self.rt.accel.is_cuda and shard.resident() is None
+
+    def _copy_staged(self) -> None:
+        """The staged host copies to their full tensors (their reads are done)."""
+        copies = [self.rt.accel.copy_to_device(full, host) for full, host in self._staged]
+        self._staged = []
+        for copy in copies:
+            copy.wait()
 
     def wait_unshard(self) -> None:
         """Finish the fetch: wait for reads, all-gather, and show full tensors."""
@@ -204,6 +228,8 @@ class GatherGroup:
                 for fut in self._reads:
                     fut.result()
                 self._reads = []
+                if self._staged:
+                    self._copy_staged()
                 if self._send is not None:
                     self._gather()
             for sp in self._fetched():
@@ -235,7 +261,7 @@ class GatherGroup:
                     fut.result()
                 except BaseException as e:  # noqa: BLE001 - raised once the group is released
                     failed = failed or e
-            self._reads, self._send = [], None
+            self._reads, self._send, self._staged = [], None, []
         elif self.state is GroupState.FETCHING:
             self._move(GroupState.SHARDED)
             return

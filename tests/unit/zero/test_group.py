@@ -130,6 +130,28 @@ def test_a_prefetch_resharded_before_use_is_cancelled(nvme_rt: Runtime) -> None:
     _forget(group)
 
 
+def test_disk_reads_staged_through_host_memory_reach_the_full_tensors(
+        nvme_rt: Runtime, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The accelerator's path (reads into host tensors, then a copy to the full tensors),
+    forced on the CPU: the values arrive, a cancelled prefetch drops its staged copies."""
+    monkeypatch.setattr(GatherGroup, "_stages", lambda self, shard: shard.resident() is None)
+    ref = {k: v.clone() for k, v in _linear().state_dict().items()}
+    fc = _linear()
+    group = _group(fc, nvme_rt)
+    group.unshard()
+    assert len(group._staged) == 2
+    assert all(host.data_ptr() != full.data_ptr() for full, host in group._staged)
+    group.wait_unshard()
+    assert group._staged == []
+    assert torch.equal(raw_data(fc.weight), ref["weight"])
+    assert torch.equal(raw_data(fc.bias), ref["bias"])
+    group.reshard()
+    group.unshard()
+    group.reshard()  # a prefetch cancelled before use
+    assert group._staged == [] and group.state is GroupState.SHARDED
+    _forget(group)
+
+
 class _FailedRead:
     def result(self, timeout: float | None = None) -> object:
         raise StorageError("checksum mismatch in swap at offset 0 (test)")

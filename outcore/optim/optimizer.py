@@ -310,9 +310,11 @@ class ShardedOptimizer:
         grads = [self._fp32_grad(work, i, sl) for i, sl in enumerate(work.params)]
         if self.kind in ("adamw", "adam"):
             # each slice gets its own copy of the parameter's step count: the kernel
-            # increments it, and a parameter cut in several slices must advance only once
-            steps = [torch.tensor(float(self.state[sl.sp].step), dtype=torch.float32)
-                     for sl in work.params]
+            # increments it, and a parameter cut in several slices must advance only once.
+            # A fused kernel wants the counts beside the masters (on the GPU, there too).
+            at = work.master[0].device
+            steps = [torch.tensor(float(self.state[sl.sp].step), dtype=torch.float32,
+                                  device=at) for sl in work.params]
             adam(
                 work.master, grads, work.states["exp_avg"], work.states["exp_avg_sq"], [], steps,
                 fused=self._fused, foreach=False if self._fused else None, amsgrad=False,

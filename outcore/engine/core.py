@@ -323,9 +323,12 @@ class Engine:
         """L2 norm over every rank's gradient shards (padding is zero, so it adds nothing)."""
         freed = self.sharded_optimizer.take_freed_norm_sq()  # gradients already applied and freed
         local = torch.tensor([freed], dtype=torch.float64)
-        if grads:
-            norms = torch._foreach_norm(grads, 2, dtype=torch.float32)  # some may be bf16
-            local += torch.stack(norms).double().pow(2).sum()
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for g in grads:  # shards on the device and in host memory are summed apart
+            by_device.setdefault(g.device, []).append(g)
+        for same in by_device.values():
+            norms = torch._foreach_norm(same, 2, dtype=torch.float32)  # some may be bf16
+            local += torch.stack(norms).double().pow(2).sum().cpu()
         return float(self.rt.comm.all_reduce_sum(local)) ** 0.5
 
     # -- modes and inspection ----------------------------------------------------------------

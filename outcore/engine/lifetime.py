@@ -118,7 +118,7 @@ def abandon(module: nn.Module, rt: Runtime) -> None:
     for g in {id(sp.group): sp.group for sp in sps if sp.group is not None}.values():
         g.reshard()
         g.hide_resident()
-    error = _give_back(sps)
+    error = _give_back(sps, as_it_came=True)
     if error is not None:  # the build's error is the one to see
         log.debug("outcore: values dropped while undoing a failed build: %s", error)
 
@@ -138,13 +138,18 @@ def hand_back(engine: Engine, keep_values: bool | None) -> None:
                     "dropped", error)
 
 
-def _give_back(sps: list[ShardedParam]) -> Exception | None:
-    """Hand each SHARDED parameter its values in its own dtype; after the first failure
-    (a read, or memory) the rest are dropped rather than left half-owned."""
+def _give_back(sps: list[ShardedParam], as_it_came: bool = False) -> Exception | None:
+    """Hand each SHARDED parameter its values in its own dtype (``as_it_came``: on its own
+    device too, as a failed build leaves the model; else on the compute device, where
+    ``close()`` leaves a trained model); after the first failure (a read, or memory) the
+    rest are dropped rather than left half-owned."""
     try:
         for sp in sps:
             if sp.state is ParamState.SHARDED:
-                sp.hand_back(sp.gather_values().to(sp.user_dtype))
+                values = sp.gather_values()
+                sp.hand_back(values.to(sp.user_device if as_it_came and
+                                       sp.user_device.type != "meta" else values.device,
+                                       sp.user_dtype))
     except Exception as e:  # noqa: BLE001 - returned to the caller, which decides
         for sp in sps:
             if sp.state is ParamState.SHARDED:

@@ -187,7 +187,7 @@ class NvmeShard(StoredShard):
         return fut.then(check, out.numel() * self.dtype.itemsize)
 
     def save_range(self, start: int, src: torch.Tensor) -> Future:
-        src = src.contiguous()
+        src = src.to("cpu").contiguous()  # the disk is written from host memory
         if not self.verify:  # nothing recorded, so no load finds pieces to check
             return self._store.write(self._sub_extent(start, src.numel()), src)
         # the disk starts on the bytes while this thread hashes them (both only read ``src``)

@@ -165,7 +165,11 @@ class Runtime:
         return self.cfg.offload.host_buffer_bytes // 2 // 4096 * 4096 if self.plan.streams else 0
 
     def store(self, tensor: torch.Tensor, tier: Tier, kind: Kind) -> StoredShard:
-        """Give ``tensor``'s bytes a home in ``tier`` (memory tiers keep the tensor itself)."""
+        """Give ``tensor``'s bytes a home in ``tier`` (memory tiers keep the tensor itself when
+        it is already there; host and disk tiers take a copy of a device tensor in host
+        memory)."""
+        if tier is not Tier.DEVICE and tensor.device.type != "cpu":
+            tensor = tensor.to("cpu")
         if tier is Tier.NVME:
             stored = NvmeShard(self.nvme, tensor.numel(), tensor.dtype, kind, self.ledger,
                                 verify=self.cfg.offload.verify_swap)

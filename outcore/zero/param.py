@@ -56,6 +56,7 @@ class ShardedParam:
         self.numel = param.numel()
         self.dtype = param.dtype
         self.user_dtype = param.dtype  # what the model is handed back in (close())
+        self.user_device = param.device  # where it was: a failed build hands it back there
         self.layout = ShardLayout(self.numel, rt.world_size, rt.rank)
         self.master_shard: StoredShard | None = None
         self.compute_shard: StoredShard | None = None
@@ -65,11 +66,11 @@ class ShardedParam:
         # [Note: a parameter born frozen] outcore.init(frozen=True): values only, in the
         # training dtype, in the parameter tier; there is never an fp32 master to drop
         elif not param.requires_grad and not rt.plan.compute_is_master:
-            self.compute_shard = rt.store(self.layout.cut(values, rt.compute_dtype).to(rt.device),
-                                    rt.param_tier, Kind.PARAMS)
+            self.compute_shard = rt.store(self.layout.cut(values, rt.compute_dtype),
+                                          rt.param_tier, Kind.PARAMS)
         else:
-            self.master_shard = rt.store(self.layout.cut(values, torch.float32).to(rt.device),
-                                   rt.state_tier, Kind.MASTER)
+            self.master_shard = rt.store(self.layout.cut(values, torch.float32),
+                                         rt.state_tier, Kind.MASTER)
         self.grad: torch.Tensor | None = None
         self._grad_buffer: torch.Tensor | None = None  # see [Note: gradient buffers]
         self._grad_charge: Charge | None = None  # the bytes of both, on the ledger
@@ -350,7 +351,7 @@ class ShardedParam:
                 held = self.grad
                 self.grad = held.to(torch.float32)
                 self._count_grads()
-            self.grad.add_(shard_grad)
+            self.grad.add_(shard_grad.to(self.grad.device))  # a device gradient, host shard
         self.has_grad = True
 
     def drop_grad(self) -> None:

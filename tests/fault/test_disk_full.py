@@ -33,7 +33,7 @@ def test_swap_that_does_not_fit_is_a_clear_error_and_leaves_nothing(small_fs: Pa
 def test_checkpoint_folder_filling_up_keeps_the_previous_checkpoint(small_fs: Path) -> None:
     cfg = outcore.Config(dtype="fp32", optimizer={"lr": 1e-3})
     engine = outcore.initialize(_model(), cfg)  # states in memory; 2.1M params: 25 MB ckpt
-    x = torch.randn(4, 1024)
+    x = torch.randn(4, 1024, device=engine.device)
     engine.backward(engine(x).pow(2).mean())
     engine.step()
     first = engine.save_checkpoint(small_fs / "ckpt" / "step-1")

@@ -163,7 +163,7 @@ def _engine() -> outcore.Engine:
 def _train_step(engine: outcore.Engine) -> None:
     from tests.common import VOCAB
 
-    idx = torch.randint(0, VOCAB, (2, 8))
+    idx = torch.randint(0, VOCAB, (2, 8)).to(engine.device)
     engine.backward(engine(idx, idx))
     engine.step()
 

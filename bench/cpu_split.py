@@ -1,0 +1,177 @@
+"""Where an offloaded step's CPU time goes, per thread and per function (issue 29's "measure
+first").
+
+Builds one bench/train.py row's engine in this process and runs its measured steps while
+reading every thread's CPU time from ``/proc/self/task/<tid>/stat`` (user and system apart),
+so the offload path's own work (I/O threads: reads, digests, copies; the optimizer's thread)
+is told apart from the compute threads' (the main thread and torch's OpenMP pool). The main
+thread also runs under cProfile; ``--io-profile`` profiles the I/O and optimizer threads too
+(``threading.setprofile``; slower, for what they spend their time on, not for timings).
+
+    python bench/cpu_split.py --row nvme --steps 5 --warmup 2
+    python bench/cpu_split.py --row nvme+opt --seq 2048 --top 25
+    python bench/cpu_split.py --row nvme --set offload.verify_swap=false
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import train_worker  # noqa: E402
+from train import parse_set  # noqa: E402
+
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def thread_times() -> dict[int, tuple[float, float]]:
+    """tid -> (user s, system s) of every thread of this process."""
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except FileNotFoundError:  # the thread ended meanwhile
+            continue
+        out[int(tid)] = (int(fields[11]) / TICK, int(fields[12]) / TICK)
+    return out
+
+
+def disk_busy_s(path: Path) -> float:
+    """Seconds the block device holding ``path`` has been busy (``io_ticks``): a disk kept
+    busy the whole step runs at its floor whatever its speed that minute."""
+    dev = os.stat(path).st_dev
+    with open(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}/stat") as f:
+        return int(f.read().split()[9]) / 1000
+
+
+def thread_names() -> dict[int, str]:
+    """tid -> a name for Python threads (numbers stripped, so pools fold into one line)."""
+    names = {}
+    for t in threading.enumerate():
+        if t.native_id is not None:
+            base = t.name.rstrip("0123456789-_ ") or t.name
+            names[t.native_id] = "main" if t is threading.main_thread() else base
+    return names
+
+
+def split(before: dict, after: dict, names: dict) -> dict[str, dict[str, float]]:
+    rows: dict[str, dict[str, float]] = {}
+    for tid, (u1, s1) in after.items():
+        u0, s0 = before.get(tid, (0.0, 0.0))
+        name = names.get(tid, "native (torch's OpenMP pool and others)")
+        row = rows.setdefault(name, {"user_s": 0.0, "sys_s": 0.0, "threads": 0})
+        row["user_s"] += u1 - u0
+        row["sys_s"] += s1 - s0
+        row["threads"] += 1
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--row", default="nvme", help="a bench/train.py outcore row")
+    ap.add_argument("--model", default="gpt-335m")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--clip", type=float, default=0.0)
+    ap.add_argument("--set", dest="outcore_set", type=parse_set, action="append", default=[])
+    ap.add_argument("--nvme-path", type=Path, default=Path(tempfile.gettempdir()))
+    ap.add_argument("--top", type=int, default=20, help="functions listed per profile")
+    ap.add_argument("--io-profile", action="store_true",
+                    help="cProfile the background threads too (distorts timings)")
+    ap.add_argument("--out", type=Path, help="write the split as JSON here")
+    args = ap.parse_args(argv)
+
+    import torch
+
+    from outcore.app.models import resolve_config
+    from outcore.device.compute_dtype import resolve
+
+    dtype = resolve(args.dtype, torch.device("cpu")).name if args.dtype == "auto" \
+        else args.dtype
+    folder = tempfile.mkdtemp(prefix="cpu-split-", dir=args.nvme_path)
+    sets: dict = {}
+    for s in args.outcore_set:
+        sets = {**sets, **s}
+    spec = {"row": args.row, "model": args.model, "nvme_path": folder, "clip": args.clip,
+            "prefetch_bytes": None, "dtype": dtype, "outcore_set": sets}
+    engine, init_s = train_worker.outcore_engine(spec)
+    x, y = train_worker.make_batch(resolve_config(args.model).vocab, args.batch, args.seq,
+                                   engine.device)
+    step = train_worker.engine_step(engine, x, y)
+    for _ in range(args.warmup):
+        step()
+
+    profiles: dict[int, cProfile.Profile] = {}
+    if args.io_profile:
+        def start(*_: object) -> None:
+            prof = profiles.setdefault(threading.get_native_id(), cProfile.Profile())
+            sys.setprofile(None)
+            prof.enable()
+        threading.setprofile(start)  # threads started from now on
+    main_prof = cProfile.Profile()
+    counters = train_worker.store_counters(engine)
+    moved0 = counters()
+    busy0 = disk_busy_s(Path(folder))
+    before, t0, pb = thread_times(), time.perf_counter(), time.process_time()
+    main_prof.enable()
+    for _ in range(args.steps):
+        step()
+    main_prof.disable()
+    wall, cpu = time.perf_counter() - t0, time.process_time() - pb
+    busy = disk_busy_s(Path(folder)) - busy0
+    rows = split(before, thread_times(), thread_names())
+    read, written = (b - a for a, b in zip(moved0, counters(), strict=True))
+    engine.close(keep_values=False)
+    os.rmdir(folder) if os.path.isdir(folder) and not os.listdir(folder) else None
+
+    moved_gb = (read + written) / 1e9
+    print(f"{args.row}, {args.model}, {args.batch}x{args.seq} tokens, {dtype}, "
+          f"{os.cpu_count()} cores, torch threads {torch.get_num_threads()}: "
+          f"{args.steps} steps in {wall:.2f} s ({wall / args.steps:.3f} s/step), "
+          f"process CPU {cpu:.2f} s ({cpu / wall:.2f} cores), "
+          f"moved {moved_gb / args.steps:.2f} GB/step (read {read / 1e9 / args.steps:.2f}, "
+          f"written {written / 1e9 / args.steps:.2f}), disk busy {busy / wall:.0%} of the time "
+          f"({moved_gb / max(busy, 1e-9):.2f} GB/s while busy)")
+    print(f"{'thread':44} {'threads':>7} {'user s/step':>11} {'sys s/step':>10} {'share':>6}")
+    for name, r in sorted(rows.items(), key=lambda kv: -(kv[1]["user_s"] + kv[1]["sys_s"])):
+        tot = r["user_s"] + r["sys_s"]
+        print(f"{name[:44]:44} {r['threads']:7d} {r['user_s'] / args.steps:11.3f} "
+              f"{r['sys_s'] / args.steps:10.3f} {tot / max(cpu, 1e-9):6.1%}")
+
+    def top(prof: cProfile.Profile, title: str) -> None:
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(args.top)
+        lines = buf.getvalue().splitlines()
+        start = next((i for i, ln in enumerate(lines) if "ncalls" in ln), 0)
+        print(f"\n{title} (tottime, {args.steps} steps)")
+        print("\n".join(lines[start:start + args.top + 1]))
+
+    top(main_prof, "main thread")
+    for tid, prof in profiles.items():
+        top(prof, f"thread {tid}")
+    if args.out:
+        args.out.write_text(json.dumps({"row": args.row, "wall_s": wall, "cpu_s": cpu,
+                                        "steps": args.steps, "moved_GB": moved_gb,
+                                        "disk_busy_s": busy,
+                                        "threads": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -168,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         args.out.write_text(json.dumps({"row": args.row, "wall_s": wall, "cpu_s": cpu,
                                         "steps": args.steps, "moved_GB": moved_gb,
+                                        "read_GB": read / 1e9, "written_GB": written / 1e9,
                                         "disk_busy_s": busy,
                                         "threads": rows}, indent=1))
     return 0

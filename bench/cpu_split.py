@@ -6,7 +6,8 @@ reading every thread's CPU time from ``/proc/self/task/<tid>/stat`` (user and sy
 so the offload path's own work (I/O threads: reads, digests, copies; the optimizer's thread)
 is told apart from the compute threads' (the main thread and torch's OpenMP pool). The main
 thread also runs under cProfile; ``--io-profile`` profiles the I/O and optimizer threads too
-(``threading.setprofile``; slower, for what they spend their time on, not for timings).
+(``threading.setprofile``, from the engine's build on; slower, for what they spend their
+time on, not for timings).
 
     python bench/cpu_split.py --row nvme --steps 5 --warmup 2
     python bench/cpu_split.py --row nvme+opt --seq 2048 --top 25
@@ -110,6 +111,13 @@ def main(argv: list[str] | None = None) -> int:
         sets = {**sets, **s}
     spec = {"row": args.row, "model": args.model, "nvme_path": folder, "clip": args.clip,
             "prefetch_bytes": None, "dtype": dtype, "outcore_set": sets}
+    profiles: dict[int, cProfile.Profile] = {}
+    if args.io_profile:  # threads start with the engine: their profiles cover the whole run
+        def start(*_: object) -> None:
+            prof = profiles.setdefault(threading.get_native_id(), cProfile.Profile())
+            sys.setprofile(None)
+            prof.enable()
+        threading.setprofile(start)
     engine, init_s = train_worker.outcore_engine(spec)
     x, y = train_worker.make_batch(resolve_config(args.model).vocab, args.batch, args.seq,
                                    engine.device)
@@ -117,13 +125,6 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(args.warmup):
         step()
 
-    profiles: dict[int, cProfile.Profile] = {}
-    if args.io_profile:
-        def start(*_: object) -> None:
-            prof = profiles.setdefault(threading.get_native_id(), cProfile.Profile())
-            sys.setprofile(None)
-            prof.enable()
-        threading.setprofile(start)  # threads started from now on
     main_prof = cProfile.Profile()
     counters = train_worker.store_counters(engine)
     moved0 = counters()
@@ -164,7 +165,9 @@ def main(argv: list[str] | None = None) -> int:
 
     top(main_prof, "main thread")
     for tid, prof in profiles.items():
-        top(prof, f"thread {tid}")
+        prof.disable() if tid == threading.get_native_id() else None
+        top(prof, f"thread {tid} ({thread_names().get(tid, 'ended')}; build and warm-up "
+                  "included)")
     if args.out:
         args.out.write_text(json.dumps({"row": args.row, "wall_s": wall, "cpu_s": cpu,
                                         "steps": args.steps, "moved_GB": moved_gb,

@@ -8,6 +8,12 @@ export PIP_NO_INDEX=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_BREAK_SYSTEM_PACKAGES=
 PY=${PYTHON:-python3}
 # only what is missing: pip keeps an installed package that satisfies the requirement
 $PY -m pip install -q --find-links bench/gpu/wheels pydantic pytest xxhash
+# transformers and peft in the `hf` extra's range, from bench/gpu/hf_wheels.sh's folder when
+# carried (the image's own are kept where they satisfy it; their dependencies are there)
+if [ -d bench/gpu/wheels/hf ]; then
+  $PY -m pip install -q --no-deps --find-links bench/gpu/wheels/hf "transformers>=5.23,<6" \
+    "peft>=0.21" || echo "setup: transformers/peft from bench/gpu/wheels/hf failed" >&2
+fi
 $PY -m pip install -q --no-deps --no-build-isolation -e . 2>/dev/null \
   || echo "setup: editable install failed; run with PYTHONPATH=$PWD" >&2
 $PY - <<'PY'

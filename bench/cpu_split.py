@@ -54,8 +54,11 @@ def disk_busy_s(path: Path) -> float:
     """Seconds the block device holding ``path`` has been busy (``io_ticks``): a disk kept
     busy the whole step runs at its floor whatever its speed that minute."""
     dev = os.stat(path).st_dev
-    with open(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}/stat") as f:
-        return int(f.read().split()[9]) / 1000
+    try:
+        with open(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}/stat") as f:
+            return int(f.read().split()[9]) / 1000
+    except FileNotFoundError:  # tmpfs, overlayfs, btrfs: no block device to ask
+        return float("nan")
 
 
 def thread_names() -> dict[int, str]:

@@ -2,11 +2,13 @@
 
 [Note: handing the model back]
 After ``engine.close()`` the model is a plain PyTorch model again: its parameters lose the
-sharded class (surface.py), show their trained values in the dtype they had before the
-engine (``ShardedParam.user_dtype``), and outcore forgets them; buffers get their dtype and
-device back. That needs the whole model in memory at once, so by default (``keep_values=None``)
-it is done only where the model, in those dtypes and times the ranks on this machine, fits in
-half of what this process may still allocate (the device's free memory on CUDA); at more
+sharded class (surface.py), show their trained values in the dtype and on the device they
+had before the engine (``ShardedParam.user_dtype``, ``user_device``), and outcore forgets
+them; buffers get their dtype and device back, so a model built on the CPU and trained on a
+GPU is whole on the CPU again, one moved to the GPU first is whole there. That needs the whole
+model in memory at once, so by default (``keep_values=None``) it is done only where the
+model, in those dtypes and times the ranks on this machine, fits in half of what this process
+may still allocate there (a GPU's free memory where the values go back to one); at more
 ranks the ranks agree first, and the values are all-gathered (a collective). Otherwise the
 parameters are DROPPED: metadata still answers, a read names how to get the values (save
 before closing, or ``close(keep_values=True)``), and a write of a whole parameter
@@ -118,7 +120,7 @@ def abandon(module: nn.Module, rt: Runtime) -> None:
     for g in {id(sp.group): sp.group for sp in sps if sp.group is not None}.values():
         g.reshard()
         g.hide_resident()
-    error = _give_back(sps, as_it_came=True)
+    error = _give_back(sps)
     if error is not None:  # the build's error is the one to see
         log.debug("outcore: values dropped while undoing a failed build: %s", error)
 
@@ -138,18 +140,15 @@ def hand_back(engine: Engine, keep_values: bool | None) -> None:
                     "dropped", error)
 
 
-def _give_back(sps: list[ShardedParam], as_it_came: bool = False) -> Exception | None:
-    """Hand each SHARDED parameter its values in its own dtype (``as_it_came``: on its own
-    device too, as a failed build leaves the model; else on the compute device, where
-    ``close()`` leaves a trained model); after the first failure (a read, or memory) the
-    rest are dropped rather than left half-owned."""
+def _give_back(sps: list[ShardedParam]) -> Exception | None:
+    """Hand each SHARDED parameter its values in its own dtype, on the device it came on (as
+    the buffers go back to theirs: a model built on the CPU and trained on a GPU is whole on
+    the CPU again); after the first failure (a read, or memory) the rest are dropped rather
+    than left half-owned."""
     try:
         for sp in sps:
             if sp.state is ParamState.SHARDED:
-                values = sp.gather_values()
-                sp.hand_back(values.to(sp.user_device if as_it_came and
-                                       sp.user_device.type != "meta" else values.device,
-                                       sp.user_dtype))
+                sp.hand_back(sp.gather_values().to(_home(sp), sp.user_dtype))
     except Exception as e:  # noqa: BLE001 - returned to the caller, which decides
         for sp in sps:
             if sp.state is ParamState.SHARDED:
@@ -158,13 +157,20 @@ def _give_back(sps: list[ShardedParam], as_it_came: bool = False) -> Exception |
     return None
 
 
+def _home(sp: ShardedParam) -> torch.device:
+    """The device a parameter goes back to: the one it came on (the compute device for one
+    that never had real storage)."""
+    return sp.rt.device if sp.user_device.type == "meta" else sp.user_device
+
+
 def _keep(engine: Engine, sps: list[ShardedParam], keep_values: bool | None) -> bool:
     if keep_values is not None or not sps:
         return bool(keep_values)
     rt = engine.rt
     need = sum(sp.numel * sp.user_dtype.itemsize for sp in sps)
-    if rt.device.type == "cuda":
-        room, ranks = torch.cuda.mem_get_info(rt.device)[0], 1
+    gpu = next((_home(sp) for sp in sps if _home(sp).type == "cuda"), None)
+    if gpu is not None:  # values go back to a GPU: its free memory decides
+        room, ranks = torch.cuda.mem_get_info(gpu)[0], 1
     else:
         room, ranks = available_memory().bytes, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     fits = need * ranks <= room // 2

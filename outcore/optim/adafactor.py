@@ -166,7 +166,8 @@ class Runner:
             check(group, rt.state_tier.value)
         self.group_of = {id(sp): group for group, sps in zip(groups, members, strict=True)
                          for sp in sps}
-        self.factors = {id(sp): new_factors(sp, rt.device) for sps in members for sp in sps}
+        # beside the masters and gradients they are combined with (the state's tier)
+        self.factors = {id(sp): new_factors(sp, rt.grad_device) for sps in members for sp in sps}
 
     def kinds_of(self, sp: ShardedParam) -> tuple[str, ...]:
         return moment_kinds(sp, self.group_of[id(sp)])

@@ -399,7 +399,8 @@ class ShardedParam:
         self._check_values()
         src = self.master_shard if self.master_shard is not None else self.compute_shard
         assert src is not None
-        return load_now(src, self.rt.device).to(torch.float32)
+        # on the compute device (collectives and reads run there), whatever the shard's tier
+        return load_now(src, self.rt.device).to(self.rt.device, torch.float32)
 
     def gather_values(self) -> torch.Tensor:
         """The full parameter in fp32, assembled by all-gather (a collective: all ranks call)."""
@@ -418,7 +419,8 @@ class ShardedParam:
         assert src is not None
         t = load_now(src, self.rt.device)
         if src.resident() is not None or t.dtype != (torch.float32 if exact else self.dtype):
-            t = t.to(torch.float32 if exact else self.dtype, copy=True)
+            # a new tensor on the compute device: a host shard is copied there too
+            t = t.to(self.rt.device, torch.float32 if exact else self.dtype, copy=True)
         return t[: self.numel].view(self.shape)
 
     def local_values(self) -> torch.Tensor:

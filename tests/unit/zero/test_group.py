@@ -141,6 +141,8 @@ def test_disk_reads_staged_through_host_memory_reach_the_full_tensors(
     group.unshard()
     assert len(group._staged) == 2
     assert all(host.data_ptr() != full.data_ptr() for full, host in group._staged)
+    for full, _ in group._staged:
+        full.fill_(float("nan"))  # only the staged copy can bring the values
     group.wait_unshard()
     assert group._staged == []
     assert torch.equal(raw_data(fc.weight), ref["weight"])

@@ -31,6 +31,5 @@ def test_cpu_split_names_the_io_threads_and_counts_the_steps_bytes(tmp_path: Pat
     nbytes = sum(p.numel() * 4 for p in model.parameters())
     slack = sum(4096 for _ in model.parameters())
     assert 3 * nbytes <= split["written_GB"] * 1e9 <= 3 * (nbytes + slack)
-    assert split["read_GB"] >= 0  # the tiny model may stay gathered within the prefetch budget
     assert "main thread (tottime" in proc.stdout
     assert not list(tmp_path.glob("cpu-split-*")), "the swap folder is removed"

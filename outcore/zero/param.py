@@ -56,7 +56,7 @@ class ShardedParam:
         self.numel = param.numel()
         self.dtype = param.dtype
         self.user_dtype = param.dtype  # what the model is handed back in (close())
-        self.user_device = param.device  # where it was: a failed build hands it back there
+        self.user_device = param.device  # where close() and a failed build hand it back
         self.layout = ShardLayout(self.numel, rt.world_size, rt.rank)
         self.master_shard: StoredShard | None = None
         self.compute_shard: StoredShard | None = None

@@ -12,11 +12,18 @@ time on, not for timings).
     python bench/cpu_split.py --row nvme --steps 5 --warmup 2
     python bench/cpu_split.py --row nvme+opt --seq 2048 --top 25
     python bench/cpu_split.py --row nvme --set offload.verify_swap=false
+    python bench/cpu_split.py --row nvme+opt --phases     # the disk's busy share per phase
+
+``--phases`` samples the disk's busy time every 50 ms and splits it by the step's phases
+(forward, backward, the update tail in ``step()``). Busy means a request in flight, not the
+disk at its full rate: a share under 100% is idle disk time, a share near 100% does not
+prove saturation.
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
 import cProfile
 import io
 import json
@@ -61,6 +68,34 @@ def disk_busy_s(path: Path) -> float:
         return float("nan")
 
 
+class DiskSampler:
+    """The disk's busy-seconds counter sampled every ``every`` seconds on a thread, for the
+    busy share of any stretch of time afterwards."""
+
+    def __init__(self, path: Path, every: float = 0.05) -> None:
+        self.path, self.every, self.samples = path, every, [(time.perf_counter(),
+                                                             disk_busy_s(path))]
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="disk-sampler", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every):
+            self.samples.append((time.perf_counter(), disk_busy_s(self.path)))
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def busy(self, a: float, b: float) -> float:
+        """Busy seconds between times ``a`` and ``b`` (from the samples around them)."""
+        times = [t for t, _ in self.samples]
+        i = max(bisect.bisect_right(times, a) - 1, 0)
+        j = min(bisect.bisect_left(times, b), len(times) - 1)
+        (t0, b0), (t1, b1) = self.samples[i], self.samples[j]
+        return (b1 - b0) * (b - a) / (t1 - t0) if t1 > t0 else float("nan")
+
+
 def thread_names() -> dict[int, str]:
     """tid -> a name for Python threads (numbers stripped, so pools fold into one line)."""
     names = {}
@@ -98,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top", type=int, default=20, help="functions listed per profile")
     ap.add_argument("--io-profile", action="store_true",
                     help="cProfile the background threads too (distorts timings)")
+    ap.add_argument("--phases", action="store_true",
+                    help="the disk's busy share per phase (forward, backward, step)")
     ap.add_argument("--out", type=Path, help="write the split as JSON here")
     args = ap.parse_args(argv)
 
@@ -133,10 +170,21 @@ def main(argv: list[str] | None = None) -> int:
     moved0 = counters()
     busy0 = disk_busy_s(Path(folder))
     before, t0, pb = thread_times(), time.perf_counter(), time.process_time()
+    sampler = DiskSampler(Path(folder)) if args.phases else None
+    phases = {"forward": [0.0, 0.0], "backward": [0.0, 0.0], "step": [0.0, 0.0]}
     main_prof.enable()
     for _ in range(args.steps):
-        step()
+        start = train_worker.now()
+        _, fwd_end, bwd_end = step()
+        end = train_worker.now()
+        if sampler is not None:
+            for name, a, b in (("forward", start, fwd_end), ("backward", fwd_end, bwd_end),
+                               ("step", bwd_end, end)):
+                phases[name][0] += b - a
+                phases[name][1] += sampler.busy(a, b)
     main_prof.disable()
+    if sampler is not None:
+        sampler.stop()
     wall, cpu = time.perf_counter() - t0, time.process_time() - pb
     busy = disk_busy_s(Path(folder)) - busy0
     rows = split(before, thread_times(), thread_names())
@@ -152,6 +200,9 @@ def main(argv: list[str] | None = None) -> int:
           f"moved {moved_gb / args.steps:.2f} GB/step (read {read / 1e9 / args.steps:.2f}, "
           f"written {written / 1e9 / args.steps:.2f}), disk busy {busy / wall:.0%} of the time "
           f"({moved_gb / max(busy, 1e-9):.2f} GB/s while busy)")
+    if sampler is not None:
+        print("  ".join(f"{name} {d / args.steps:.2f} s/step, disk busy {b / max(d, 1e-9):.0%}"
+                        for name, (d, b) in phases.items()))
     print(f"{'thread':44} {'threads':>7} {'user s/step':>11} {'sys s/step':>10} {'share':>6}")
     for name, r in sorted(rows.items(), key=lambda kv: -(kv[1]["user_s"] + kv[1]["sys_s"])):
         tot = r["user_s"] + r["sys_s"]
@@ -176,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
                                         "steps": args.steps, "moved_GB": moved_gb,
                                         "read_GB": read / 1e9, "written_GB": written / 1e9,
                                         "disk_busy_s": busy,
+                                        "phases": phases if sampler is not None else None,
                                         "threads": rows}, indent=1))
     return 0
 

@@ -17,7 +17,7 @@ def test_cpu_split_names_the_io_threads_and_counts_the_steps_bytes(tmp_path: Pat
     out = tmp_path / "split.json"
     cmd = [sys.executable, str(REPO / "bench" / "cpu_split.py"), "--row", "nvme", "--model",
            "tiny", "--seq", "64", "--steps", "3", "--warmup", "1", "--dtype", "fp32",
-           "--nvme-path", str(tmp_path), "--top", "3", "--out", str(out)]
+           "--nvme-path", str(tmp_path), "--top", "3", "--phases", "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-2000:]
     split = json.loads(out.read_text())
@@ -32,4 +32,8 @@ def test_cpu_split_names_the_io_threads_and_counts_the_steps_bytes(tmp_path: Pat
     slack = sum(4096 for _ in model.parameters())
     assert 3 * nbytes <= split["written_GB"] * 1e9 <= 3 * (nbytes + slack)
     assert "main thread (tottime" in proc.stdout
+    # the three phases tile the measured steps
+    phases = split["phases"]
+    assert set(phases) == {"forward", "backward", "step"}
+    assert abs(sum(d for d, _ in phases.values()) - split["wall_s"]) <= 0.05 * split["wall_s"]
     assert not list(tmp_path.glob("cpu-split-*")), "the swap folder is removed"

@@ -39,7 +39,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import train_worker  # noqa: E402
+from lora_scale import disk_busy_ms  # noqa: E402
 from train import parse_set  # noqa: E402
+
+from outcore.config import merge_mappings  # noqa: E402
 
 TICK = os.sysconf("SC_CLK_TCK")
 
@@ -58,14 +61,10 @@ def thread_times() -> dict[int, tuple[float, float]]:
 
 
 def disk_busy_s(path: Path) -> float:
-    """Seconds the block device holding ``path`` has been busy (``io_ticks``): a disk kept
-    busy the whole step runs at its floor whatever its speed that minute."""
-    dev = os.stat(path).st_dev
-    try:
-        with open(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}/stat") as f:
-            return int(f.read().split()[9]) / 1000
-    except FileNotFoundError:  # tmpfs, overlayfs, btrfs: no block device to ask
-        return float("nan")
+    """Seconds the block device holding ``path`` has been busy (``io_ticks``; 0 where no
+    block device answers: tmpfs, overlayfs): a disk kept busy the whole step runs at its
+    floor whatever its speed that minute."""
+    return disk_busy_ms(path) / 1000
 
 
 class DiskSampler:
@@ -147,8 +146,8 @@ def main(argv: list[str] | None = None) -> int:
         else args.dtype
     folder = tempfile.mkdtemp(prefix="cpu-split-", dir=args.nvme_path)
     sets: dict = {}
-    for s in args.outcore_set:
-        sets = {**sets, **s}
+    for one in args.outcore_set:  # --set a.b=1 --set a.c=2 both apply
+        sets = merge_mappings(sets, one)
     spec = {"row": args.row, "model": args.model, "nvme_path": folder, "clip": args.clip,
             "prefetch_bytes": None, "dtype": dtype, "outcore_set": sets}
     profiles: dict[int, cProfile.Profile] = {}
@@ -158,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
             sys.setprofile(None)
             prof.enable()
         threading.setprofile(start)
-    engine, init_s = train_worker.outcore_engine(spec)
+    engine, _ = train_worker.outcore_engine(spec)
     x, y = train_worker.make_batch(resolve_config(args.model).vocab, args.batch, args.seq,
                                    engine.device)
     step = train_worker.engine_step(engine, x, y)
@@ -190,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = split(before, thread_times(), thread_names())
     read, written = (b - a for a, b in zip(moved0, counters(), strict=True))
     engine.close(keep_values=False)
-    os.rmdir(folder) if os.path.isdir(folder) and not os.listdir(folder) else None
+    if os.path.isdir(folder) and not os.listdir(folder):
+        os.rmdir(folder)
 
     moved_gb = (read + written) / 1e9
     print(f"{args.row}, {args.model}, {args.batch}x{args.seq} tokens, {dtype}, "
@@ -219,7 +219,6 @@ def main(argv: list[str] | None = None) -> int:
 
     top(main_prof, "main thread")
     for tid, prof in profiles.items():
-        prof.disable() if tid == threading.get_native_id() else None
         top(prof, f"thread {tid} ({thread_names().get(tid, 'ended')}; build and warm-up "
                   "included)")
     if args.out:

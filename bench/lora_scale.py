@@ -115,7 +115,7 @@ def main() -> None:
                 samples["io"].append((now, ps.io_counters().read_bytes))
             except psutil.Error:
                 pass
-            samples["busy_ms"].append((now, _busy_ms(a.out)))
+            samples["busy_ms"].append((now, disk_busy_ms(a.out)))
             if now - last_disk >= 1.0:
                 samples["disk"].append((now, disk_used(a.out) if a.out.exists() else 0))
                 last_disk = now
@@ -192,7 +192,7 @@ def main() -> None:
           f"{result['final_disk_bytes'] / 1e9:.3f} GB\n-> {out}")
 
 
-def _busy_ms(path: Path) -> int:
+def disk_busy_ms(path: Path) -> int:
     """Milliseconds the disk under ``path`` had I/O in flight (``io_ticks``, sysfs)."""
     try:
         dev = os.stat(path if path.exists() else path.parent).st_dev

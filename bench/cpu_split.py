@@ -9,15 +9,24 @@ thread also runs under cProfile; ``--io-profile`` profiles the I/O and optimizer
 (``threading.setprofile``, from the engine's build on; slower, for what they spend their
 time on, not for timings).
 
-    python bench/cpu_split.py --row nvme --steps 5 --warmup 2
+    python bench/cpu_split.py --row nvme+opt --steps 5 --warmup 2
     python bench/cpu_split.py --row nvme+opt --seq 2048 --top 25
-    python bench/cpu_split.py --row nvme --set offload.verify_swap=false
+    python bench/cpu_split.py --row nvme+opt --set offload.verify_swap=false
     python bench/cpu_split.py --row nvme+opt --phases     # the disk's busy share per phase
 
 ``--phases`` samples the disk's busy time every 50 ms and splits it by the step's phases
 (forward, backward, the update tail in ``step()``). Busy means a request in flight, not the
 disk at its full rate: a share under 100% is idle disk time, a share near 100% does not
 prove saturation.
+
+The peak RSS printed is over the measured steps only (``VmHWM`` reset before them). For
+native profiles (page faults, libgomp's spinning, the JIT's kernels), ``--perf-ctl`` frames
+the measured steps for ``perf``, which then records nothing of the build or the warm-up:
+
+    mkfifo /tmp/ctl
+    perf record -g --control fifo:/tmp/ctl -D -1 -o nvme.data -- \
+        python bench/cpu_split.py --row nvme+opt --perf-ctl /tmp/ctl
+    perf report -i nvme.data --no-children --sort dso -g none
 """
 
 from __future__ import annotations
@@ -45,6 +54,19 @@ from train import parse_set  # noqa: E402
 from outcore.config import merge_mappings  # noqa: E402
 
 TICK = os.sysconf("SC_CLK_TCK")
+
+
+def reset_peak_rss() -> None:
+    """Start ``VmHWM`` (peak RSS) over from the current RSS (Linux, ``clear_refs`` 5)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def peak_rss_bytes() -> int:
+    """``VmHWM`` of this process: its peak RSS since the start or the last reset."""
+    with open("/proc/self/status") as f:
+        kib = next(int(ln.split()[1]) for ln in f if ln.startswith("VmHWM:"))
+    return kib * 1024
 
 
 def thread_times() -> dict[int, tuple[float, float]]:
@@ -119,7 +141,7 @@ def split(before: dict, after: dict, names: dict) -> dict[str, dict[str, float]]
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--row", default="nvme", help="a bench/train.py outcore row")
+    ap.add_argument("--row", default="nvme+opt", help="a bench/train.py outcore row")
     ap.add_argument("--model", default="gpt-335m")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--seq", type=int, default=512)
@@ -135,6 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--phases", action="store_true",
                     help="the disk's busy share per phase (forward, backward, step)")
     ap.add_argument("--out", type=Path, help="write the split as JSON here")
+    ap.add_argument("--perf-ctl", type=Path, metavar="FIFO",
+                    help="perf's control FIFO: 'enable' before the measured steps, 'disable' "
+                    "after (perf record --control fifo:FIFO -D -1 -- python bench/cpu_split.py)")
     args = ap.parse_args(argv)
 
     import torch
@@ -168,9 +193,13 @@ def main(argv: list[str] | None = None) -> int:
     counters = train_worker.store_counters(engine)
     moved0 = counters()
     busy0 = disk_busy_s(Path(folder))
+    reset_peak_rss()
     before, t0, pb = thread_times(), time.perf_counter(), time.process_time()
     sampler = DiskSampler(Path(folder)) if args.phases else None
     phases = {"forward": [0.0, 0.0], "backward": [0.0, 0.0], "step": [0.0, 0.0]}
+    perf = open(args.perf_ctl, "w", buffering=1) if args.perf_ctl else None  # noqa: SIM115
+    if perf is not None:
+        perf.write("enable\n")
     main_prof.enable()
     for _ in range(args.steps):
         start = train_worker.now()
@@ -182,9 +211,13 @@ def main(argv: list[str] | None = None) -> int:
                 phases[name][0] += b - a
                 phases[name][1] += sampler.busy(a, b)
     main_prof.disable()
+    if perf is not None:
+        perf.write("disable\n")
+        perf.close()
     if sampler is not None:
         sampler.stop()
     wall, cpu = time.perf_counter() - t0, time.process_time() - pb
+    peak_rss = peak_rss_bytes()
     busy = disk_busy_s(Path(folder)) - busy0
     rows = split(before, thread_times(), thread_names())
     read, written = (b - a for a, b in zip(moved0, counters(), strict=True))
@@ -199,7 +232,8 @@ def main(argv: list[str] | None = None) -> int:
           f"process CPU {cpu:.2f} s ({cpu / wall:.2f} cores), "
           f"moved {moved_gb / args.steps:.2f} GB/step (read {read / 1e9 / args.steps:.2f}, "
           f"written {written / 1e9 / args.steps:.2f}), disk busy {busy / wall:.0%} of the time "
-          f"({moved_gb / max(busy, 1e-9):.2f} GB/s while busy)")
+          f"({moved_gb / max(busy, 1e-9):.2f} GB/s while busy), "
+          f"peak RSS over the measured steps {peak_rss / 2**30:.2f} GiB")
     if sampler is not None:
         print("  ".join(f"{name} {d / args.steps:.2f} s/step, disk busy {b / max(d, 1e-9):.0%}"
                         for name, (d, b) in phases.items()))
@@ -224,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         args.out.write_text(json.dumps({"row": args.row, "wall_s": wall, "cpu_s": cpu,
                                         "steps": args.steps, "moved_GB": moved_gb,
+                                        "peak_rss_bytes": peak_rss,
                                         "read_GB": read / 1e9, "written_GB": written / 1e9,
                                         "disk_busy_s": busy,
                                         "phases": phases if sampler is not None else None,

@@ -14,7 +14,9 @@ model, avx512_bf16/amx, cores, torch, dtype, threads, date). Rows:
                  weights and moments, fused AdamW on the masters, cast back (bf16/fp16 only)
     none         outcore without offload (fp32 master weights and moments, compute copy)
     cpu-p0, cpu                 params on host, prefetch off / on
-    nvme-p0, nvme               params on NVMe, prefetch off / on
+    nvme-p0, nvme               params on NVMe, prefetch off / on (optimizer in memory: the
+                                trainable copies are cast from the masters, so these rows
+                                move no bytes; storage.py's CastShard)
     nvme+opt-p0, nvme+opt       params and optimizer state on NVMe, prefetch off / on
     nvme+opt-reuse              nvme+opt with ``offload.reuse_freed_memory: true``
     nvme+opt-early              nvme+opt with ``zero.overlap_step_with_forward: true`` (the

@@ -57,6 +57,9 @@ class StoredShard:
     dtype: torch.dtype
     read_only = False
     """True for a shard read in place from a file outcore never writes (file_shard.py)."""
+    derived = False
+    """True for a shard that stores nothing and casts another shard on each read
+    (``CastShard``)."""
 
     @property
     def nbytes(self) -> int:
@@ -119,6 +122,58 @@ class MemoryShard(StoredShard):
         if src.data_ptr() != dst.data_ptr():
             dst.copy_(src)
         return _Ready()
+
+
+class CastShard(StoredShard):
+    """A trainable parameter's training-dtype values as a cast of its fp32 master in memory,
+    made on each read and stored nowhere.
+
+    [Note: the training copy is derived from masters in memory]
+    The training-dtype shard of a trainable parameter is, by construction, its master cast
+    to the compute dtype: the optimizer writes it that way after every update, and so does
+    every write of values (``ShardedParam.write_shard``, checkpoint loads), master first. With
+    the parameters on NVMe and the masters in memory, keeping that copy on disk buys no
+    memory (the masters, twice its size, are in memory anyway) and costs a write after each
+    update and a read, with its digest, at each fetch, on the host's cores that the compute
+    needs (measured: bench/results/2026-11-26-intel-amx-bf16-derived-params.md). So such a
+    parameter's training shard is this: a read casts the master into the caller's tensor
+    (one pass, what the optimizer's write-back did before), a save stores nothing, since its
+    bytes are already the master's. Frozen parameters have no master and keep their shard on
+    NVMe; with the masters on NVMe the 16-bit copy is half the bytes to read and stays. The
+    plan's ``derives_compute_copy`` decides; ``nbytes`` is 0 because nothing is stored.
+    """
+
+    derived = True
+
+    def __init__(self, master: StoredShard, dtype: torch.dtype) -> None:
+        assert master.resident() is not None, "a cast shard needs its master in memory"
+        self.master, self.dtype = master, dtype
+        self.tier, self.numel = master.tier, master.numel
+
+    @property
+    def nbytes(self) -> int:
+        return 0
+
+    def resident(self) -> None:
+        return None
+
+    def load(self, out: torch.Tensor) -> Future:
+        return self.load_range(0, out)
+
+    def load_range(self, start: int, out: torch.Tensor) -> Future:
+        master = self.master.resident()
+        assert master is not None  # checked at construction; masters in memory stay there
+        out.copy_(master[start : start + out.numel()])  # casts, and crosses devices
+        return _Ready(out)
+
+    def save(self, src: torch.Tensor) -> Future:
+        return _Ready()  # the master was saved first: see the note
+
+    def save_range(self, start: int, src: torch.Tensor) -> Future:
+        return _Ready()
+
+    def free(self) -> None:
+        pass  # owns nothing: the master is freed as the master
 
 
 def digest(t: torch.Tensor) -> int:

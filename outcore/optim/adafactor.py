@@ -182,9 +182,10 @@ class Runner:
             assert sp.grad is not None  # the optimizer passes only parameters that got one
             update(sp, master, sp.grad, self.factors[id(sp)], moments,
                    self.group_of[id(sp)], self.rt, state.step)
-            if sp.compute_shard is not sp.master_shard:
-                assert sp.compute_shard is not None  # prepared for training: it has both
-                sp.compute_shard.save(master.to(sp.compute_shard.dtype)).result()
+            compute = sp.compute_shard
+            assert compute is not None  # prepared for training: it has both
+            if compute is not sp.master_shard and not compute.derived:
+                compute.save(master.to(compute.dtype)).result()
 
     def factors_of(self, sp: ShardedParam) -> dict[str, torch.Tensor]:
         f = self.factors[id(sp)]

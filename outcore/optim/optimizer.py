@@ -358,8 +358,8 @@ class ShardedOptimizer:
                 for k in self.state_kinds:
                     work.pending.append(
                         self.state[sp].moments[k].save_range(sl.lo, work.states[k][i]))
-            if sp.compute_shard is sp.master_shard:
-                continue
+            if sp.compute_shard is sp.master_shard or sp.compute_shard.derived:
+                continue  # the next read of the training copy casts the updated master
             resident = sp.compute_shard.resident()
             if resident is not None:  # copy_ casts in one pass, no temporary
                 sl.of(resident).copy_(work.master[i])

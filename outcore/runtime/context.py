@@ -67,6 +67,10 @@ class Runtime:
         # read or write of values between a backward and step() must not meet one midway
         self.await_updates: Callable[[], None] = lambda: None
         self.engine = None  # weakref to the Engine training this model, if any
+        if Tier.NVME in (self.param_tier, self.state_tier):
+            # a bad nvme_path fails the build, even where nothing may be written for a while
+            # (trainable parameters cast from masters in memory store nothing: CastShard)
+            self.nvme  # noqa: B018 - creates the store
 
     def _derive_plan(self, cfg: Config) -> ExecutionPlan:
         return ExecutionPlan.for_config(cfg, self.world_size, self.device.type,

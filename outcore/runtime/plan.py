@@ -67,6 +67,9 @@ class ExecutionPlan:
     """Where fp32 gradient shards live between backward and their update."""
     compute_is_master: bool
     """The training-dtype shard is the fp32 master shard itself (zero/param.py)."""
+    derives_compute_copy: bool
+    """A trainable parameter's training-dtype shard is cast from its master on each read and
+    stored nowhere (offload/storage.py's ``CastShard``)."""
     zero_copy: bool
     """A shard is the full tensor: groups show it and never reshard (zero/group.py)."""
     aligned_gather: bool
@@ -171,6 +174,13 @@ def _decide(i: Inputs) -> Iterator[tuple[str, tuple[Any, str]]]:
         "fp32 compute with params and masters in one tier: one shard serves both"
         if compute_is_master else f"{i.dtype} compute" if i.dtype != "fp32"
         else f"params ({p.value}) and masters ({s.value}) live in different tiers"))
+
+    derive = p is Tier.NVME and s is not Tier.NVME and not compute_is_master
+    yield "derives_compute_copy", (derive, (
+        "params on NVMe, masters in memory: a trainable parameter's copy is cast from its "
+        "master at each fetch, never written (frozen ones stay on NVMe)" if derive else
+        "the masters are the training shards" if compute_is_master else
+        f"params in {p.value}, masters in {s.value}: the training copy is stored"))
 
     zero_copy = one and (p is Tier.DEVICE or (p is Tier.HOST and not cuda))
     yield "zero_copy", (zero_copy, (

@@ -111,7 +111,9 @@ def state_bytes(num_params: int, world_size: int, settings: Config, device: str,
                                   params=params, optimizer=optimizer)
     use = {t.value: 0 for t in Tier}
     if not ex.compute_is_master:  # else the parameter shards are the masters
-        use[ex.inputs.params.value] += per_rank * dtype.torch_dtype.itemsize
+        # a trainable one's copy may be cast from its master, stored nowhere (CastShard)
+        stored = per_rank - per_train if ex.derives_compute_copy else per_rank
+        use[ex.inputs.params.value] += stored * dtype.torch_dtype.itemsize
     else:  # a frozen parameter's shard is its fp32 values, beside the trainable masters
         use[ex.inputs.optimizer.value] += (per_rank - per_train) * 4
     use[ex.inputs.optimizer.value] += per_train * _state_bytes(settings)

@@ -200,8 +200,9 @@ class GatherGroup:
         rank on an accelerator a shard on disk is read into a page-locked host tensor and
         copied to the device on the accelerator's copy stream once the read is done
         (``wait_unshard``); the compute stream waits for that copy, not the host. A shard in
-        memory is copied by its own ``load``. On the CPU nothing is staged."""
-        return self.rt.accel.is_cuda and shard.resident() is None
+        memory (or cast from a master in memory) is copied by its own ``load``. On the CPU
+        nothing is staged."""
+        return self.rt.accel.is_cuda and shard.resident() is None and not shard.derived
 
     def _copy_staged(self) -> None:
         """The staged host copies to their full tensors (their reads are done)."""

@@ -27,7 +27,7 @@ from torch import nn
 from outcore.errors import ConfigError, ParamAccessError
 from outcore.offload.file_shard import FileShard
 from outcore.offload.ledger import Charge, Kind
-from outcore.offload.storage import StoredShard, load_now
+from outcore.offload.storage import CastShard, StoredShard, load_now
 from outcore.offload.tier import Tier
 from outcore.runtime import Runtime
 from outcore.zero import registry, surface
@@ -249,6 +249,8 @@ class ShardedParam:
             self.compute_shard.free()
         if rt.plan.compute_is_master:
             self.compute_shard = self.master_shard
+        elif self.trainable and rt.plan.derives_compute_copy:
+            self.compute_shard = CastShard(self.master_shard, rt.compute_dtype)
         else:
             values = load_now(self.master_shard, rt.device).to(rt.compute_dtype)
             self.compute_shard = rt.store(values, rt.param_tier, Kind.PARAMS)
@@ -440,7 +442,8 @@ class ShardedParam:
             self.master_shard.save(shard).result()
         if self.compute_shard is not None and self.compute_shard.read_only:
             self._own_values(shard.to(self.rt.compute_dtype))
-        elif self.compute_shard is not None and self.compute_shard is not self.master_shard:
+        elif (self.compute_shard is not None and self.compute_shard is not self.master_shard
+              and not self.compute_shard.derived):
             self.compute_shard.save(shard.to(self.compute_shard.dtype)).result()
 
     def _own_values(self, shard: torch.Tensor) -> None:

@@ -196,7 +196,7 @@ def test_a_shrunk_device_fails_direct_reads_and_writes_with_eio(
 STEPS, SAVED_AT = 5, 2
 FAULTS = {  # fault: (optimizer placement, errno, first operation to fail, when it strikes)
     "read-eio": ("nvme", errno.EIO, "read", "before_forward"),
-    "write-eio": ("cpu", errno.EIO, "write", "before_step"),
+    "step-read-eio": ("nvme", errno.EIO, "read", "before_step"),
     "write-erofs": ("nvme", errno.EROFS, "write", "before_forward"),
 }
 _REFERENCE: dict[str, list[float]] = {}

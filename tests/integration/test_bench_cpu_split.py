@@ -15,25 +15,31 @@ from tests.common import REPO
 
 def test_cpu_split_names_the_io_threads_and_counts_the_steps_bytes(tmp_path: Path) -> None:
     out = tmp_path / "split.json"
-    cmd = [sys.executable, str(REPO / "bench" / "cpu_split.py"), "--row", "nvme", "--model",
+    cmd = [sys.executable, str(REPO / "bench" / "cpu_split.py"), "--row", "nvme+opt", "--model",
            "tiny", "--seq", "64", "--steps", "3", "--warmup", "1", "--dtype", "fp32",
-           "--nvme-path", str(tmp_path), "--top", "3", "--phases", "--out", str(out)]
+           "--nvme-path", str(tmp_path), "--top", "3", "--phases", "--out", str(out),
+           "--perf-ctl", str(tmp_path / "perf-ctl")]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-2000:]
     split = json.loads(out.read_text())
     assert "outcore-aio" in split["threads"] and "main" in split["threads"]
     threads = sum(r["user_s"] + r["sys_s"] for r in split["threads"].values())
     assert abs(threads - split["cpu_s"]) <= 0.05 * split["cpu_s"] + 0.05
-    # tiny in fp32 with params on NVMe and the optimizer in memory: each step writes every
-    # parameter's updated copy once (extents rounded to 4 KiB); the build's and the warm-up's
-    # writes are not counted
+    # tiny in fp32 with params and optimizer on NVMe: each step writes every parameter's
+    # master (which is also its training copy) and its two moments once (extents rounded to
+    # 4 KiB); the build's and the warm-up's writes are not counted
     model = build_model("tiny")
     nbytes = sum(p.numel() * 4 for p in model.parameters())
     slack = sum(4096 for _ in model.parameters())
-    assert 3 * nbytes <= split["written_GB"] * 1e9 <= 3 * (nbytes + slack)
+    assert 3 * 3 * nbytes <= split["written_GB"] * 1e9 <= 3 * 3 * (nbytes + slack)
     assert "main thread (tottime" in proc.stdout
     # the three phases tile the measured steps
     phases = split["phases"]
     assert set(phases) == {"forward", "backward", "step"}
     assert abs(sum(d for d, _ in phases.values()) - split["wall_s"]) <= 0.05 * split["wall_s"]
     assert not list(tmp_path.glob("cpu-split-*")), "the swap folder is removed"
+    # peak RSS over the measured steps only: at least the tiny model's parameters, far less
+    # than the interpreter's peak with torch imported and the model built
+    assert nbytes < split["peak_rss_bytes"] < 8 * 2**30
+    # perf's control commands frame the measured steps (a FIFO under perf; a file here)
+    assert (tmp_path / "perf-ctl").read_text() == "enable\ndisable\n"

@@ -74,7 +74,9 @@ def test_lora_bench_tiny_rows_and_bytes_per_kind(tmp_path: Path, dtype: str) -> 
             assert total(r, "master") == 4 * (n + a) and total(r, "params") == 0, name
         else:  # the base once, in the compute dtype; fp32 masters for the adapters alone
             assert total(r, "master") == 4 * a, name
-            assert total(r, "params") == size * (n + a), name
+            # on NVMe the adapters' copies are cast from their masters, stored nowhere
+            # (storage.py's CastShard); in memory each has a stored copy
+            assert total(r, "params") == size * (n + (a if name == "lora-mem" else 0)), name
             # built frozen: the base never had an fp32 master, not even during the build
             assert r["after_build"]["by_kind"]["peak.device.master"] == 4 * a, name
     full = rows["full-nvme"]
@@ -82,13 +84,14 @@ def test_lora_bench_tiny_rows_and_bytes_per_kind(tmp_path: Path, dtype: str) -> 
     assert total(full, "grads", peak=True) > 4 * a  # more than every adapter's gradient
 
     # base on NVMe: its bytes sit in the nvme tier; each step reads the base (forward and
-    # the input gradients of backward) and writes only the adapters' new values
+    # the input gradients of backward) and writes nothing: the adapters' new values are their
+    # masters in memory, which the next fetch casts
     r = rows["lora-nvme"]
     assert r["placement"] == {"params": "nvme", "optimizer": "none"}
     stored = r["kinds"]["params"]
-    assert stored["nvme"] == size * (n + a) and set(stored) == {"nvme", "peak_nvme"}
+    assert stored["nvme"] == size * n and set(stored) == {"nvme", "peak_nvme"}
     assert r["store_read_per_step"] >= n * size
-    assert 0 < r["store_write_per_step"] <= size * a
+    assert r["store_write_per_step"] == 0
     # never the whole base gathered at once: the layers are fetched and released in turn
     assert 0 < r["by_kind"]["peak.device.unsharded"] < n * size
     assert rows["lora-mem"]["store_read_per_step"] == 0

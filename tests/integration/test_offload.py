@@ -66,7 +66,9 @@ def test_every_placement_gives_identical_fp32_losses(world: int, tmp_path: Path)
             assert r["losses"] == base, f"{key}: {r['losses']} != {base}"
             assert r["left_after_close"] == [], f"{key}: left behind {r['left_after_close']}"
             on_disk = "nvme" in key
-            assert (r["nvme"] > 0) == on_disk, key
+            # the swap file exists wherever NVMe is placed; bytes are in it only for state on
+            # NVMe: with masters in memory the params' copies are cast from them (CastShard)
+            assert (r["nvme"] > 0) == (key[1] == "nvme"), key
             assert (len(r["swap_files"]) == 1) == on_disk, key
 
 

@@ -63,6 +63,16 @@ TABLE = [
         zero_copy=True, defers_updates=False), id="tail kept in the step with zero-copy shards"),
     pytest.param(Inputs(1, "cpu", "bf16", N, N, optimizer_type="sgd"), dict(
         state_kinds=(), staged_kinds=("master",)), id="sgd without momentum"),
+    pytest.param(Inputs(1, "cpu", "bf16", N, D), dict(
+        derives_compute_copy=True, compute_is_master=False, aligned_full=True),
+        id="params on nvme, masters in memory: copies cast from them"),
+    pytest.param(Inputs(2, "cuda", "fp32", N, H), dict(
+        derives_compute_copy=True, compute_is_master=False),
+        id="params on nvme, masters on the host, fp32: copies cast from them"),
+    pytest.param(Inputs(1, "cpu", "bf16", N, N), dict(derives_compute_copy=False),
+                 id="masters on nvme: the 16-bit copy is stored (half the bytes to read)"),
+    pytest.param(Inputs(1, "cpu", "bf16", H, D), dict(derives_compute_copy=False),
+                 id="params in host memory: the copy is stored"),
     pytest.param(Inputs(1, "cpu", "bf16", N, N, overlap_optimizer=False), dict(
         overlaps_optimizer=False, defers_updates=False), id="overlap switched off"),
 ]

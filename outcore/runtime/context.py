@@ -103,7 +103,8 @@ class Runtime:
 
     @property
     def nvme(self):
-        """This rank's swap store, created on first use (only NVMe placements need it)."""
+        """This rank's swap store: made with the runtime where a placement names NVMe (only
+        those need it), else on first use."""
         if self._nvme is None:
             off = self.cfg.offload
             assert off.nvme_path is not None  # guaranteed by Config validation

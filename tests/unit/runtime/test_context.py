@@ -1,10 +1,11 @@
 """The per-process runtime (context.py's [Note: explicit context, one per model]): it
 derives the execution plan from its config and device, resolves the dtype, gives a tensor a
 home by tier (``store``: memory tiers keep the tensor, NVMe saves it to a verified extent),
-creates this rank's swap store only on first use (sweeping dead runs' swap first) with the
-I/O pool charged to ``host.io_buffers``, splits one host buffer budget between the pool and
-the optimizer ([Note: one host budget, two users]), and ``close()`` deletes the swap, stops
-its threads and takes the pool's charge off the ledger, safely twice."""
+creates this rank's swap store when a placement names NVMe (sweeping dead runs' swap
+first) with the I/O pool charged to ``host.io_buffers``, splits one host buffer budget
+between the pool and the optimizer ([Note: one host budget, two users]), and ``close()``
+deletes the swap, stops its threads and takes the pool's charge off the ledger, safely
+twice."""
 
 from __future__ import annotations
 
@@ -75,12 +76,12 @@ def test_memory_tiers_keep_the_tensor_itself() -> None:
     rt.close()
 
 
-def test_the_nvme_store_is_created_on_first_use(nvme_rt: Runtime, tmp_path: Path) -> None:
-    assert nvme_rt._nvme is None
-    assert not any(tmp_path.iterdir())
-    assert "host.io_buffers" not in nvme_rt.ledger.snapshot()
-    store = nvme_rt.nvme
-    assert nvme_rt.nvme is store  # once
+def test_the_nvme_store_is_created_with_an_nvme_runtime(nvme_rt: Runtime,
+                                                        tmp_path: Path) -> None:
+    """Made when the runtime is, so a bad ``nvme_path`` fails the build even where nothing
+    is written for a while (trainable parameters cast from masters in memory: CastShard)."""
+    store = nvme_rt._nvme
+    assert store is not None and nvme_rt.nvme is store  # once
     assert store.path.is_file() and store.path.parent.parent == tmp_path
     assert store.path.name == "rank0.swap"
     assert nvme_rt.ledger.snapshot()["host.io_buffers"] == store.pool.capacity_bytes > 0
@@ -113,7 +114,7 @@ def test_verify_swap_false_reaches_the_shards(tmp_path: Path) -> None:
         rt.close()
 
 
-def test_first_use_sweeps_dead_runs_swap(tmp_path: Path) -> None:
+def test_the_build_sweeps_dead_runs_swap(tmp_path: Path) -> None:
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait()
     stale = tmp_path / f"outcore-{proc.pid}-deadbeef"
@@ -121,10 +122,9 @@ def test_first_use_sweeps_dead_runs_swap(tmp_path: Path) -> None:
     (stale / "rank0.swap").write_bytes(b"\0" * 4096)
     live = tmp_path / f"outcore-{os.getpid()}-0badf00d"
     live.mkdir()
+    assert stale.exists()
     rt = _runtime({"params": "nvme", "nvme_path": str(tmp_path), "host_buffer_bytes": BUDGET})
     try:
-        assert stale.exists()  # nothing happens before the store is needed
-        rt.nvme  # noqa: B018
         assert not stale.exists() and live.is_dir()
     finally:
         rt.close()

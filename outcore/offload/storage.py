@@ -154,6 +154,15 @@ class CastShard(StoredShard):
     def nbytes(self) -> int:
         return 0
 
+    @property
+    def master_on_host(self) -> bool:
+        """Whether the master is in host memory (a fetch for an accelerator then casts on
+        the host and copies half its bytes: group.py's [Note: disk reads reach the device
+        through host memory])."""
+        master = self.master.resident()
+        assert master is not None
+        return master.device.type == "cpu"
+
     def resident(self) -> None:
         return None
 

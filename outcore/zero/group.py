@@ -36,6 +36,7 @@ import torch
 from outcore.errors import ParamAccessError
 from outcore.offload.buffers import ALIGN, aligned_empty, round_up
 from outcore.offload.ledger import Kind
+from outcore.offload.storage import CastShard
 from outcore.offload.tier import Tier
 from outcore.profiling import ALL_GATHER, FETCH, REDUCE_SCATTER, UNSHARD, record_function
 from outcore.runtime import Runtime
@@ -199,10 +200,16 @@ class GatherGroup:
         The I/O path (``nvme.py``, ``source_file.py``) reads into CPU tensors only, so at one
         rank on an accelerator a shard on disk is read into a page-locked host tensor and
         copied to the device on the accelerator's copy stream once the read is done
-        (``wait_unshard``); the compute stream waits for that copy, not the host. A shard in
-        memory (or cast from a master in memory) is copied by its own ``load``. On the CPU
-        nothing is staged."""
-        return self.rt.accel.is_cuda and shard.resident() is None and not shard.derived
+        (``wait_unshard``); the compute stream waits for that copy, not the host. A training
+        copy cast from a master in host memory (``CastShard``) is staged the same way: the
+        cast runs on the host into the page-locked tensor, and half the master's bytes cross.
+        A shard in device memory, or cast from a master there, is copied by its own ``load``.
+        On the CPU nothing is staged."""
+        if not self.rt.accel.is_cuda:
+            return False
+        if isinstance(shard, CastShard):
+            return shard.master_on_host
+        return shard.resident() is None
 
     def _copy_staged(self) -> None:
         """The staged host copies to their full tensors (their reads are done)."""

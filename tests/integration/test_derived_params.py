@@ -121,3 +121,36 @@ def test_two_ranks_cast_their_shards_into_the_gather_buffer(tmp_path: Path) -> N
     derived = run_world(_two_rank_losses, 2, str(tmp_path), "nvme")
     host = run_world(_two_rank_losses, 2, str(tmp_path), "cpu")
     assert derived == host
+
+
+def test_on_an_accelerator_a_cast_from_a_host_master_is_staged(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fetch for an accelerator casts a host master into a page-locked host tensor and
+    copies that (half the master's bytes) on the copy stream; a master in device memory is
+    cast in place (group.py's [Note: disk reads reach the device through host memory]). The
+    staged path, forced on the CPU, trains exactly as the direct one."""
+    from outcore.device.accel import Accelerator
+    from outcore.zero.group import GatherGroup
+
+    with outcore.initialize(_model(), _cfg("nvme", "cpu", tmp_path)) as engine:
+        reference = _losses(engine)
+        group = engine.groups[0]
+        shard = group.params[0].compute_shard
+        assert isinstance(shard, CastShard) and shard.master_on_host
+        assert not group._stages(shard)  # the CPU device stages nothing
+        monkeypatch.setattr(Accelerator, "is_cuda", property(lambda self: True))
+        assert group._stages(shard)
+        monkeypatch.undo()
+
+    staged: list[int] = []
+    decide = GatherGroup._stages
+
+    def forced(self: GatherGroup, shard: object) -> bool:
+        out = isinstance(shard, CastShard) or decide(self, shard)
+        staged.append(out)
+        return out
+
+    monkeypatch.setattr(GatherGroup, "_stages", forced)
+    with outcore.initialize(_model(), _cfg("nvme", "cpu", tmp_path)) as engine:
+        assert _losses(engine) == reference
+    assert staged and all(staged)

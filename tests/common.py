@@ -131,6 +131,18 @@ def checkpoint_batch(step: int, rank: int, world: int) -> tuple[torch.Tensor, to
     return idx[mine], tgt[mine]
 
 
+def square_loss_steps(engine, x: torch.Tensor, steps: int) -> list[float]:
+    """``steps`` steps of the mean squared output on one fixed batch ``x`` (moved to the
+    engine's device); the losses."""
+    x, losses = x.to(engine.device), []
+    for _ in range(steps):
+        loss = engine(x).float().pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
 def train_steps(engine, steps: range) -> list[float]:
     """Optimizer steps ``steps``; returns the global mean loss of each."""
     losses = []

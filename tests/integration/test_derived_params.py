@@ -12,6 +12,7 @@ from torch import nn
 
 import outcore
 from outcore.offload.storage import CastShard, NvmeShard
+from tests.common import square_loss_steps
 from tests.distributed import run_world
 
 
@@ -29,14 +30,8 @@ def _cfg(params: str, optimizer: str, swap: Path, dtype: str = "bf16",
 
 
 def _losses(engine: outcore.Engine, steps: int = 4) -> list[float]:
-    x = torch.randn(32, 64, generator=torch.Generator().manual_seed(1)).to(engine.device)
-    out = []
-    for _ in range(steps):
-        loss = engine(x).float().pow(2).mean()
-        engine.backward(loss)
-        engine.step()
-        out.append(loss.item())
-    return out
+    x = torch.randn(32, 64, generator=torch.Generator().manual_seed(1))
+    return square_loss_steps(engine, x, steps)
 
 
 @pytest.mark.parametrize("dtype, opt", [("bf16", "adamw"), ("fp32", "adamw"),

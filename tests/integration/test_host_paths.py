@@ -23,6 +23,7 @@ from torch import nn
 import outcore
 from outcore.offload.buffers import ALIGN, AlignedRegions
 from outcore.offload.host_memory import return_large_frees_to_os
+from tests.common import square_loss_steps
 from tests.distributed import run_world
 
 
@@ -35,13 +36,7 @@ def _mlp() -> nn.Module:
 def _train(engine: outcore.Engine, steps: int, x: torch.Tensor | None = None) -> list[float]:
     if x is None:
         x = torch.randn(16, 512, generator=torch.Generator().manual_seed(1))
-    x, losses = x.to(engine.device), []
-    for _ in range(steps):
-        loss = engine(x).float().pow(2).mean()
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    return losses
+    return square_loss_steps(engine, x, steps)
 
 
 @pytest.mark.cpu_only("NVMe reads land in page-aligned full tensors on a CPU device only "

@@ -118,6 +118,7 @@ def test_two_ranks_cast_their_shards_into_the_gather_buffer(tmp_path: Path) -> N
     assert derived == host
 
 
+@pytest.mark.cpu_only("forces the accelerator's staged path on the CPU device")
 def test_on_an_accelerator_a_cast_from_a_host_master_is_staged(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A fetch for an accelerator casts a host master into a page-locked host tensor and
@@ -137,7 +138,7 @@ def test_on_an_accelerator_a_cast_from_a_host_master_is_staged(
         assert group._stages(shard)
         monkeypatch.undo()
 
-    staged: list[int] = []
+    staged: list[bool] = []
     decide = GatherGroup._stages
 
     def forced(self: GatherGroup, shard: object) -> bool:

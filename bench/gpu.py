@@ -16,7 +16,9 @@ the peak RSS from ``wait4``), built and timed by bench/train_worker.py, in ``--d
     cpu+opt       outcore, parameters and optimizer state on the host
     nvme+opt      outcore, parameters and optimizer state on NVMe
     nvme+opt-cpu  outcore, parameters on NVMe, optimizer state on the host (for a model whose
-                  14 bytes per parameter of NVMe state exceed the disk)
+                  14 bytes per parameter of NVMe state exceed the disk); the trainable
+                  parameters' copies are cast from the host masters and stored nowhere
+                  (storage.py's CastShard), so the row holds nothing on NVMe
 
 A model whose 16 bytes per parameter of model states fit the device gets the first six rows,
 one whose states do not gets plain, opt-cpu, cpu+opt and nvme+opt-cpu (``--rows`` chooses).
@@ -142,7 +144,7 @@ def flops_per_token(m: dict, seq: int) -> float:
 # frees each gradient after its update; 1 allows for those in flight). plain: bf16 moments.
 PER_PARAM = {"plain": (8, 0, 0), "plain-master": (20, 0, 0), "none": (20, 0, 0),
              "opt-cpu": (4, 13, 0), "cpu+opt": (0, 15, 0), "nvme+opt": (0, 0, 14),
-             "nvme+opt-cpu": (0, 13, 2)}
+             "nvme+opt-cpu": (0, 13, 0)}  # bf16 copies cast from the masters: CastShard
 
 
 def predicted_bytes(row: str, m: dict, batch: int, seq: int) -> dict:

@@ -134,7 +134,7 @@ def process_times() -> tuple[float, float]:
     return int(fields[11]) / TICK, int(fields[12]) / TICK
 
 
-ENDED = "threads that ended (the update pipeline's, between steps)"
+ENDED = "ended threads (the update pipeline's)"  # it retires after each step
 
 
 def split(before: dict, after: dict, names: dict,

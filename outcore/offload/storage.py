@@ -133,14 +133,15 @@ class CastShard(StoredShard):
     to the compute dtype: the optimizer writes it that way after every update, and so does
     every write of values (``ShardedParam.write_shard``, checkpoint loads), master first. With
     the parameters on NVMe and the masters in memory, keeping that copy on disk buys no
-    memory (the masters, twice its size, are in memory anyway) and costs a write after each
-    update and a read, with its digest, at each fetch, on the host's cores that the compute
-    needs (measured: bench/results/2026-11-26-intel-amx-bf16-derived-params.md). So such a
-    parameter's training shard is this: a read casts the master into the caller's tensor
-    (one pass, what the optimizer's write-back did before), a save stores nothing, since its
-    bytes are already the master's. Frozen parameters have no master and keep their shard on
-    NVMe; with the masters on NVMe the 16-bit copy is half the bytes to read and stays. The
-    plan's ``derives_compute_copy`` decides; ``nbytes`` is 0 because nothing is stored.
+    memory (the masters, twice its size in 16 bits, are in memory anyway) and costs a write
+    after each update and a read, with its digest, at each fetch, on the host's cores that
+    the compute needs (measured: bench/results/2026-11-26-intel-amx-bf16-derived-params.md).
+    So such a parameter's training shard is this: a read casts the master into the caller's
+    tensor (one pass, what the optimizer's write-back did before), a save stores nothing,
+    since its bytes are already the master's. Frozen parameters have no master and keep
+    their shard on NVMe; with the masters on NVMe the 16-bit copy is half the bytes to read
+    and stays. The plan's ``derives_compute_copy`` decides; ``nbytes`` is 0 because nothing
+    is stored.
     """
 
     derived = True

@@ -485,10 +485,7 @@ def _load_param(optimizer: Any, sp: Any, found: tuple[str, dict], man: dict,
     elif sp.master_shard is None and sp.compute_shard.read_only:  # saved values win
         base_record.stored_over_base(sp, read(src, torch.float32))
     elif sp.master_shard is not None:
-        master = read(src, torch.float32)
-        sp.master_shard.save(master).result()
-        if sp.compute_shard is not sp.master_shard and not sp.compute_shard.derived:
-            sp.compute_shard.save(master.to(sp.compute_shard.dtype)).result()
+        sp.write_shard(read(src, torch.float32))  # the master, and the copy that follows it
     else:
         sp.compute_shard.save(read(src, sp.compute_shard.dtype)).result()
     state = optimizer.state.get(sp)

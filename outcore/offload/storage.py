@@ -57,9 +57,6 @@ class StoredShard:
     dtype: torch.dtype
     read_only = False
     """True for a shard read in place from a file outcore never writes (file_shard.py)."""
-    derived = False
-    """True for a shard that stores nothing and casts another shard on each read
-    (``CastShard``)."""
 
     @property
     def nbytes(self) -> int:
@@ -143,8 +140,6 @@ class CastShard(StoredShard):
     and stays. The plan's ``derives_compute_copy`` decides; ``nbytes`` is 0 because nothing
     is stored.
     """
-
-    derived = True
 
     def __init__(self, master: StoredShard, dtype: torch.dtype) -> None:
         assert master.resident() is not None, "a cast shard needs its master in memory"

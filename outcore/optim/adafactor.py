@@ -182,10 +182,7 @@ class Runner:
             assert sp.grad is not None  # the optimizer passes only parameters that got one
             update(sp, master, sp.grad, self.factors[id(sp)], moments,
                    self.group_of[id(sp)], self.rt, state.step)
-            compute = sp.compute_shard
-            assert compute is not None  # prepared for training: it has both
-            if compute is not sp.master_shard and not compute.derived:
-                compute.save(master.to(compute.dtype)).result()
+            sp.write_shard(master)  # updated in place: only the training copy follows
 
     def factors_of(self, sp: ShardedParam) -> dict[str, torch.Tensor]:
         f = self.factors[id(sp)]

@@ -34,7 +34,7 @@ from torch.optim.sgd import sgd
 
 from outcore.config import OptimizerConfig
 from outcore.offload.ledger import Kind
-from outcore.offload.storage import StoredShard
+from outcore.offload.storage import CastShard, StoredShard
 from outcore.offload.tier import Tier
 from outcore.optim import adafactor
 from outcore.optim.pipeline import InFlight, UpdateJob, UpdatePipeline
@@ -358,7 +358,7 @@ class ShardedOptimizer:
                 for k in self.state_kinds:
                     work.pending.append(
                         self.state[sp].moments[k].save_range(sl.lo, work.states[k][i]))
-            if sp.compute_shard is sp.master_shard or sp.compute_shard.derived:
+            if sp.compute_shard is sp.master_shard or isinstance(sp.compute_shard, CastShard):
                 continue  # the next read of the training copy casts the updated master
             resident = sp.compute_shard.resident()
             if resident is not None:  # copy_ casts in one pass, no temporary

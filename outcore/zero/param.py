@@ -443,7 +443,7 @@ class ShardedParam:
         if self.compute_shard is not None and self.compute_shard.read_only:
             self._own_values(shard.to(self.rt.compute_dtype))
         elif (self.compute_shard is not None and self.compute_shard is not self.master_shard
-              and not self.compute_shard.derived):
+              and not isinstance(self.compute_shard, CastShard)):  # a cast follows by itself
             self.compute_shard.save(shard.to(self.compute_shard.dtype)).result()
 
     def _own_values(self, shard: torch.Tensor) -> None:

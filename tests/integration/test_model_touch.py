@@ -30,7 +30,7 @@ from tests.distributed import WORLDS as STARTED
 from tests.distributed import rank_device
 from tests.integration import touch_cases
 
-WORLDS = {"none": (1, 2), "cpu": (1, 2), "nvme": (1, 2)}
+WORLDS = {"none": (1, 2), "cpu": (1, 2), "nvme": (1, 2), "nvme-params": (1,)}
 CASE_TIMEOUT_S = 120  # no case takes a second; a hung world is killed after this
 ROOT = REPO
 

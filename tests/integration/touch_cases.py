@@ -165,6 +165,12 @@ def _model() -> nn.Sequential:
     return nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
 
 
+PLACEMENTS = {  # offload names beyond "none"/"cpu"/"nvme" (params and optimizer together)
+    # masters in memory: the params' copies are cast from them (storage.py's CastShard)
+    "nvme-params": {"params": "nvme", "optimizer": "none"},
+}
+
+
 class Pair:
     """outcore's model with its engine, and a plain copy with torch's AdamW, in step."""
 
@@ -177,7 +183,9 @@ class Pair:
         self.ref = copy.deepcopy(self.model).to(default_device())  # where the engine computes
         self.cfg = {"dtype": "fp32", "gradient_clipping": CLIP,
                     "optimizer": {"type": "adamw", **HP},
-                    "offload": {"params": offload, "optimizer": offload, "nvme_path": swap,
+                    "offload": {**PLACEMENTS.get(offload, {"params": offload,
+                                                           "optimizer": offload}),
+                                "nvme_path": swap,
                                 "host_buffer_bytes": 4 << 20, "io_block_bytes": 1 << 20,
                                 "io_threads": 1}}
         self.engine = outcore.initialize(self.model, self.cfg)

@@ -71,6 +71,30 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, queue: mp.Q
             dist.destroy_process_group()
 
 
+def require_world(world: int) -> None:
+    """Skip the calling test where a ``world``-rank job would fall back to gloo/CPU under
+    ``--device cuda`` and ``OUTCORE_TEST_CPU_WORLDS=skip`` asks to leave such worlds to the
+    CPU suite. Call it in the test's own thread (a skip in a helper thread kills the thread)."""
+    if (rank_device(world) != os.environ.get("OUTCORE_DEVICE", "cpu")
+            and os.environ.get("OUTCORE_TEST_CPU_WORLDS") == "skip"):
+        import pytest
+
+        test = os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" ", 1)[0]
+        WORLDS[(test, world, "skipped")] += 1
+        pytest.skip(f"world {world} would run on gloo/CPU under --device cuda; the CPU suite "
+                    "runs it (OUTCORE_TEST_CPU_WORLDS=skip)")
+
+
+def world_env(world: int) -> dict[str, str]:
+    """Environment additions for a job of ``world`` processes launched by a test (torchrun,
+    ``python -m outcore`` per rank): on the CPU where the GPUs are fewer than the ranks, as
+    ``run_world`` does. Skips the test as ``require_world`` does."""
+    require_world(world)
+    if rank_device(world) == "cpu" and os.environ.get("OUTCORE_DEVICE") == "cuda":
+        return {"OUTCORE_DEVICE": "cpu", "CUDA_VISIBLE_DEVICES": ""}
+    return {}
+
+
 def run_world(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 180) -> list[Any]:
     """Return ``[fn(*args) on rank 0, ..., on rank world-1]``; world 1 runs in-process too."""
     ctx = mp.get_context("spawn")
@@ -78,13 +102,7 @@ def run_world(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 1
     port = _free_port()
     device = rank_device(world)
     test = os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" ", 1)[0]
-    if (device != os.environ.get("OUTCORE_DEVICE", "cpu")
-            and os.environ.get("OUTCORE_TEST_CPU_WORLDS") == "skip"):
-        import pytest
-
-        WORLDS[(test, world, "skipped")] += 1
-        pytest.skip(f"world {world} would run on gloo/CPU under --device cuda; the CPU suite "
-                    "runs it (OUTCORE_TEST_CPU_WORLDS=skip)")
+    require_world(world)
     WORLDS[(test, world, device)] += 1
     procs = [ctx.Process(target=_entry, args=(fn, r, world, port, queue, args, device),
                          daemon=True) for r in range(world)]

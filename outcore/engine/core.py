@@ -143,9 +143,10 @@ class Engine:
         self.scaler = LossScaler(cfg.loss_scale, enabled=self.rt.plan.loss_scaling)
         self.hooks = Hooks(module_groups, self.groups, self.schedule, self.rt)
         cast = None
-        if self.rt.compute_dtype != torch.float32:
-            dtype = self.rt.compute_dtype
-            cast = lambda inputs: build.cast_floats(inputs, dtype)  # noqa: E731
+        if self.rt.compute_dtype != torch.float32 or self.rt.device.type != "cpu":
+            device = self.rt.device
+            dtype = None if self.rt.compute_dtype == torch.float32 else self.rt.compute_dtype
+            cast = lambda inputs: build.to_compute(inputs, device, dtype)  # noqa: E731
         # model(...) and generate() called directly: entry.py's notes
         self.entries = EntryHooks(entry_modules(module), lambda: self.hooks.active,
                                   self.hooks.forward_context,

@@ -10,9 +10,11 @@ it wraps and, for a PEFT model, the Hugging Face model inside it (``get_base_mod
 is what PEFT's ``generate()`` calls once per token. A call of an entry module that is not
 already inside a forward opens the context and closes it when the call returns (or raises); a
 call inside one (PEFT's forward calling the inner model) changes nothing. The call that opens
-the context also casts floating inputs to the compute dtype, as FSDP2 casts the root's
-forward inputs, so ``model(x)`` computes exactly what ``engine(x)`` computes: ``engine(x)`` is
-``model(x)``.
+the context also moves tensor inputs to the compute device and casts floating ones to the
+compute dtype, as FSDP2's root moves and casts its forward inputs, so ``model(x)`` computes
+exactly what ``engine(x)`` computes: ``engine(x)`` is ``model(x)``. A model built on the CPU
+and trained on a GPU thus takes the loader's CPU batches as they are; its outputs are on the
+GPU, as a plain model moved there would give them.
 Each decoding step of ``generate()`` is therefore one forward, fetching each module's weights
 as it runs and releasing them after, so generation never gathers the whole model.
 
@@ -75,7 +77,7 @@ class EntryHooks:
                  synced_generate: bool, cast: Callable[[Inputs], Inputs] | None = None,
                  on_zero_grad: Callable[[], None] | None = None) -> None:
         """``cast``: applied to the positional and keyword inputs of a call that opens the
-        context (the compute dtype's cast of floating inputs, as the engine does).
+        context (moved to the compute device, floating ones cast to the compute dtype).
         ``on_zero_grad``: called after the root's ``zero_grad()`` (gradients live in the
         engine's shards, which torch's ``Module.zero_grad`` cannot see)."""
         self._is_inside = is_inside

@@ -58,6 +58,13 @@ class _Work:
             return self._work.wait()
 
 
+# torch 2.13 names the flat collectives ``*_single``; the torch 2.4 to 2.12 that pyproject.toml
+# accepts have them only as ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` (same
+# arguments; 2.13 keeps those as aliases too)
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 class _Done:
     """Handle of a collective that already finished (world size 1)."""
 
@@ -81,7 +88,7 @@ class Comm:
             out.copy_(shard)
             return _Done()
         with NamedFailure(self, "all-gather"):
-            work = dist.all_gather_single(out, shard, async_op=async_op)
+            work = _ALL_GATHER(out, shard, async_op=async_op)
         return _Work(self, work, "all-gather") if async_op else _Done()
 
     def reduce_scatter_sum(self, out: torch.Tensor, full: torch.Tensor,
@@ -91,7 +98,7 @@ class Comm:
             out.copy_(full)
             return _Done()
         with NamedFailure(self, "reduce-scatter"):
-            work = dist.reduce_scatter_single(out, full, op=dist.ReduceOp.SUM, async_op=async_op)
+            work = _REDUCE_SCATTER(out, full, op=dist.ReduceOp.SUM, async_op=async_op)
         return _Work(self, work, "reduce-scatter") if async_op else _Done()
 
     def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:

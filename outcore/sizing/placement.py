@@ -142,7 +142,8 @@ def plan(num_params: int, world_size: int = 1, *, nvme_path: str | None = None,
     """
     if num_params <= 0:
         raise ConfigError(f"auto placement needs a positive parameter count, got {num_params}")
-    dev, host, shared = _memory(device_free, host_free)
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dev, host, shared = _memory(device_free, host_free, device)
     frac = usable or USABLE.states_only()
     dev_frac = frac.host if shared else frac.device  # the device's memory is host memory
     if disk_free is None:
@@ -150,7 +151,6 @@ def plan(num_params: int, world_size: int = 1, *, nvme_path: str | None = None,
     per_rank = -(-num_params // world_size)
     settings = settings or Config()
     dtype = planned(settings.dtype)
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     reasons = [f"{num_params:,} parameters over {world_size} rank(s), {dtype.name}: "
                f"{per_rank * dtype.torch_dtype.itemsize / 2**30:.2f} GiB of parameter shards "
                f"and {per_rank * _state_bytes(settings) / 2**30:.2f} GiB of fp32 optimizer state "
@@ -196,8 +196,8 @@ def check_fits(cfg: Config, num_params: int, world_size: int = 1, *,
     figures, as in ``plan``.
     """
     room = available_memory() if host_free is None else Available(host_free, None)
-    dev, host, shared = _memory(device_free, room.bytes)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dev, host, shared = _memory(device_free, room.bytes, device)
     placed = (cfg.offload.params, cfg.offload.optimizer)
     use = state_bytes(num_params, world_size, cfg, device, *placed, trainable=trainable)
     if shared:  # the device's memory is host memory: one figure for both
@@ -247,12 +247,14 @@ def auto_config(num_params: int | torch.nn.Module, base: dict[str, Any] | None =
                                "zero": {"prefetch_bytes": chosen.prefetch_bytes}})
 
 
-def _memory(device_free: int | None, host_free: int | None) -> tuple[int, int, bool]:
+def _memory(device_free: int | None, host_free: int | None, device: str
+            ) -> tuple[int, int, bool]:
     """Free (device, host) bytes, measured where not given, and whether they are one pool
-    (a CPU-only machine, where the device's memory is host memory)."""
+    (computing on the CPU, where the device's memory is host memory: a CPU-only machine, or
+    ``device="cpu"`` on a GPU host)."""
     measured_dev, measured_host = free_memory()
     host = measured_host if host_free is None else host_free
-    shared = not torch.cuda.is_available() and device_free is None
+    shared = device == "cpu" and device_free is None
     dev = (host if shared else measured_dev) if device_free is None else device_free
     return dev, host, shared
 

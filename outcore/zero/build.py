@@ -69,14 +69,17 @@ def cast_buffers(module: nn.Module, rt: Runtime
     return before
 
 
-def cast_floats(obj: Any, dtype: torch.dtype) -> Any:
-    """Floating tensors in ``obj`` (nested lists, tuples, dicts) cast to ``dtype``."""
+def to_compute(obj: Any, device: torch.device, dtype: torch.dtype | None) -> Any:
+    """Tensors in ``obj`` (nested lists, tuples, dicts) on ``device``, the floating ones in
+    ``dtype`` (None: kept): a model's inputs, moved and cast where it computes, as FSDP2's
+    root does."""
     if isinstance(obj, torch.Tensor):
-        return obj.to(dtype) if obj.is_floating_point() else obj
+        cast = dtype is not None and obj.is_floating_point()
+        return obj.to(device, dtype) if cast else obj.to(device)
     if isinstance(obj, (list, tuple)):
-        return type(obj)(cast_floats(o, dtype) for o in obj)
+        return type(obj)(to_compute(o, device, dtype) for o in obj)
     if isinstance(obj, dict):
-        return {k: cast_floats(v, dtype) for k, v in obj.items()}
+        return {k: to_compute(v, device, dtype) for k, v in obj.items()}
     return obj
 
 

@@ -51,6 +51,7 @@ from outcore.zero.param import ShardedParam
 from outcore.zero.state import GROUP_MOVES, GroupState, ParamState
 
 if TYPE_CHECKING:
+    from outcore.device.accel import DeviceCopy
     from outcore.offload.storage import Future, StoredShard
     from outcore.runtime.comm import Handle
 
@@ -93,6 +94,7 @@ class GatherGroup:
         self._send: torch.Tensor | None = None
         self._reads: list[Future] = []
         self._staged: list[tuple[torch.Tensor, torch.Tensor]] = []  # (full, host copy)
+        self._copies: list[DeviceCopy] = []  # page-locked host shards on their way (one rank)
         self._grads_seen: set[int] = set()
         self.trainable = [sp for sp in params if sp.trainable]
         self._updates: list[PendingUpdate] = []  # optimizer updates of its shards still running
@@ -177,6 +179,10 @@ class GatherGroup:
                 shard = sp.compute_shard
                 assert shard is not None
                 full = sp.alloc_full().view(-1)
+                pinned = self._pinned(shard)
+                if pinned is not None:  # straight to the device, on the copy stream
+                    self._copies.append(self.rt.accel.copy_to_device(full, pinned[: full.numel()]))
+                    continue
                 if self._stages(shard):
                     host = torch.empty(full.numel(), dtype=full.dtype,
                                        pin_memory=self.rt.accel.pin_host_buffers)
@@ -211,6 +217,17 @@ class GatherGroup:
             return shard.master_on_host
         return shard.resident() is None
 
+    def _pinned(self, shard: StoredShard) -> torch.Tensor | None:
+        """A shard held in page-locked host memory (``Runtime.store``'s [Note: training copies
+        in host memory are page-locked on an accelerator]), which the copy stream can read
+        directly, overlapping compute; None for anything else."""
+        if not self.rt.accel.is_cuda:
+            return None
+        resident = shard.resident()
+        if resident is None or resident.device.type != "cpu" or not resident.is_pinned():
+            return None
+        return resident
+
     def _copy_staged(self) -> None:
         """The staged host copies to their full tensors (their reads are done)."""
         copies = [self.rt.accel.copy_to_device(full, host) for full, host in self._staged]
@@ -238,6 +255,9 @@ class GatherGroup:
                 self._reads = []
                 if self._staged:
                     self._copy_staged()
+                for copy in self._copies:
+                    copy.wait()
+                self._copies = []
                 if self._send is not None:
                     self._gather()
             for sp in self._fetched():
@@ -269,7 +289,9 @@ class GatherGroup:
                     fut.result()
                 except BaseException as e:  # noqa: BLE001 - raised once the group is released
                     failed = failed or e
-            self._reads, self._send, self._staged = [], None, []
+            for copy in self._copies:  # the full tensors are freed only after their copies
+                copy.wait()
+            self._reads, self._send, self._staged, self._copies = [], None, [], []
         elif self.state is GroupState.FETCHING:
             self._move(GroupState.SHARDED)
             return

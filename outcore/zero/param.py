@@ -176,12 +176,23 @@ class ShardedParam:
 
     def open_for_build(self, values: torch.Tensor | None) -> None:
         """SHARDED -> BUILDING: construction code (outcore.init) works on the full tensor;
-        ``values`` None means its next call overwrites every element."""
-        self._alloc_storage()
+        ``values`` None means its next call overwrites every element.
+
+        The full tensor lives on the device the model is being built on, not the compute
+        device: construction code then draws its random numbers from that device's generator,
+        as plain construction does (init.py's [Note: custom init sees the full tensor, and the
+        same random numbers]); on a GPU host a model built on the CPU would otherwise get
+        other weights from the same seed."""
+        home = self.user_device
+        if home.type != "meta" and home != self.rt.device:
+            full = torch.empty(self.shape, dtype=self.full.dtype, device=home)
+        else:
+            self._alloc_storage()
+            full = self.full
         if values is not None:
-            self.full.copy_(values)
+            full.copy_(values)
         self._move(ParamState.BUILDING)
-        self._show(self.full)
+        self._show(full)
 
     def end_shown(self, write_back: bool) -> None:
         """SHOWN or BUILDING -> SHARDED: cut what ``.data`` holds now back into the shards
@@ -194,7 +205,8 @@ class ShardedParam:
         if self.state is ParamState.SHOWN:
             self.rt.shown -= 1
         if self.state is ParamState.BUILDING:
-            self._free_full()
+            if self.full.untyped_storage().nbytes():  # none when built on another device
+                self._free_full()
             if current.dtype != self.dtype:
                 self.user_dtype = current.dtype
                 self.adopt_dtype(current.dtype)

@@ -13,6 +13,7 @@ import pytest
 
 import outcore
 from outcore.offload.stale import remove_stale_swap
+from tests.distributed import world_env
 from tests.fault.processes import kill_job
 
 STEPS = 8
@@ -39,7 +40,8 @@ def _losses(out: Path) -> dict[int, float]:
 def _run(cmd: list[str], kill_at_step: int | None, timeout: float = 240) -> int | None:
     """Run ``cmd``; with ``kill_at_step``, SIGKILL its whole process group once the metrics
     show that step (mid-run, often mid-checkpoint). Returns the exit code (None if killed)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    world = next((int(a.split("=")[1]) for a in cmd if a.startswith("--nproc_per_node=")), 1)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **world_env(world)}
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             start_new_session=True, env=env)
     out = Path(cmd[cmd.index("--out") + 1])

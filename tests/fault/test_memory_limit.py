@@ -140,6 +140,7 @@ def test_over_the_limit_leaves_no_room_never_negative() -> None:
 def cpu_only(monkeypatch: pytest.MonkeyPatch) -> None:
     """CPU semantics on any machine: the device's memory is host memory."""
     monkeypatch.setattr(placement.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("OUTCORE_DEVICE", "cpu")  # the engines built here compute there
 
 
 def _cfg(tmp_path: Path, tier: str = "none", **over: object) -> outcore.Config:

@@ -18,7 +18,7 @@ import torch
 
 import outcore
 from outcore.guard.preemption import EXIT_INTERRUPTED, EXIT_PREEMPTED
-from tests.distributed import _free_port
+from tests.distributed import _free_port, world_env
 
 STEPS = 8
 _ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -36,7 +36,7 @@ def _start(world: int, out: Path, data: Path, resume: bool = False) -> list[subp
     port = str(_free_port())
     procs = []
     for rank in range(world):
-        env = {**_ENV, **({} if world == 1 else {
+        env = {**_ENV, **world_env(world), **({} if world == 1 else {
             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "RANK": str(rank),
             "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world)})}
         with (out / f"stderr-rank{rank}.txt").open("ab") as err:

@@ -9,12 +9,13 @@ import time
 import pytest
 import torch
 
-from tests.distributed import _free_port
+from tests.distributed import _free_port, world_env
 
 
-def _rank(rank: int, port: int, fault: str, timeout_s: float, queue: mp.Queue) -> None:
+def _rank(rank: int, port: int, fault: str, timeout_s: float, queue: mp.Queue,
+          env: dict[str, str]) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      LOCAL_RANK=str(rank), WORLD_SIZE="2")
+                      LOCAL_RANK=str(rank), WORLD_SIZE="2", **env)
     torch.set_num_threads(1)
     import outcore
     from tests.common import VOCAB, Quirky
@@ -48,11 +49,12 @@ def _rank(rank: int, port: int, fault: str, timeout_s: float, queue: mp.Queue) -
                                                              ("hang", 8.0, 40.0)])
 def test_surviving_rank_fails_clearly_within_the_timeout(fault: str, timeout_s: float,
                                                          limit_s: float) -> None:
+    env = world_env(2)  # on the CPU where one GPU would have to hold both ranks
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_rank, args=(r, port, fault, timeout_s, queue), daemon=True)
-             for r in range(2)]
+    procs = [ctx.Process(target=_rank, args=(r, port, fault, timeout_s, queue, env),
+                         daemon=True) for r in range(2)]
     for p in procs:
         p.start()
     try:

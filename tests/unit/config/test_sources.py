@@ -101,7 +101,8 @@ def test_auto_placement_applies_the_estimators_tier_model(tmp_path) -> None:
     frac = USABLE.states_only()
     assert (frac.device, frac.host, frac.nvme) == pytest.approx((0.675, 0.6, 0.7125))
     n = 10**9  # host needs 16 GB of fp32 state + gradients beside device-resident parameters
-    kw = {"device_free": 8 * GiB, "disk_free": 100 * GiB, "nvme_path": str(tmp_path)}
+    kw = {"device_free": 8 * GiB, "disk_free": 100 * GiB, "nvme_path": str(tmp_path),
+          "device": "cpu"}
     fits = plan(n, host_free=int(16 * n / frac.host) + 1, **kw)
     assert (fits.params, fits.optimizer) == ("none", "cpu")
     spills = plan(n, host_free=int(16 * n / frac.host) - 1, **kw)

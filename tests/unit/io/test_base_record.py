@@ -102,7 +102,8 @@ def test_another_placement_reads_the_base_values_from_the_named_files(folder: Pa
         base.update(load_file(f))
     w = engine.module.base_model.model.model.layers[1].mlp.up_proj.weight
     with engine.gathered_parameters([w]):
-        torch.testing.assert_close(w.detach(), base["model.layers.1.mlp.up_proj.weight"].float())
+        torch.testing.assert_close(w.detach().cpu(),
+                                   base["model.layers.1.mlp.up_proj.weight"].float())
     engine.close()
     moved = folder.rename(tmp_path / "moved")  # the same files elsewhere: accepted
     engine = _engine(moved, tmp_path / "swap")

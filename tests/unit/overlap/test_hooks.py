@@ -135,7 +135,7 @@ def test_backward_fetches_what_it_needs_and_releases_everything(
     ref(X).pow(2).mean().backward()
     opt.step()
     model.look = None
-    torch.testing.assert_close(engine(X), ref(X))
+    torch.testing.assert_close(engine(X).cpu(), ref(X))
 
 
 def test_a_forward_that_raises_returns_to_idle_with_groups_released(
@@ -194,13 +194,15 @@ def test_a_deep_copied_model_carries_inert_hooks(net: tuple[Net, Engine]) -> Non
     assert engine.hooks.inert is False  # the original's still work
     seen: list[Phase] = []
     twin.look = lambda where, h: seen.append(engine.rt.phase)
-    got = twin(X)
+    # a plain copy on the device the engine shows its parameters on, as torch's copy would be
+    x = X.to(engine.device)
+    got = twin(x)
     assert torch.equal(got, want)
     assert seen == [Phase.IDLE]  # the copy's call is not an engine forward
     assert set(_states(model, engine).values()) == {GroupState.SHARDED}
     assert type(twin.fc1.weight) is nn.Parameter  # a plain model
     twin.look = None
-    twin(X).pow(2).mean().backward()  # trains on its own: no gradient reaches the engine
+    twin(x).pow(2).mean().backward()  # trains on its own: no gradient reaches the engine
     assert twin.fc1.weight.grad is not None
     assert not any(g.has_pending_grads for g in engine.groups)
 
@@ -214,7 +216,7 @@ def test_a_pickled_model_carries_inert_hooks(net: tuple[Net, Engine]) -> None:
     loaded = torch.load(buf, weights_only=False)
     owners = [h.__self__ for h in loaded.fc2._forward_pre_hooks.values()]
     assert owners and all(isinstance(o, Hooks) and o.inert for o in owners)
-    assert torch.equal(loaded(X), want)
+    assert torch.equal(loaded(X.to(engine.device)), want)
     assert engine.rt.phase is Phase.IDLE
     revived = pickle.loads(pickle.dumps(engine.hooks))
     assert type(revived) is Hooks and revived.inert

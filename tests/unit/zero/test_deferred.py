@@ -73,7 +73,8 @@ def test_the_bound_model_computes_what_from_pretrained_computes(
         if world > 1 else [_logits(str(folder), str(tmp_path / "swap"), tie, params)]
     base_bytes = sum(p.numel() * 2 for p in ref.parameters())  # bf16 on disk
     for r in results:
-        torch.testing.assert_close(torch.as_tensor(r["logits"]), want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(torch.as_tensor(r["logits"]).cpu(), want, rtol=1e-5,
+                                   atol=1e-5)
         assert r["tied"] is tie and r["charged"]
         assert r["written"] == 0  # nothing of the base went to the swap file
         # on NVMe every parameter reads its bf16 bytes in place; in memory they are loaded once

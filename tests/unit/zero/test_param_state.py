@@ -71,8 +71,8 @@ def test_close_hands_back_a_plain_model_in_its_own_dtypes(tmp_path: Path) -> Non
     engine.close()
     assert {p.dtype for p in model.parameters()} == {torch.float32}
     assert model.scale.dtype == torch.float32
-    for name, p in model.named_parameters():
-        assert torch.equal(p.detach(), trained[name]), name
+    for name, p in model.named_parameters():  # back on the device it came on
+        assert torch.equal(p.detach(), trained[name].cpu()), name
     x = torch.randn(3, 16)
     assert model(x).dtype == torch.float32
     assert not list(tmp_path.rglob("*.swap")), "close() deletes the swap"
@@ -165,7 +165,7 @@ def test_gathered_parameters_refuses_discarded_writes_and_training(tmp_path: Pat
         out = model(torch.ones(1, 16))  # the model runs on the shown values
         with pytest.raises(outcore.ParamAccessError, match="train outside the context"):
             engine.backward(out.sum())
-    assert torch.equal(model[0].weight.detach(), torch.ones(16, 16))
+    assert torch.equal(model[0].weight.detach(), torch.ones(16, 16, device=engine.device))
     engine.close()
 
 
@@ -191,6 +191,7 @@ def test_bf16_reads_show_the_training_dtype_and_writes_keep_fp32(tmp_path: Path)
     with torch.no_grad():
         model[2].weight.copy_(exact)
     assert model[2].weight.dtype == torch.bfloat16
+    exact = exact.to(engine.device)  # reads show values where the engine computes
     assert torch.equal(model[2].weight.detach(), exact.to(torch.bfloat16))
     with engine.gathered_parameters([model[2].weight]):
         assert torch.equal(model[2].weight.data, exact)

@@ -249,9 +249,10 @@ def _page_locked(tensor: torch.Tensor) -> torch.Tensor:
     in host memory spent 0.38 s in forward against 0.036 s without offload, 2.56 GB crossing
     at ~7 GB/s against the link's 55 GB/s page-locked. So these shards are page-locked, and
     the group's fetch issues their copies on the copy stream (group.py, ``_pinned``), where
-    they overlap compute. Only the training copies: masters, optimizer state and gradients in
-    host memory are read by the host's optimizer, and locking them would take the host's
-    pages from everything else."""
+    they overlap compute. The gradient buffers kept in host memory from step to step (state
+    in memory) cross the other way every step and are page-locked when first made
+    (``ShardedParam.add_grad``). Masters and optimizer state are read by the host's optimizer
+    only: locking them would take the host's pages from everything else for nothing."""
     if tensor.device.type == "cpu" and tensor.is_pinned():
         return tensor
     out = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)

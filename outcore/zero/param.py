@@ -350,11 +350,16 @@ class ShardedParam:
         """
         # the first gradient is taken or copied (cast) rather than added to zeros
         if self.grad is None and self._grad_buffer is not None:
-            self.grad = self._grad_buffer.copy_(shard_grad)
+            self.grad = self._grad_buffer.copy_(_crossing(shard_grad, self._grad_buffer))
         elif self.grad is None:
             if owned and shard_grad.device == self.rt.grad_device and (
                     shard_grad.dtype == torch.float32 or self.rt.plan.holds_raw_grads):
                 self.grad = shard_grad
+            elif self.rt.plan.keeps_grad_buffers and self._pins_grads():
+                # kept from step to step: page-locked once (context.py's [Note: training
+                # copies in host memory are page-locked on an accelerator])
+                buf = torch.empty(shard_grad.shape, dtype=torch.float32, pin_memory=True)
+                self.grad = buf.copy_(_crossing(shard_grad, buf))
             else:
                 self.grad = shard_grad.to(self.rt.grad_device, torch.float32, copy=True)
             if self.rt.plan.keeps_grad_buffers:
@@ -372,6 +377,11 @@ class ShardedParam:
         self.grad = None
         self.has_grad = False
         self._count_grads()
+
+    def _pins_grads(self) -> bool:
+        """Gradient shards on the host of a GPU: their kept buffers are page-locked, so a
+        device gradient crosses at the link's speed."""
+        return self.rt.accel.pin_host_buffers and self.rt.grad_device.type == "cpu"
 
     def _count_grads(self) -> None:
         """Put the gradient bytes it holds now (the kept buffer, else the gradient) on the
@@ -476,4 +486,10 @@ class ShardedParam:
         self.write_shard(shard)
         if group is not None:
             group.refresh_after_step()
+
+
+def _crossing(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+    """``src`` ready to be copied into ``dst`` on another device: cast where it is first, so
+    the copy moves ``dst``'s dtype straight into ``dst`` rather than through a temporary."""
+    return src if src.device == dst.device else src.to(dst.dtype)
 

@@ -1,4 +1,4 @@
-"""Training copies in host memory on a GPU: page-locked, copied on the copy stream.
+"""Training copies and kept gradient buffers in host memory on a GPU: page-locked.
 
 runtime/context.py's [Note: training copies in host memory are page-locked on an
 accelerator]. Meaningful only with CUDA as the compute device (``pytest --device cuda``);
@@ -40,6 +40,9 @@ def test_host_training_copies_are_page_locked_and_train_as_pageable_ones(
     shards = [managed(p).compute_shard.resident() for p in model.parameters()]
     assert all(s.device.type == "cpu" and s.is_pinned() for s in shards)
     pinned = square_loss_steps(engine, x, 4)
+    # the gradient buffers kept from step to step in host memory are page-locked too
+    grads = [managed(p)._grad_buffer for p in model.parameters()]
+    assert all(g is not None and g.device.type == "cpu" and g.is_pinned() for g in grads)
     engine.close()
 
     # the same run with pageable host shards: synchronous copies, the same values

@@ -27,6 +27,7 @@ from outcore.offload.host_memory import (
 )
 from outcore.offload.ledger import Kind
 from outcore.offload.nvme import NvmeStore
+from outcore.offload.pinned import PinnedArena
 from outcore.offload.source_file import SourceReader
 from outcore.offload.stale import remove_stale_swap
 from outcore.offload.storage import Ledger, MemoryShard, NvmeShard, StoredShard, Tier
@@ -57,6 +58,8 @@ class Runtime:
         elif self.plan.state_in_host_memory:
             keep_freed_memory_for_reuse(force=reuse is True)
         self.full_regions = self._full_regions(cfg)
+        # page-locked blocks for host shards that cross to the device every step
+        self.pinned = PinnedArena() if self.accel.pin_host_buffers else None
         self._nvme = None
         self._aio: AioEngine | None = None
         self._reader: SourceReader | None = None
@@ -173,8 +176,8 @@ class Runtime:
         """Give ``tensor``'s bytes a home in ``tier`` (memory tiers keep the tensor itself when
         it is already there; host and disk tiers take a copy of a device tensor in host
         memory)."""
-        if tier is Tier.HOST and kind is Kind.PARAMS and self.accel.pin_host_buffers:
-            tensor = _page_locked(tensor)
+        if tier is Tier.HOST and kind is Kind.PARAMS and self.pinned is not None:
+            tensor = _page_locked(tensor, self.pinned)
         elif tier is not Tier.DEVICE and tensor.device.type != "cpu":
             tensor = tensor.to("cpu")
         if tier is Tier.NVME:
@@ -241,7 +244,7 @@ class Runtime:
         self.closed = True
 
 
-def _page_locked(tensor: torch.Tensor) -> torch.Tensor:
+def _page_locked(tensor: torch.Tensor, arena: PinnedArena) -> torch.Tensor:
     """[Note: training copies in host memory are page-locked on an accelerator]
     A parameter's training copy in host memory crosses to the device at every fetch, twice a
     step. From pageable memory that copy is synchronous and runs at a fraction of the link's
@@ -252,10 +255,10 @@ def _page_locked(tensor: torch.Tensor) -> torch.Tensor:
     they overlap compute. The gradient buffers kept in host memory from step to step (state
     in memory) cross the other way every step and are page-locked when first made
     (``ShardedParam.add_grad``). Masters and optimizer state are read by the host's optimizer
-    only: locking them would take the host's pages from everything else for nothing."""
+    only: locking them would take the host's pages from everything else for nothing. The
+    page-locked tensors are cut from large blocks (pinned.py's [Note: one page-locked block
+    holds many shards])."""
     if tensor.device.type == "cpu" and tensor.is_pinned():
         return tensor
-    out = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-    out.copy_(tensor)
-    return out
+    return arena.copy(tensor)
 

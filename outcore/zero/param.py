@@ -358,7 +358,8 @@ class ShardedParam:
             elif self.rt.plan.keeps_grad_buffers and self._pins_grads():
                 # kept from step to step: page-locked once (context.py's [Note: training
                 # copies in host memory are page-locked on an accelerator])
-                buf = torch.empty(shard_grad.shape, dtype=torch.float32, pin_memory=True)
+                assert self.rt.pinned is not None  # _pins_grads
+                buf = self.rt.pinned.empty(shard_grad.shape, torch.float32)
                 self.grad = buf.copy_(_crossing(shard_grad, buf))
             else:
                 self.grad = shard_grad.to(self.rt.grad_device, torch.float32, copy=True)
@@ -381,7 +382,7 @@ class ShardedParam:
     def _pins_grads(self) -> bool:
         """Gradient shards on the host of a GPU: their kept buffers are page-locked, so a
         device gradient crosses at the link's speed."""
-        return self.rt.accel.pin_host_buffers and self.rt.grad_device.type == "cpu"
+        return self.rt.pinned is not None and self.rt.grad_device.type == "cpu"
 
     def _count_grads(self) -> None:
         """Put the gradient bytes it holds now (the kept buffer, else the gradient) on the

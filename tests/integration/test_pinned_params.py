@@ -39,6 +39,8 @@ def test_host_training_copies_are_page_locked_and_train_as_pageable_ones(
     model, engine = _engine(tmp_path, dtype)
     shards = [managed(p).compute_shard.resident() for p in model.parameters()]
     assert all(s.device.type == "cpu" and s.is_pinned() for s in shards)
+    # cut from one page-locked block, not one rounded-up allocation each (pinned.py's note)
+    assert len({s.untyped_storage().data_ptr() for s in shards}) == 1
     pinned = square_loss_steps(engine, x, 4)
     # the gradient buffers kept from step to step in host memory are page-locked too
     grads = [managed(p)._grad_buffer for p in model.parameters()]
@@ -46,7 +48,7 @@ def test_host_training_copies_are_page_locked_and_train_as_pageable_ones(
     engine.close()
 
     # the same run with pageable host shards: synchronous copies, the same values
-    monkeypatch.setattr(context, "_page_locked", lambda t: t.to("cpu"))
+    monkeypatch.setattr(context, "_page_locked", lambda t, arena: t.to("cpu"))
     model, engine = _engine(tmp_path, dtype)
     assert not any(managed(p).compute_shard.resident().is_pinned() for p in model.parameters())
     pageable = square_loss_steps(engine, x, 4)

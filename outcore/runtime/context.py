@@ -261,4 +261,3 @@ def _page_locked(tensor: torch.Tensor, arena: PinnedArena) -> torch.Tensor:
     if tensor.device.type == "cpu" and tensor.is_pinned():
         return tensor
     return arena.copy(tensor)
-

@@ -493,4 +493,3 @@ def _crossing(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
     """``src`` ready to be copied into ``dst`` on another device: cast where it is first, so
     the copy moves ``dst``'s dtype straight into ``dst`` rather than through a temporary."""
     return src if src.device == dst.device else src.to(dst.dtype)
-

@@ -152,7 +152,7 @@ class AlignedRegions:
 
     @staticmethod
     def supported() -> bool:
-        """Whether this torch can swap a storage's memory (a private but stable method)."""
+        """Whether this torch can swap a storage's memory (a private method, torch 2.12 on)."""
         return hasattr(torch.UntypedStorage, "_swap_data_ptr_")
 
     def fill(self, storage: torch.UntypedStorage, nbytes: int) -> None:

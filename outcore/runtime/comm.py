@@ -58,7 +58,7 @@ class _Work:
             return self._work.wait()
 
 
-# torch 2.13 names the flat collectives ``*_single``; the torch 2.4 to 2.12 that pyproject.toml
+# torch 2.13 names the flat collectives ``*_single``; the torch 2.8 to 2.12 that pyproject.toml
 # accepts have them only as ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` (same
 # arguments; 2.13 keeps those as aliases too)
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

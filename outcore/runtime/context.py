@@ -17,6 +17,7 @@ import torch
 from outcore.config import Config
 from outcore.device.accel import Accelerator
 from outcore.device.compute_dtype import DtypeChoice, resolve
+from outcore.device.torch_version import check_torch
 from outcore.offload.aio import AioEngine
 from outcore.offload.buffers import AlignedRegions, BufferPool
 from outcore.offload.host_memory import (
@@ -43,6 +44,7 @@ class Runtime:
         """``trainable_fraction``: the share of the model to be built that trains, where the
         builder knows it (0 under ``outcore.init(frozen=True)``): host_memory.py's [Note: a
         frozen base does not size the host]."""
+        check_torch()
         self.accel = Accelerator.detect()
         self.dtype_choice: DtypeChoice = resolve(cfg.dtype, self.accel.device)
         self.cfg = cfg = cfg.with_dtype(self.dtype_choice.name)  # compute_dtype.py's note

@@ -195,8 +195,8 @@ def _decide(i: Inputs) -> Iterator[tuple[str, tuple[Any, str]]]:
     aligned_full = one and p is Tier.NVME and on_cpu and i.aligned_regions
     yield "aligned_full", (aligned_full, (
         "one rank on the CPU reads NVMe shards straight into page-aligned full tensors"
-        if aligned_full else "needs one rank, params on NVMe, a CPU device and an OS that "
-        "maps aligned memory under a tensor"))
+        if aligned_full else "needs one rank, params on NVMe, a CPU device and aligned memory "
+        "under a tensor (torch 2.12 or newer, on an OS that maps it)"))
 
     keeps = s is not Tier.NVME
     yield "keeps_grad_buffers", (keeps, (

@@ -96,6 +96,12 @@ def free_memory() -> tuple[int, int]:
     return host, host
 
 
+def prefetch_share(device_free: int) -> int:
+    """The prefetch budget the tiers' free memory affords: 5% of the device's free bytes,
+    64 MiB to 2 GiB (the note above)."""
+    return int(min(max(0.05 * device_free, 64 * _MiB), 2048 * _MiB))
+
+
 def state_bytes(num_params: int, world_size: int, settings: Config, device: str,
                 params: str, optimizer: str, trainable: int | None = None) -> dict[str, int]:
     """Bytes of model states per rank in each tier (``Tier`` values) when ``settings`` run
@@ -180,8 +186,7 @@ def plan(num_params: int, world_size: int = 1, *, nvme_path: str | None = None,
             f"the model does not fit this machine even with everything on NVMe: "
             f"{sum(use.values()):,} bytes per rank, {where}")
     host_buffers = int(min(max(0.02 * host, 64 * _MiB), 1024 * _MiB)) // 4096 * 4096
-    prefetch = int(min(max(0.05 * dev, 64 * _MiB), 2048 * _MiB))
-    return Plan(params, optimizer, host_buffers, prefetch, reasons)
+    return Plan(params, optimizer, host_buffers, prefetch_share(dev), reasons)
 
 
 def check_fits(cfg: Config, num_params: int, world_size: int = 1, *,

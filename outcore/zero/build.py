@@ -12,7 +12,9 @@ import torch
 from torch import nn
 
 from outcore.config import Config
+from outcore.guard.memory import available_memory
 from outcore.runtime import Runtime
+from outcore.sizing.placement import prefetch_share
 from outcore.zero.group import GatherGroup
 from outcore.zero.param import ShardedParam
 from outcore.zero.registry import managed, register
@@ -83,9 +85,10 @@ def to_compute(obj: Any, device: torch.device, dtype: torch.dtype | None) -> Any
     return obj
 
 
-def prefetch_budget(cfg: Config, groups: list[GatherGroup]) -> int:
+def prefetch_budget(cfg: Config, groups: list[GatherGroup], rt: Runtime) -> int:
     """The schedule's budget for groups fetched ahead: ``zero.prefetch_bytes``, and where it
-    is at its default value, at least the two largest groups that are fetched.
+    is at its default value, at least the two largest groups that are fetched, and for
+    training copies cast from masters in memory, what the free memory affords.
 
     [Note: a default budget that fits the model's layers]
     A group larger than the budget is never prefetched, and the schedule's read-ahead stops
@@ -100,10 +103,32 @@ def prefetch_budget(cfg: Config, groups: list[GatherGroup]) -> int:
     with the schedule's warning when a group does not fit. The value decides, not whether
     the key was written: configs pass through dumps and merges (``Config.auto``, a
     DeepSpeed file, the Trainer's arguments) that write every key.
+
+    [Note: a cast copy's budget follows the free memory]
+    Where the training copies are cast from masters in memory (``plan.derives_compute_copy``:
+    params on NVMe, optimizer state in memory), a fetch reads nothing from disk: it casts.
+    The budget then decides how often: a group kept gathered from forward into backward is
+    cast once per step, one released in between is cast again for backward. On gpt-335m
+    (Intel AMX, bf16, 512 tokens) the default budget ran at 0.80-0.86x no offload, and a
+    budget holding the 16-bit model at 0.95-1.02x, for its 0.5-0.7 GiB of memory
+    (bench/results/2026-11-26-intel-amx-bf16-derived-params.md). So at the default value
+    this budget grows to what ``Config.auto`` gives prefetching, 5% of the device's free
+    memory (64 MiB to 2 GiB, ``placement.prefetch_share``): a share that shrinks with the
+    headroom, where the host already holds the masters at twice the copies' size.
     """
     budget = cfg.zero.prefetch_bytes
     if budget != type(cfg.zero).model_fields["prefetch_bytes"].default:
         return budget
     fetched = sorted((g.full_bytes for g in groups if not (g.persistent or g.zero_copy)),
                      reverse=True)
-    return max(budget, sum(fetched[:2]))
+    budget = max(budget, sum(fetched[:2]))
+    if rt.plan.derives_compute_copy:
+        budget = max(budget, prefetch_share(_free_bytes(rt.device)))
+    return budget
+
+
+def _free_bytes(device: torch.device) -> int:
+    """Free memory where ``device`` computes (this process's share of host memory on a CPU)."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    return available_memory().bytes

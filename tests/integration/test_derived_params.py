@@ -12,6 +12,8 @@ from torch import nn
 
 import outcore
 from outcore.offload.storage import CastShard, NvmeShard
+from outcore.sizing.placement import prefetch_share
+from outcore.zero import build
 from tests.common import square_loss_steps
 from tests.distributed import run_world
 
@@ -150,3 +152,36 @@ def test_on_an_accelerator_a_cast_from_a_host_master_is_staged(
     with outcore.initialize(_model(), _cfg("nvme", "cpu", tmp_path)) as engine:
         assert _losses(engine) == reference
     assert staged and all(staged)
+
+
+@pytest.mark.filterwarnings("ignore:zero.prefetch_bytes=1 is smaller")
+def test_the_budget_decides_how_often_a_copy_is_cast(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """build.py's [Note: a cast copy's budget follows the free memory]: a tight budget casts
+    copies twice a step (forward, and again for backward, all but the last layer's, which
+    backward uses first); one that holds the model
+    fetches nothing: its groups stay gathered from forward into backward and through the
+    step, which refreshes them from the masters once (schedule.py's [Note: carrying the head
+    across iterations]). At its default value the budget is what the free memory affords."""
+    casts: list[CastShard] = []
+    load = CastShard.load
+    monkeypatch.setattr(CastShard, "load", lambda self, out: casts.append(self) or load(self, out))
+
+    def casts_per_step(**zero: int) -> tuple[int, int]:
+        cfg = _cfg("nvme", "cpu", tmp_path).with_overrides(
+            {"zero": {"persistence_threshold_bytes": 0, **zero}})
+        with outcore.initialize(_model(), cfg) as engine:
+            _losses(engine, 2)  # the first iteration traces the order
+            casts.clear()
+            _losses(engine, 1)
+            return len(casts), len(engine.params)
+
+    roomy, n = casts_per_step(prefetch_bytes=1 << 30)
+    tight, _ = casts_per_step(prefetch_bytes=1)
+    assert roomy == 0 and n < tight <= 2 * n  # (the last layer of forward stays for backward)
+
+    monkeypatch.setattr(build, "_free_bytes", lambda device: 20 << 30)
+    with outcore.initialize(_model(), _cfg("nvme", "cpu", tmp_path)) as engine:
+        assert engine.memory_report()["schedule"]["prefetch_bytes"] == prefetch_share(20 << 30)
+    with outcore.initialize(_model(), _cfg("nvme", "nvme", tmp_path)) as engine:
+        assert engine.memory_report()["schedule"]["prefetch_bytes"] == 128 << 20  # reads disk

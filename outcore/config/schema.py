@@ -99,7 +99,9 @@ class ZeroConfig(_Section):
         64 * 1024, ge=0, description="groups of at most this many full bytes stay gathered"
     )
     prefetch_bytes: int = Field(
-        128 * _MiB, ge=0, description="byte budget for parameters gathered ahead of use"
+        128 * _MiB, ge=0, description="byte budget for parameters gathered ahead of use; "
+        "left at this default it grows to the two largest layers, and to 5% of free memory "
+        "where the parameters are cast from masters in memory"
     )
     overlap_optimizer: bool = Field(
         True, description="update parameters during backward when clipping and fp16 allow"

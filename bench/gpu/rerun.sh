@@ -15,12 +15,8 @@ WORKERS=${WORKERS:-12}
 BENCH_S=${BENCH_S:-0}
 BENCH_ROWS=${BENCH_ROWS:-nvme+opt}
 mkdir -p "$OUT/suite"
-LOG=$OUT/session.log
-t0=$SECONDS
-say() { echo "[$((SECONDS - t0)) s] $*" | tee -a "$LOG"; }
-
-say "setup"
-bash bench/gpu/setup.sh >>"$LOG" 2>&1 || say "setup failed"
+. bench/gpu/common.sh
+setup
 git log --oneline -1 >>"$LOG" 2>&1
 # the IDs of one test file stay together (module fixtures run once), files spread over the
 # processes by how many IDs they hold
@@ -48,17 +44,9 @@ for f in "$OUT"/suite/ids-*.txt; do
 done
 wait
 say "rerun done"
-grep -h -E "^(FAILED|ERROR) " "$OUT"/suite/pytest-*.txt | sort >"$OUT/failed-$DEVICE.txt"
-tail -qn 1 "$OUT"/suite/pytest-*.txt | tee -a "$LOG"
-wc -l <"$OUT/failed-$DEVICE.txt" | sed 's/^/failed or errored: /' | tee -a "$LOG"
-tar czf "$OUT/suite-$DEVICE.tgz" -C "$OUT" suite && rm -rf "$OUT/suite"
+summarize_suite
 
 if [ "$BENCH_S" -gt 0 ]; then
-  say "bench/gpu.py gpt-1.3b $BENCH_ROWS"
-  timeout "$BENCH_S" $PYTHON bench/gpu.py --models gpt-1.3b --rows "$BENCH_ROWS" --no-sweep \
-    --steps "${STEPS:-3}" --warmup 1 --row-timeout "$((BENCH_S - 25))" \
-    --nvme-path /tmp/outcore-gpu-swap --out "$OUT/gpt-1.3b.json" >/dev/null 2>"$OUT/gpt-1.3b.err"
-  say "bench exit $?"
-  tail -6 "$OUT/gpt-1.3b.err" | tee -a "$LOG"
+  bench_row "$BENCH_S" "$BENCH_ROWS" "${STEPS:-3}" "$((BENCH_S - 25))"
 fi
 say "done"

@@ -17,12 +17,8 @@ WORKERS=${WORKERS:-12}
 BENCH_S=${BENCH_S:-150}
 BENCH_ROWS=${BENCH_ROWS:-none,cpu+opt,nvme+opt}
 mkdir -p "$OUT"
-LOG=$OUT/session.log
-t0=$SECONDS
-say() { echo "[$((SECONDS - t0)) s] $*" | tee -a "$LOG"; }
-
-say "setup"
-bash bench/gpu/setup.sh >>"$LOG" 2>&1 || say "setup failed"
+. bench/gpu/common.sh
+setup
 { nvidia-smi -L; nvidia-smi; } >"$OUT/nvidia-smi.txt" 2>&1 || echo "no nvidia-smi" >>"$LOG"
 { echo "nproc $(nproc)"; free -g; df -h /tmp | tail -1; git log --oneline -1; } >>"$LOG" 2>&1
 
@@ -63,15 +59,7 @@ while read -r group; do
 done <"$OUT/suite/groups.txt"
 wait
 say "suite done"
-grep -h -E "^(FAILED|ERROR) " "$OUT"/suite/pytest-*.txt | sort >"$OUT/failed-$DEVICE.txt"
-tail -qn 1 "$OUT"/suite/pytest-*.txt | tee -a "$LOG"
-wc -l <"$OUT/failed-$DEVICE.txt" | sed 's/^/failed or errored: /' | tee -a "$LOG"
-tar czf "$OUT/suite-$DEVICE.tgz" -C "$OUT" suite && rm -rf "$OUT/suite"
+summarize_suite
 
-say "bench/gpu.py gpt-1.3b $BENCH_ROWS"
-timeout "$BENCH_S" $PYTHON bench/gpu.py --models gpt-1.3b --rows "$BENCH_ROWS" --no-sweep \
-  --steps 4 --warmup 1 --row-timeout "${ROW_S:-45}" --nvme-path /tmp/outcore-gpu-swap \
-  --out "$OUT/gpt-1.3b.json" >/dev/null 2>"$OUT/gpt-1.3b.err"
-say "bench exit $?"
-tail -12 "$OUT/gpt-1.3b.err" | tee -a "$LOG"
+bench_row "$BENCH_S" "$BENCH_ROWS" 4 "${ROW_S:-45}"
 say "done"

@@ -51,6 +51,7 @@ from outcore.overlap.hooks import Hooks
 from outcore.overlap.schedule import Schedule
 from outcore.profiling import STEP, record_function
 from outcore.runtime.plan import ExecutionPlan
+from outcore.sizing import placement
 from outcore.zero import build
 from outcore.zero.gathered import gathered_parameters
 from outcore.zero.param import ShardedParam
@@ -130,8 +131,8 @@ class Engine:
             if g.zero_copy:  # its shards are the full tensors: show them once, for good
                 g.wait_unshard()
         self.buffer_places = build.cast_buffers(module, self.rt)
-        self.schedule = Schedule(build.prefetch_budget(cfg, self.groups, self.rt), self.groups,
-                                 carry=self.rt.plan.carries_head)
+        budget = build.prefetch_budget(cfg, self.groups, placement.cast_share(self.rt))
+        self.schedule = Schedule(budget, self.groups, carry=self.rt.plan.carries_head)
         self.sharded_optimizer = ShardedOptimizer(self._optimizer_groups(param_groups),
                                                   cfg.optimizer, self.rt)
         self.optimizer = TorchOptimizer(self)  # torch's contract: torch_optimizer.py's note

@@ -43,7 +43,7 @@ from __future__ import annotations
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -56,6 +56,9 @@ from outcore.runtime.plan import ExecutionPlan, optimizer_state_kinds
 from outcore.sizing.estimate import USABLE, Overheads
 from outcore.units import format_bytes, format_count
 from outcore.zero.registry import parameter_counts
+
+if TYPE_CHECKING:
+    from outcore.runtime import Runtime
 
 _MiB = 1 << 20
 GRAD_BYTES = 4  # an fp32 gradient
@@ -94,6 +97,20 @@ def free_memory() -> tuple[int, int]:
         free, _ = torch.cuda.mem_get_info()
         return free, host
     return host, host
+
+
+def cast_share(rt: Runtime) -> int:
+    """The prefetch budget's floor for training copies cast from masters in memory
+    (zero/build.py's [Note: a cast copy's budget follows the free memory]); 0 elsewhere."""
+    return prefetch_share(device_free(rt.device)) if rt.plan.derives_compute_copy else 0
+
+
+def device_free(device: torch.device) -> int:
+    """Free memory where ``device`` computes: the GPU's, or on the CPU the host memory this
+    process may still use."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    return available_memory().bytes
 
 
 def prefetch_share(device_free: int) -> int:

@@ -12,9 +12,7 @@ import torch
 from torch import nn
 
 from outcore.config import Config
-from outcore.guard.memory import available_memory
 from outcore.runtime import Runtime
-from outcore.sizing.placement import prefetch_share
 from outcore.zero.group import GatherGroup
 from outcore.zero.param import ShardedParam
 from outcore.zero.registry import managed, register
@@ -85,10 +83,11 @@ def to_compute(obj: Any, device: torch.device, dtype: torch.dtype | None) -> Any
     return obj
 
 
-def prefetch_budget(cfg: Config, groups: list[GatherGroup], rt: Runtime) -> int:
+def prefetch_budget(cfg: Config, groups: list[GatherGroup], cast_share: int = 0) -> int:
     """The schedule's budget for groups fetched ahead: ``zero.prefetch_bytes``, and where it
-    is at its default value, at least the two largest groups that are fetched, and for
-    training copies cast from masters in memory, what the free memory affords.
+    is at its default value, at least the two largest groups that are fetched, and at least
+    ``cast_share``: for training copies cast from masters in memory, what the free memory
+    affords (the engine passes ``placement.cast_share``; 0 otherwise).
 
     [Note: a default budget that fits the model's layers]
     A group larger than the budget is never prefetched, and the schedule's read-ahead stops
@@ -121,14 +120,4 @@ def prefetch_budget(cfg: Config, groups: list[GatherGroup], rt: Runtime) -> int:
         return budget
     fetched = sorted((g.full_bytes for g in groups if not (g.persistent or g.zero_copy)),
                      reverse=True)
-    budget = max(budget, sum(fetched[:2]))
-    if rt.plan.derives_compute_copy:
-        budget = max(budget, prefetch_share(_free_bytes(rt.device)))
-    return budget
-
-
-def _free_bytes(device: torch.device) -> int:
-    """Free memory where ``device`` computes (this process's share of host memory on a CPU)."""
-    if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
-    return available_memory().bytes
+    return max(budget, sum(fetched[:2]), cast_share)

@@ -12,8 +12,8 @@ from torch import nn
 
 import outcore
 from outcore.offload.storage import CastShard, NvmeShard
+from outcore.sizing import placement
 from outcore.sizing.placement import prefetch_share
-from outcore.zero import build
 from tests.common import square_loss_steps
 from tests.distributed import run_world
 
@@ -180,7 +180,7 @@ def test_the_budget_decides_how_often_a_copy_is_cast(tmp_path: Path,
     tight, _ = casts_per_step(prefetch_bytes=1)
     assert roomy == 0 and n < tight <= 2 * n  # (the last layer of forward stays for backward)
 
-    monkeypatch.setattr(build, "_free_bytes", lambda device: 20 << 30)
+    monkeypatch.setattr(placement, "device_free", lambda device: 20 << 30)
     with outcore.initialize(_model(), _cfg("nvme", "cpu", tmp_path)) as engine:
         assert engine.memory_report()["schedule"]["prefetch_bytes"] == prefetch_share(20 << 30)
     with outcore.initialize(_model(), _cfg("nvme", "nvme", tmp_path)) as engine:

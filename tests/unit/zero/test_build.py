@@ -8,17 +8,11 @@ import pytest
 import torch
 
 import outcore
-from outcore.zero import build
+from outcore.sizing import placement
 from outcore.zero.build import prefetch_budget
 
 MiB = 1 << 20
 GiB = 1 << 30
-
-
-def _rt(derives: bool = False) -> SimpleNamespace:
-    """The runtime's two facts the budget reads: the plan's decision, the compute device."""
-    return SimpleNamespace(plan=SimpleNamespace(derives_compute_copy=derives),
-                           device=torch.device("cpu"))
 
 
 def _groups(*sizes: int, persistent: int = 0) -> list:
@@ -28,20 +22,20 @@ def _groups(*sizes: int, persistent: int = 0) -> list:
 
 def test_a_default_budget_grows_to_the_two_largest_fetched_groups() -> None:
     cfg = outcore.Config()
-    assert prefetch_budget(cfg, _groups(8 * MiB, 50 * MiB), _rt()) == 128 * MiB  # small layers
+    assert prefetch_budget(cfg, _groups(8 * MiB, 50 * MiB)) == 128 * MiB  # small layers
     # a 13B Llama's MLP projections (141 MB) and embedding (328 MB): both largest fit
-    assert prefetch_budget(cfg, _groups(141_557_760, 327_680_000, 52_428_800, 141_557_760),
-                           _rt()) == 327_680_000 + 141_557_760
+    assert prefetch_budget(cfg, _groups(141_557_760, 327_680_000, 52_428_800, 141_557_760)
+                           ) == 327_680_000 + 141_557_760
     # groups kept gathered for good are not fetched: they do not count
-    assert prefetch_budget(cfg, _groups(900 * MiB, 200 * MiB, 100 * MiB, persistent=1), _rt()) == (
+    assert prefetch_budget(cfg, _groups(900 * MiB, 200 * MiB, 100 * MiB, persistent=1)) == (
         300 * MiB)
 
 
 def test_a_budget_the_user_set_is_kept() -> None:
     cfg = outcore.Config(zero={"prefetch_bytes": 64 * MiB})
-    assert prefetch_budget(cfg, _groups(141_557_760, 327_680_000), _rt()) == 64 * MiB
+    assert prefetch_budget(cfg, _groups(141_557_760, 327_680_000)) == 64 * MiB
     cfg = outcore.Config(zero={"prefetch_bytes": 256 * MiB})
-    assert prefetch_budget(cfg, _groups(141_557_760, 327_680_000), _rt()) == 256 * MiB
+    assert prefetch_budget(cfg, _groups(141_557_760, 327_680_000)) == 256 * MiB
 
 
 def test_the_default_survives_the_round_trips_configs_make() -> None:
@@ -49,7 +43,13 @@ def test_the_default_survives_the_round_trips_configs_make() -> None:
     key: the default value still grows."""
     cfg = outcore.Config.from_dict(outcore.Config().model_dump(mode="json"))
     cfg = cfg.with_overrides({"offload": {"params": "cpu"}})
-    assert prefetch_budget(cfg, _groups(141_557_760, 327_680_000), _rt()) == 469_237_760
+    assert prefetch_budget(cfg, _groups(141_557_760, 327_680_000)) == 469_237_760
+
+
+def _rt(derives: bool) -> SimpleNamespace:
+    """The runtime's two facts the floor reads: the plan's decision, the compute device."""
+    return SimpleNamespace(plan=SimpleNamespace(derives_compute_copy=derives),
+                           device=torch.device("cpu"))
 
 
 @pytest.mark.parametrize(("free", "want"), [(20 * GiB, 1024 * MiB), (100 * GiB, 2048 * MiB),
@@ -58,9 +58,11 @@ def test_cast_copies_get_what_the_free_memory_affords(monkeypatch: pytest.Monkey
                                                       free: int, want: int) -> None:
     """build.py's [Note: a cast copy's budget follows the free memory]: 5% of it, 64 MiB to
     2 GiB, and never less than the default's own rule; a budget the user set stays."""
-    monkeypatch.setattr(build, "_free_bytes", lambda device: free)
+    monkeypatch.setattr(placement, "device_free", lambda device: free)
     cfg = outcore.Config()
-    assert prefetch_budget(cfg, _groups(8 * MiB, 50 * MiB), _rt(derives=True)) == want
-    assert prefetch_budget(cfg, _groups(8 * MiB, 50 * MiB), _rt(derives=False)) == 128 * MiB
+    share = placement.cast_share(_rt(derives=True))
+    assert prefetch_budget(cfg, _groups(8 * MiB, 50 * MiB), share) == want
+    assert placement.cast_share(_rt(derives=False)) == 0
+    assert prefetch_budget(cfg, _groups(8 * MiB, 50 * MiB), 0) == 128 * MiB
     cfg = outcore.Config(zero={"prefetch_bytes": 64 * MiB})
-    assert prefetch_budget(cfg, _groups(8 * MiB, 50 * MiB), _rt(derives=True)) == 64 * MiB
+    assert prefetch_budget(cfg, _groups(8 * MiB, 50 * MiB), share) == 64 * MiB

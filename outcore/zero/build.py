@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from outcore.config import Config
+from outcore.offload.host_memory import MOSTLY_FROZEN
 from outcore.runtime import Runtime
 from outcore.zero.group import GatherGroup
 from outcore.zero.param import ShardedParam
@@ -113,11 +114,18 @@ def prefetch_budget(cfg: Config, groups: list[GatherGroup], cast_share: int = 0)
     (bench/results/2026-11-26-intel-amx-bf16-derived-params.md). So at the default value
     this budget grows to what ``Config.auto`` gives prefetching, 5% of the device's free
     memory (64 MiB to 2 GiB, ``placement.prefetch_share``): a share that shrinks with the
-    headroom, where the host already holds the masters at twice the copies' size.
+    headroom, where the host already holds the masters at twice the copies' size. Not where
+    most of the model is frozen (a LoRA base on NVMe): its fetches are disk reads, and the
+    host was left short on purpose (host_memory.py's [Note: a frozen base does not size the
+    host]).
     """
     budget = cfg.zero.prefetch_bytes
     if budget != type(cfg.zero).model_fields["prefetch_bytes"].default:
         return budget
     fetched = sorted((g.full_bytes for g in groups if not (g.persistent or g.zero_copy)),
                      reverse=True)
+    params = [sp for g in groups for sp in g.params]
+    total = sum(sp.numel for sp in params)
+    if total and sum(sp.numel for sp in params if sp.trainable) < MOSTLY_FROZEN * total:
+        cast_share = 0
     return max(budget, sum(fetched[:2]), cast_share)

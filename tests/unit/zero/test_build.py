@@ -15,8 +15,10 @@ MiB = 1 << 20
 GiB = 1 << 30
 
 
-def _groups(*sizes: int, persistent: int = 0) -> list:
-    return [SimpleNamespace(full_bytes=s, persistent=i < persistent, zero_copy=False)
+def _groups(*sizes: int, persistent: int = 0, frozen: int = 0) -> list:
+    """Groups of one parameter each (2 bytes per element), the first ``frozen`` of them frozen."""
+    return [SimpleNamespace(full_bytes=s, persistent=i < persistent, zero_copy=False,
+                            params=[SimpleNamespace(numel=s // 2, trainable=i >= frozen)])
             for i, s in enumerate(sizes)]
 
 
@@ -66,3 +68,7 @@ def test_cast_copies_get_what_the_free_memory_affords(monkeypatch: pytest.Monkey
     assert prefetch_budget(cfg, _groups(8 * MiB, 50 * MiB), 0) == 128 * MiB
     cfg = outcore.Config(zero={"prefetch_bytes": 64 * MiB})
     assert prefetch_budget(cfg, _groups(8 * MiB, 50 * MiB), share) == 64 * MiB
+    # mostly frozen (a LoRA base on NVMe): the host was left short, the default's rule stays
+    cfg = outcore.Config()
+    assert prefetch_budget(cfg, _groups(50 * MiB, 8 * MiB, frozen=1), share) == 128 * MiB
+    assert prefetch_budget(cfg, _groups(8 * MiB, 50 * MiB, frozen=1), share) == want

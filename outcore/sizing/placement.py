@@ -113,10 +113,10 @@ def device_free(device: torch.device) -> int:
     return available_memory().bytes
 
 
-def prefetch_share(device_free: int) -> int:
-    """The prefetch budget the tiers' free memory affords: 5% of the device's free bytes,
-    64 MiB to 2 GiB (the note above)."""
-    return int(min(max(0.05 * device_free, 64 * _MiB), 2048 * _MiB))
+def prefetch_share(free_bytes: int) -> int:
+    """The prefetch budget the device's ``free_bytes`` afford: 5% of them, 64 MiB to 2 GiB
+    (the note above)."""
+    return int(min(max(0.05 * free_bytes, 64 * _MiB), 2048 * _MiB))
 
 
 def state_bytes(num_params: int, world_size: int, settings: Config, device: str,

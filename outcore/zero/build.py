@@ -77,6 +77,8 @@ def to_compute(obj: Any, device: torch.device, dtype: torch.dtype | None) -> Any
     if isinstance(obj, torch.Tensor):
         cast = dtype is not None and obj.is_floating_point()
         return obj.to(device, dtype) if cast else obj.to(device)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple takes positions
+        return type(obj)(*(to_compute(o, device, dtype) for o in obj))
     if isinstance(obj, (list, tuple)):
         return type(obj)(to_compute(o, device, dtype) for o in obj)
     if isinstance(obj, dict):

@@ -72,3 +72,20 @@ def test_cast_copies_get_what_the_free_memory_affords(monkeypatch: pytest.Monkey
     cfg = outcore.Config()
     assert prefetch_budget(cfg, _groups(50 * MiB, 8 * MiB, frozen=1), share) == 128 * MiB
     assert prefetch_budget(cfg, _groups(8 * MiB, 50 * MiB, frozen=1), share) == want
+
+
+def test_inputs_go_to_the_compute_device_and_dtype() -> None:
+    """build.to_compute, what the engine applies to a forward's inputs (entry.py's note):
+    every tensor moved, floating ones cast, containers kept as they were."""
+    from collections import namedtuple
+
+    from outcore.zero.build import to_compute
+
+    Batch = namedtuple("Batch", "x ids")
+    x, ids = torch.randn(2, 3), torch.arange(4)
+    out = to_compute({"b": Batch(x, ids), "l": [x], "t": (ids, "keep"), "n": 3},
+                     torch.device("cpu"), torch.bfloat16)
+    assert type(out["b"]) is Batch and out["b"].x.dtype == torch.bfloat16
+    assert out["b"].ids.dtype == torch.int64 and out["l"][0].dtype == torch.bfloat16
+    assert out["t"][1] == "keep" and out["n"] == 3
+    assert to_compute(x, torch.device("cpu"), None) is x  # fp32 compute: nothing to cast

@@ -178,7 +178,10 @@ class Runtime:
         """Give ``tensor``'s bytes a home in ``tier`` (memory tiers keep the tensor itself when
         it is already there; host and disk tiers take a copy of a device tensor in host
         memory)."""
-        if tier is Tier.HOST and kind is Kind.PARAMS and self.pinned is not None:
+        # what the device reads every step: the training copies (the masters themselves in
+        # fp32), page-locked: see _page_locked's note
+        crosses = kind is Kind.PARAMS or (kind is Kind.MASTER and self.plan.compute_is_master)
+        if tier is Tier.HOST and crosses and self.pinned is not None:
             tensor = _page_locked(tensor, self.pinned)
         elif tier is not Tier.DEVICE and tensor.device.type != "cpu":
             tensor = tensor.to("cpu")
@@ -252,12 +255,14 @@ def _page_locked(tensor: torch.Tensor, arena: PinnedArena) -> torch.Tensor:
     step. From pageable memory that copy is synchronous and runs at a fraction of the link's
     speed: measured on an H200 (bench/gpu/2026-11-26-h200-b), gpt-1.3b with params and optimizer
     in host memory spent 0.38 s in forward against 0.036 s without offload, 2.56 GB crossing
-    at ~7 GB/s against the link's 55 GB/s page-locked. So these shards are page-locked, and
-    the group's fetch issues their copies on the copy stream (group.py, ``_pinned``), where
-    they overlap compute. The gradient buffers kept in host memory from step to step (state
-    in memory) cross the other way every step and are page-locked when first made
-    (``ShardedParam.add_grad``). Masters and optimizer state are read by the host's optimizer
-    only: locking them would take the host's pages from everything else for nothing. The
+    at ~7 GB/s against the link's 55 GB/s page-locked. So these shards are page-locked (in
+    fp32 the masters are the training copies: those), and at one rank the group's fetch
+    issues their copies on the copy stream (group.py, ``_pinned``), where they overlap
+    compute; at more ranks they fill the all-gather's send buffer. The gradient buffers kept
+    in host memory from step to step (state in memory) cross the other way every step and are
+    page-locked when first made (``ShardedParam.add_grad``). Masters in 16-bit runs and the
+    optimizer state are read by the host's optimizer only: locking them would take the host's
+    pages from everything else for nothing. The
     page-locked tensors are cut from large blocks (pinned.py's [Note: one page-locked block
     holds many shards])."""
     if tensor.device.type == "cpu" and tensor.is_pinned():

@@ -92,11 +92,8 @@ def free_memory() -> tuple[int, int]:
     """Free (device, host) bytes now; on a CPU-only machine both are host memory. Host memory
     is what this process may still use: the machine's available memory capped by its cgroup's
     limit (guard/memory.py)."""
-    host = available_memory().bytes
-    if torch.cuda.is_available():
-        free, _ = torch.cuda.mem_get_info()
-        return free, host
-    return host, host
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return device_free(device), available_memory().bytes
 
 
 def cast_share(rt: Runtime) -> int:

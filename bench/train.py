@@ -19,6 +19,10 @@ model, avx512_bf16/amx, cores, torch, dtype, threads, date). Rows:
                                 move no bytes; storage.py's CastShard)
     nvme+opt-p0, nvme+opt       params and optimizer state on NVMe, prefetch off / on
     nvme+opt-reuse              nvme+opt with ``offload.reuse_freed_memory: true``
+    nvme+opt-return             nvme+opt with ``offload.reuse_freed_memory: false`` (large
+                                frees given back whatever the host's room)
+    nvme+opt-wait               nvme+opt with ``zero.speculative_step: false`` (with
+                                ``--clip``, every update waits for the step)
     nvme+opt-early              nvme+opt with ``zero.overlap_step_with_forward: true`` (the
                                 step returns before its last updates; the forward follows them)
     deepspeed    DeepSpeed ZeRO-3, params and optimizer on NVMe (bench/ds_contender.py, run in

@@ -19,7 +19,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "bench" / "out"
 ROWS = ["plain", "plain-master", "none", "cpu-p0", "cpu", "nvme-p0", "nvme", "nvme+opt-p0",
-        "nvme+opt", "nvme+opt-reuse", "nvme+opt-early", "deepspeed"]
+        "nvme+opt", "nvme+opt-reuse", "nvme+opt-return", "nvme+opt-wait", "nvme+opt-early",
+        "deepspeed"]
 LABEL = {
     "plain": "plain PyTorch, in memory (params in the compute dtype, fused AdamW)",
     "plain-master": "plain PyTorch, 16-bit params + fp32 master copy (outcore's arithmetic)",
@@ -29,6 +30,8 @@ LABEL = {
     "nvme+opt-p0": "outcore, params+optimizer on NVMe, prefetch off",
     "nvme+opt": "outcore, params+optimizer on NVMe",
     "nvme+opt-reuse": "outcore, params+optimizer on NVMe, reuse_freed_memory",
+    "nvme+opt-return": "outcore, params+optimizer on NVMe, freed memory always given back",
+    "nvme+opt-wait": "outcore, params+optimizer on NVMe, no speculative step",
     "nvme+opt-early": "outcore, params+optimizer on NVMe, step returns before its updates",
     # bench/gpu.py's rows (params in device memory there unless offloaded)
     "opt-cpu": "outcore, optimizer on host", "cpu+opt": "outcore, params+optimizer on host",

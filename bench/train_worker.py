@@ -26,11 +26,14 @@ PLACEMENT = {  # row -> (offload.params, offload.optimizer, prefetch on)
     "nvme-p0": ("nvme", "none", False), "nvme": ("nvme", "none", True),
     "nvme+opt-p0": ("nvme", "nvme", False), "nvme+opt": ("nvme", "nvme", True),
     "nvme+opt-reuse": ("nvme", "nvme", True), "nvme+opt-early": ("nvme", "nvme", True),
+    "nvme+opt-return": ("nvme", "nvme", True), "nvme+opt-wait": ("nvme", "nvme", True),
     "opt-cpu": ("none", "cpu", True), "cpu+opt": ("cpu", "cpu", True),
     "nvme+opt-cpu": ("nvme", "cpu", True),
 }
 # a row's own overrides, applied after --set (so --set cannot turn a row into another)
 ROW_SET = {"nvme+opt-reuse": {"offload": {"reuse_freed_memory": True}},
+           "nvme+opt-return": {"offload": {"reuse_freed_memory": False}},
+           "nvme+opt-wait": {"zero": {"speculative_step": False}},
            "nvme+opt-early": {"zero": {"overlap_step_with_forward": True}}}
 HP = {"lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.0}
 

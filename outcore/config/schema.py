@@ -80,8 +80,8 @@ class OffloadConfig(_Section):
         " (about one core-second per 8 GB moved; offload/storage.py)")
     reuse_freed_memory: bool | None = Field(
         None, description="keep host memory freed by one step for the next (fewer page "
-        "faults, higher RSS); default: only where the optimizer state is in host memory "
-        "(offload/host_memory.py)")
+        "faults, higher RSS); default: where the optimizer state is in host memory, and "
+        "elsewhere after the first step if the host has room for it (offload/host_memory.py)")
 
     @model_validator(mode="after")
     def _check_nvme(self) -> OffloadConfig:
@@ -105,6 +105,11 @@ class ZeroConfig(_Section):
     )
     overlap_optimizer: bool = Field(
         True, description="update parameters during backward when clipping and fp16 allow"
+    )
+    speculative_step: bool = Field(
+        True, description="with gradient clipping and optimizer state on NVMe, update during "
+        "backward as if no clipping were needed, and redo the step when it is; the state "
+        "on NVMe takes twice its space (optim/optimizer.py)"
     )
     overlap_step_with_forward: bool = Field(
         False, description="with overlap_optimizer and optimizer state on NVMe, step() returns "

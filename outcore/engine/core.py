@@ -141,6 +141,8 @@ class Engine:
         # and its swap files alive after the user dropped both
         wait = weakref.WeakMethod(self.sharded_optimizer.wait)
         self.rt.await_updates = lambda: (w := wait()) is not None and w()
+        take = weakref.WeakMethod(self.sharded_optimizer.take_back_tentative)
+        self.rt.before_write = lambda: (t := take()) is not None and t()
         self.scaler = LossScaler(cfg.loss_scale, enabled=self.rt.plan.loss_scaling)
         self.hooks = Hooks(module_groups, self.groups, self.schedule, self.rt)
         cast = None
@@ -199,11 +201,12 @@ class Engine:
         if boundary is None:
             boundary = (self.micro_steps + 1) % self.cfg.gradient_accumulation_steps == 0
         on_reduced = (lambda g: self.sharded_optimizer.submit(g.trainable)) if (
-            boundary and self.rt.plan.overlaps_optimizer) else None
+            boundary and self.rt.plan.overlaps_optimizer
+            and self.sharded_optimizer.submits) else None
         # [Note: a failed boundary backward] Updates already started on the worker are allowed
         # to finish (they used final gradients) and stay applied; everything else of this
         # backward is dropped, so a retry of the step sees a consistent engine.
-        with self.hooks.backward(on_reduced, before_abort=self.sharded_optimizer.wait):
+        with self.hooks.backward(on_reduced, before_abort=self.sharded_optimizer.abandon):
             scaled.backward()
         self.micro_steps += 1
         self._at_boundary = boundary
@@ -282,13 +285,15 @@ class Engine:
         clip = self.cfg.gradient_clipping
         # the norm reads every fp32 gradient once more (a full pass over them per step), so
         # only where it is used: clipping, or the user asked to see it
-        norm = self._global_norm(grads) if clip > 0 or self.cfg.track_grad_norm else None
+        norm = (self.sharded_optimizer.global_norm(grads)
+                if clip > 0 or self.cfg.track_grad_norm else None)
         self.last_grad_norm = norm
-        if norm is not None and clip > 0:
-            coef = clip / (norm + 1e-6)
-            if coef < 1.0:
-                for g in grads:
-                    g.mul_(coef)
+        coef = clip / (norm + 1e-6) if norm is not None and clip > 0 else 1.0
+        if self.rt.plan.speculates:  # speculation.py's [Note: a speculative step]
+            self.sharded_optimizer.conclude(fits=not coef < 1.0)
+        if coef < 1.0:
+            for g in grads:
+                g.mul_(coef)
         pending = self.sharded_optimizer.step(defer=defer)
         self.scaler.update(overflow=False)
         self.sharded_optimizer.zero_grad(keep=pending)
@@ -303,7 +308,8 @@ class Engine:
         """Drop the gradients accumulated since the last step (what torch's
         ``optimizer.zero_grad()`` does); the accumulation starts over. Refused after a
         boundary backward that already applied updates (optimizer.py's [Note: updating
-        during backward]): those cannot be taken back."""
+        during backward]): those cannot be taken back. Tentative ones are
+        (speculation.py's [Note: a speculative step])."""
         self._check_open()
         if self.is_accumulation_boundary and self.sharded_optimizer.updated_this_round:
             raise OutcoreError(
@@ -320,18 +326,6 @@ class Engine:
         or a memory measurement around ``step()`` alone does."""
         self._check_open()
         self.sharded_optimizer.wait()
-
-    def _global_norm(self, grads: list[torch.Tensor]) -> float:
-        """L2 norm over every rank's gradient shards (padding is zero, so it adds nothing)."""
-        freed = self.sharded_optimizer.take_freed_norm_sq()  # gradients already applied and freed
-        local = torch.tensor([freed], dtype=torch.float64)
-        by_device: dict[torch.device, list[torch.Tensor]] = {}
-        for g in grads:  # shards on the device and in host memory are summed apart
-            by_device.setdefault(g.device, []).append(g)
-        for same in by_device.values():
-            norms = torch._foreach_norm(same, 2, dtype=torch.float32)  # some may be bf16
-            local += torch.stack(norms).double().pow(2).sum().cpu()
-        return float(self.rt.comm.all_reduce_sum(local)) ** 0.5
 
     # -- modes and inspection ----------------------------------------------------------------
     def train(self, mode: bool = True) -> Engine:

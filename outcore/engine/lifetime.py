@@ -88,7 +88,7 @@ def detach(engine: Engine) -> None:
     """Take the engine off the model: optimizer, hooks and gathered tensors go, every
     parameter is SHARDED and in no group, buffers are as they were; the shards stay."""
     engine.sharded_optimizer.close()
-    engine.rt.await_updates = lambda: None
+    engine.rt.await_updates = engine.rt.before_write = lambda: None
     engine.entries.remove()
     engine.hooks.remove()
     for g in engine.groups:

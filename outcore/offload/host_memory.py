@@ -42,10 +42,26 @@ the larger the batch (measured side by side: bench/RESULTS.md, 'reuse_freed_memo
 free heap top beyond ``REUSE_TRIM_BYTES`` still goes back to the system, so one huge
 transient at the top (an evaluation batch, say) is not kept for good; but blocks freed
 below a live one (torch allocates small blocks after large ones) stay, so this bounds the
-top, not the RSS. It is not the default because RSS is what a small host is short of. It
+top, not the RSS. Asked for, it applies whatever the host's room; left unset, the
+next note decides from the first step, since RSS is what a small host is short of. It
 starts once the engine is built (``Runtime.begin_training``): building the model allocates
 and frees every full tensor once, and a heap serving that would keep holding it for the
 whole run. ``false`` gives large frees back wherever the state is.
+
+[Note: reuse decided by the first step]
+Left unset, with the state on NVMe or in device memory, the choice is made once the first
+step has shown what one step holds. Until then large frees go back (the first note); the
+runtime samples the process's RSS where a step holds the most, as backward begins (every
+activation alive) and as the step begins (every gradient not yet consumed), and after the
+first step keeps freed memory for reuse, as ``true`` does, if the memory still available to
+this rank is at least ``REUSE_ROOM`` times that working set. Reuse makes the heap keep up to
+about one working set more (measured on gpt-335m at 512 tokens: peak RSS 1.28 -> 1.80 GiB),
+so the factor leaves the host several working sets of room beyond it: a host with room to
+spare spends it on fewer page faults (a third of an offloaded step's CPU time on two
+cores: bench/RESULTS.md, 'reuse_freed_memory'), and a host that is short, the case NVMe
+offload exists for, keeps giving memory back. The available memory is the machine's or the
+cgroup's, whichever is smaller (guard/memory.py), shared by the ranks on this host. The
+decision is logged; ``false`` keeps the smallest footprint whatever the room.
 
 [Note: a frozen base does not size the host]
 The second note's premise, a host sized for the whole model because the optimizer state is
@@ -82,6 +98,7 @@ _DEFAULT_MMAP_MAX = 65536
 _DEFAULT_TRIM_THRESHOLD = 128 * 1024
 MMAP_THRESHOLD_BYTES = 1 << 20
 REUSE_TRIM_BYTES = 256 << 20  # see [Note: reuse on a small host, when asked]
+REUSE_ROOM = 4  # see [Note: reuse decided by the first step]
 MOSTLY_FROZEN = 0.5  # trainable fraction below which [Note: a frozen base does not size the host]
 _NEVER_TRIM = -1  # mallopt(M_TRIM_THRESHOLD, -1) turns trimming off (glibc: SIZE_MAX)
 
@@ -134,3 +151,9 @@ def reuse_freed_memory_on_small_host() -> bool:
     third note); True if in effect. Only an explicit config asks for it, so it always
     applies."""
     return _apply("reuse", [(_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, REUSE_TRIM_BYTES)])
+
+
+def reuse_fits(working_set: int, available: int) -> bool:
+    """Whether ``available`` bytes leave room to keep freed memory for reuse, for a step that
+    holds ``working_set`` bytes ([Note: reuse decided by the first step])."""
+    return working_set > 0 and available >= REUSE_ROOM * working_set

@@ -42,6 +42,7 @@ class Kind(str, Enum):
     IO_BUFFERS = "io_buffers"  # the I/O pool and the optimizer's staging slots
     PARAM_CACHE = "param_cache"  # aligned memory kept for full tensors' reuse
     ACTIVATIONS = "activations"  # activation checkpoints offloaded to the swap file
+    TENTATIVE = "tentative"  # room for updates written aside until step() (storage.py)
 
 
 Key = tuple[str, str]

@@ -85,6 +85,29 @@ class StoredShard:
         """Overwrite elements ``[start, start + src.numel())`` with ``src``."""
         raise NotImplementedError
 
+    # [Note: tentative writes]
+    # A speculative update (optim/speculation.py's [Note: a speculative step]) writes its
+    # results aside: reads keep returning the current bytes until ``keep_aside`` makes what was
+    # written aside current, or ``drop_aside`` forgets it. On NVMe "aside" is a second extent
+    # (NvmeShard). Memory tiers keep no second copy, so the plan speculates only with the state
+    # on NVMe; a training copy in memory is overwritten in place by the update, and rewritten
+    # from its master by the update that follows a rollback (or cast again where none does).
+    def reserve_aside(self) -> None:
+        """Make room for tentative writes now, so a full disk fails here, not mid-update."""
+
+    def save_range_aside(self, start: int, src: torch.Tensor) -> Future:
+        """Write elements ``[start, start + src.numel())`` tentatively (see the note)."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no second copy to write aside")
+
+    def keep_aside(self) -> None:
+        """What was written aside becomes the stored value."""
+
+    def drop_aside(self) -> None:
+        """Forget what was written aside; the stored value stays what it was."""
+
+    def release_aside(self) -> None:
+        """Give back the room ``reserve_aside`` made (forgetting what was written there)."""
+
 
 class MemoryShard(StoredShard):
     """State kept as a tensor in device or host memory."""
@@ -211,7 +234,13 @@ class NvmeShard(StoredShard):
         self.verify = verify
         self.extent: Extent | None = store.allocate(max(self.nbytes, 1))  # None once freed
         self._sums: dict[int, tuple[int, int]] = {}  # start -> (numel, digest)
+        self._ledger = ledger
         self._charge: Charge = ledger.charge(Tier.NVME, kind, self.nbytes)
+        # a second extent for tentative writes ([Note: tentative writes]), made on first use
+        self._aside: Extent | None = None
+        self._aside_charge: Charge | None = None
+        self._aside_sums: dict[int, tuple[int, int]] = {}
+        self._aside_elems = 0  # elements written aside since the last keep or drop
 
     def resident(self) -> None:
         return None
@@ -222,12 +251,12 @@ class NvmeShard(StoredShard):
     def save(self, src: torch.Tensor) -> Future:
         return self.save_range(0, src)
 
-    def _sub_extent(self, start: int, numel: int) -> Extent:
-        """The part of the extent holding elements ``[start, start + numel)``.
+    def _sub_extent(self, start: int, numel: int, extent: Extent | None = None) -> Extent:
+        """The part of the extent (or of ``extent``) holding elements ``[start, start + numel)``.
 
         Callers cut ranges at 4 KiB boundaries (optimizer.py), as O_DIRECT needs aligned offsets.
         """
-        extent = self.extent
+        extent = extent or self.extent
         assert extent is not None, "a freed NvmeShard has no bytes to move"
         esize = self.nbytes // max(self.numel, 1)
         offset = extent.offset + start * esize
@@ -247,17 +276,47 @@ class NvmeShard(StoredShard):
         return fut.then(check, out.numel() * self.dtype.itemsize)
 
     def save_range(self, start: int, src: torch.Tensor) -> Future:
+        if self._aside_elems:  # a write of values supersedes a tentative update's
+            self.drop_aside()
+        fut, self._sums = self._write(self.extent, self._sums, start, src)
+        return fut
+
+    def _write(self, extent: Extent | None, sums: dict[int, tuple[int, int]], start: int,
+               src: torch.Tensor) -> tuple[Future, dict[int, tuple[int, int]]]:
+        """Write ``src`` at element ``start`` of ``extent``; the digests ``sums`` become."""
         src = src.to("cpu").contiguous()  # the disk is written from host memory
         if not self.verify:  # nothing recorded, so no load finds pieces to check
-            return self._store.write(self._sub_extent(start, src.numel()), src)
+            return self._store.write(self._sub_extent(start, src.numel(), extent), src), sums
         # the disk starts on the bytes while this thread hashes them (both only read ``src``)
-        fut = self._store.write(self._sub_extent(start, src.numel()), src)
+        fut = self._store.write(self._sub_extent(start, src.numel(), extent), src)
         stop = start + src.numel()
-        # one assignment, so a read issued on another thread sees the old map or the new one
-        sums = {lo: v for lo, v in self._sums.items() if not (lo < stop and lo + v[0] > start)}
+        # a new map, assigned at once, so a read issued on another thread sees the old map
+        # or the new one
+        sums = {lo: v for lo, v in sums.items() if not (lo < stop and lo + v[0] > start)}
         sums[start] = (src.numel(), digest(src))
-        self._sums = sums
+        return fut, sums
+
+    def reserve_aside(self) -> None:
+        if self._aside is None and self.extent is not None:
+            self._aside = self._store.allocate(max(self.nbytes, 1))
+            self._aside_charge = self._ledger.charge(Tier.NVME, Kind.TENTATIVE, self.nbytes)
+
+    def save_range_aside(self, start: int, src: torch.Tensor) -> Future:
+        self.reserve_aside()
+        fut, self._aside_sums = self._write(self._aside, self._aside_sums, start, src)
+        self._aside_elems += src.numel()
         return fut
+
+    def keep_aside(self) -> None:
+        if not self._aside_elems:
+            return
+        # an update writes every slice of a shard once: anything less would keep holes
+        assert self._aside_elems == self.numel, (self._aside_elems, self.numel)
+        self.extent, self._aside = self._aside, self.extent
+        self._sums, self._aside_sums, self._aside_elems = self._aside_sums, {}, 0
+
+    def drop_aside(self) -> None:
+        self._aside_sums, self._aside_elems = {}, 0
 
     def _pieces(self, start: int, numel: int) -> list[tuple[int, int, int]]:
         """(start, numel, digest) of the saved pieces tiling ``[start, start + numel)``,
@@ -279,7 +338,17 @@ class NvmeShard(StoredShard):
                                    f"({n} elements of {self._kind.value}): the swap file was "
                                    "corrupted or truncated on disk")
 
+    def release_aside(self) -> None:
+        self.drop_aside()
+        if self._aside is not None:
+            if not self._store.closed:
+                self._store.free(self._aside)
+            assert self._aside_charge is not None
+            self._aside_charge.release()
+            self._aside = self._aside_charge = None
+
     def free(self) -> None:
+        self.release_aside()
         if self.extent is not None:
             if not self._store.closed:  # a closed store already deleted the whole file
                 self._store.free(self.extent)

@@ -29,7 +29,7 @@ from outcore.errors import ConfigError
 
 if TYPE_CHECKING:
     from outcore.offload.storage import StoredShard
-    from outcore.optim.optimizer import ParamState
+    from outcore.optim.speculation import ParamState
     from outcore.runtime import Runtime
     from outcore.zero.param import ShardedParam
 

@@ -24,8 +24,8 @@ parameters whose ``.grad`` is None.
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -33,30 +33,22 @@ from torch.optim.adam import adam
 from torch.optim.sgd import sgd
 
 from outcore.config import OptimizerConfig
+from outcore.guard.memory import available_memory
 from outcore.offload.ledger import Kind
 from outcore.offload.storage import CastShard, StoredShard
 from outcore.offload.tier import Tier
 from outcore.optim import adafactor
 from outcore.optim.pipeline import InFlight, UpdateJob, UpdatePipeline
+from outcore.optim.speculation import (
+    ParamState,
+    keep_tentative,
+    reserve_asides,
+    take_back,
+    written,
+)
 from outcore.optim.staging import ALIGN_ELEMS, ShardSlice, StagingSlot
 from outcore.runtime import Runtime
 from outcore.zero.param import ShardedParam
-
-
-@dataclass(eq=False)
-class ParamState:
-    """What the optimizer keeps for one parameter shard, as ``torch.optim`` keeps it in
-    ``optimizer.state[p]``: its step count and moment tensors (each in the state tier), plus
-    the round (optimizer step) that last updated it, so no shard is updated twice a step."""
-
-    moments: dict[str, StoredShard]
-    step: int = 0
-    round: int = -1
-
-    def free(self) -> None:
-        for stored in self.moments.values():
-            stored.free()
-        self.moments = {}
 
 
 class ShardedOptimizer:
@@ -113,8 +105,16 @@ class ShardedOptimizer:
                                        pending_grad_limit=2 * rt.cfg.offload.host_buffer_bytes,
                                        single_threaded_worker=rt.device.type == "cpu")
         self._dropped_sq = 0.0  # squared norm of gradients already consumed and freed
+        # speculation.py's [Note: a speculative step]: whether it is on, whether the last
+        # step's gradients fitted the clipping norm, and whether the room for tentative writes
+        # was made (None: not yet tried)
+        self._speculates = plan.speculates
+        self._fits = True
+        self._asides: bool | None = None
+        self._tentative = False  # some update of this round is tentative
         self._round = 0  # optimizer steps taken; see ParamState.round
-        self.stats = {"updates_during_backward": 0, "updates_at_step": 0, "updates_after_step": 0}
+        self.stats = {"updates_during_backward": 0, "updates_at_step": 0, "updates_after_step": 0,
+                      "tentative_kept": 0, "tentative_redone": 0}
 
     @property
     def params(self) -> Iterator[ShardedParam]:
@@ -122,7 +122,11 @@ class ShardedOptimizer:
             yield from sps
 
     def zero_grad(self, keep: Iterable[UpdateJob] = ()) -> None:
-        """Drop every gradient except those ``keep``'s updates still read (they free them)."""
+        """Drop every gradient except those ``keep``'s updates still read (they free them);
+        tentative updates of this round are taken back first (speculation.py's note)."""
+        if self._tentative:
+            self.abandon()
+            keep = ()  # every update has finished, and a tentative one keeps its gradients
         kept = {id(sp) for job in keep for sp in job.sps}
         for sp in self.params:
             if id(sp) not in kept:
@@ -136,34 +140,90 @@ class ShardedOptimizer:
             return
         if self.pipeline.broken is not None:
             raise RuntimeError("the optimizer's update thread failed") from self.pipeline.broken
+        tentative = self._tentative = self._speculates
         for sp in todo:
             self.state[sp].round = self._round
+            self.state[sp].tentative = tentative
         self.stats["updates_during_backward"] += len(todo)
         for i, members in sorted(self._by_group(todo).items()):
-            job = UpdateJob(i, dict(self.param_groups[i]), members, background=True)
+            job = UpdateJob(i, dict(self.param_groups[i]), members, background=True,
+                            tentative=tentative)
             grad_bytes = 0
             for sp in members:
                 assert sp.grad is not None  # ``todo`` holds only parameters with a gradient
                 grad_bytes += sp.grad.nbytes
-            self.pipeline.submit(job, grad_bytes)
+            # a tentative update keeps its gradients for step() whatever it waits for
+            self.pipeline.submit(job, 0 if tentative else grad_bytes)
+
+    @property
+    def submits(self) -> bool:
+        """Whether a boundary backward may hand updates to ``submit`` now: always without
+        speculation; with it, while the last step's gradients fitted the clipping norm and
+        the room for tentative writes is there (speculation.py's [Note: a
+        speculative step])."""
+        if not self._speculates:
+            return True
+        if self._asides is None:
+            self._asides = reserve_asides(
+                [stored for sp in self.params for stored in written(sp, self.state[sp])],
+                shutil.disk_usage(self.rt.nvme.folder).free)
+        return self._fits and self._asides
+
+    def conclude(self, fits: bool) -> None:
+        """At ``step()``, with every update of this backward finished and the gradients' norm
+        known: keep the tentative updates if ``fits`` (the clipping left the gradients as
+        they were), else take them back so the step redoes them with clipped gradients
+        (speculation.py's [Note: a speculative step]).
+        """
+        self._fits = fits
+        if fits:
+            self.stats["tentative_kept"] += keep_tentative(self.state)
+            self._tentative = False
+        else:
+            self._take_back()
+
+    def take_back_tentative(self) -> None:
+        """Before a write of values between backward and ``step()`` (a user's, a load): the
+        tentative updates were computed from the values it replaces, so they are taken back
+        and ``step()`` updates every parameter from the written values, as torch's optimizer
+        would."""
+        if self._tentative:
+            self.abandon()
+
+    def abandon(self) -> None:
+        """Wait for every submitted update and take back the tentative ones, restoring the
+        training copies in memory they overwrote (a boundary backward failed, or
+        ``zero_grad()`` came before ``step()``)."""
+        try:
+            self.wait()
+        finally:
+            self._take_back(restore_copies=True)
+
+    def _take_back(self, restore_copies: bool = False) -> None:
+        """Forget this round's tentative updates; their parameters are updated at ``step()``
+        (which rewrites the training copies), or with ``restore_copies`` the training copies
+        in memory are cast again from the masters now."""
+        self.stats["tentative_redone"] += take_back(self.state, restore_copies)
+        self._tentative = False
 
     def step(self, defer: bool = False) -> list[UpdateJob]:
         """Update every parameter that got a gradient and was not submitted, then end the
         round. Submitted updates are waited for, unless ``defer``: then the unfinished ones
         are returned, re-ordered for the next forward (engine/core.py's [Note: the step's tail runs
         into the next forward])."""
+        self.rt.sample_working_set()  # gradients not yet consumed are alive now
         rest = [sp for sp in self.params if sp.has_grad and self.state[sp].round != self._round]
         if self.adafactor is not None:  # never submitted during backward (the plan)
             self.adafactor.step(rest, self.state)
             self.stats["updates_at_step"] += len(rest)
-            self._round += 1
+            self._end_round()
             return []
         if rest or not defer:  # the rest goes through the worker's three slots: let it finish
             self.wait()
         for sp in rest:
             self.state[sp].round = self._round
         self.stats["updates_at_step"] += len(rest)
-        self._round += 1
+        self._end_round()
         if rest:
             self.pipeline.run_now([UpdateJob(i, self.param_groups[i], members, background=False)
                                    for i, members in sorted(self._by_group(rest).items())])
@@ -171,10 +231,17 @@ class ShardedOptimizer:
         self.stats["updates_after_step"] += sum(len(job.sps) for job in pending)
         return pending
 
+    def _end_round(self) -> None:
+        self._round += 1
+        if self.rt.working_set is not None:  # the first step: host_memory.py's [Note: reuse
+            self.rt.settle_reuse(available_memory().bytes)  # decided by the first step]
+
     @property
     def updated_this_round(self) -> bool:
-        """Whether an update of this round (since the last ``step()``) was submitted."""
-        return any(state.round == self._round for state in self.state.values())
+        """Whether an update of this round (since the last ``step()``) was applied for good
+        (a tentative one can still be taken back)."""
+        return any(state.round == self._round and not state.tentative
+                   for state in self.state.values())
 
     @property
     def pending_jobs(self) -> list[UpdateJob]:
@@ -185,10 +252,18 @@ class ShardedOptimizer:
         """Wait for every submitted update; then raise the first error, if any."""
         self.pipeline.wait()
 
-    def take_freed_norm_sq(self) -> float:
-        """Squared L2 norm of the gradients that background updates consumed and freed."""
-        sq, self._dropped_sq = self._dropped_sq, 0.0
-        return sq
+    def global_norm(self, grads: list[torch.Tensor]) -> float:
+        """L2 norm over every rank's gradient shards: ``grads`` and those background updates
+        consumed and freed (padding is zero, so it adds nothing)."""
+        local = torch.tensor([self._dropped_sq], dtype=torch.float64)
+        self._dropped_sq = 0.0
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for g in grads:  # shards on the device and in host memory are summed apart
+            by_device.setdefault(g.device, []).append(g)
+        for same in by_device.values():
+            norms = torch._foreach_norm(same, 2, dtype=torch.float32)  # some may be bf16
+            local += torch.stack(norms).double().pow(2).sum().cpu()
+        return float(float(self.rt.comm.all_reduce_sum(local)) ** 0.5)
 
     def step_of(self, sp: ShardedParam) -> int:
         """How many updates ``sp`` has had (AdamW's bias correction counts them)."""
@@ -210,8 +285,13 @@ class ShardedOptimizer:
         return self.rt.store(zeros, self.rt.state_tier, Kind.OPTIMIZER)
 
     def close(self) -> None:
-        """Stop the worker and give back the staging buffers and every moment's storage."""
-        self.pipeline.close()
+        """Stop the worker and give back the staging buffers, every moment's storage and the
+        room for tentative writes. Tentative updates no step concluded are forgotten with it:
+        the masters never showed them, and the model leaves with its masters' values."""
+        self.pipeline.close()  # lets the worker finish what it was given
+        for sp in self.params:
+            for stored in written(sp, self.state[sp]):
+                stored.release_aside()
         if self._slot_list:  # no update runs any more: give the staging buffers back
             self._slot_list = []
             self._staging.release()
@@ -226,12 +306,15 @@ class ShardedOptimizer:
 
     # -- the pipeline's kernel (pipeline.py's Kernel) ---------------------------------------------
     def finished(self, job: UpdateJob) -> None:
-        """Every sub-group of ``job`` was updated: count its step, free background gradients."""
+        """Every sub-group of ``job`` was updated: count its step, free background gradients
+        (a tentative job's wait for ``conclude``)."""
+        if job.tentative:
+            return
         for sp in job.sps:
             self.state[sp].step += 1
         if not job.background:
             return
-        if self.rt.cfg.track_grad_norm:  # the sum is only read by Engine._global_norm
+        if self.rt.cfg.track_grad_norm:  # the sum is only read by global_norm
             grads: list[torch.Tensor] = []
             for sp in job.sps:
                 assert sp.grad is not None  # submitted with one, dropped only below
@@ -348,16 +431,18 @@ class ShardedOptimizer:
         return work.slot.buffers["grad"][pos : pos + grad.numel()].copy_(grad)
 
     def stage_out(self, work: InFlight) -> None:
-        """Write back what lives on disk and refresh each compute shard from its master."""
+        """Write back what lives on disk (aside, for a tentative job) and refresh each compute
+        shard from its master."""
+        tentative = work.job.tentative
         for i, sl in enumerate(work.params):
             sp = sl.sp
             # trainable, and prepared for training: both shards are there
             assert sp.master_shard is not None and sp.compute_shard is not None
             if sp.master_shard.resident() is None:
-                work.pending.append(sp.master_shard.save_range(sl.lo, work.master[i]))
-                for k in self.state_kinds:
-                    work.pending.append(
-                        self.state[sp].moments[k].save_range(sl.lo, work.states[k][i]))
+                for stored, t in [(sp.master_shard, work.master[i])] + [
+                        (self.state[sp].moments[k], work.states[k][i]) for k in self.state_kinds]:
+                    work.pending.append(stored.save_range_aside(sl.lo, t) if tentative
+                                        else stored.save_range(sl.lo, t))
             if sp.compute_shard is sp.master_shard or isinstance(sp.compute_shard, CastShard):
                 continue  # the next read of the training copy casts the updated master
             resident = sp.compute_shard.resident()
@@ -369,4 +454,6 @@ class ShardedOptimizer:
                 assert work.slot is not None and work.slot.cast is not None
                 cast = work.slot.cast[pos : pos + n]
                 cast.copy_(work.master[i])
-                work.pending.append(sp.compute_shard.save_range(sl.lo, cast))
+                save = (sp.compute_shard.save_range_aside if tentative
+                        else sp.compute_shard.save_range)
+                work.pending.append(save(sl.lo, cast))

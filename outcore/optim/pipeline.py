@@ -44,6 +44,8 @@ class UpdateJob:
     sps: list[ShardedParam]
     background: bool  # its gradients are freed once applied (optimizer.py's [Note: updating
     # during backward])
+    tentative: bool = False  # writes aside, keeps its gradients (speculation.py's [Note: a
+    # speculative step])
     done: Future[None] = field(default_factory=Future)
     unsettled: int = 0  # sub-groups whose writes have not been waited for
     error: BaseException | None = None

@@ -312,6 +312,7 @@ class Hooks:
         dropped (``abort_backward``), and the error goes on."""
         self._in_backward, self._on_reduced = True, on_reduced
         self._sync_phase()
+        self.rt.sample_working_set()  # every activation is alive now (host_memory.py's note)
         try:
             yield
             with self.mode.suspended():

@@ -10,8 +10,11 @@ PyTorch, and every ``ShardedParam`` points at it; there are no module-level glob
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Callable
 
+import psutil
 import torch
 
 from outcore.config import Config
@@ -24,6 +27,7 @@ from outcore.offload.host_memory import (
     MOSTLY_FROZEN,
     keep_freed_memory_for_reuse,
     return_large_frees_to_os,
+    reuse_fits,
     reuse_freed_memory_on_small_host,
 )
 from outcore.offload.ledger import Kind
@@ -35,6 +39,9 @@ from outcore.offload.storage import Ledger, MemoryShard, NvmeShard, StoredShard,
 from outcore.runtime.bootstrap import join_world
 from outcore.runtime.phase import Phase
 from outcore.runtime.plan import ExecutionPlan
+from outcore.units import format_bytes
+
+log = logging.getLogger("outcore")
 
 
 class Runtime:
@@ -71,7 +78,12 @@ class Runtime:
         # waits for optimizer updates still running on shards (the engine sets it): a user's
         # read or write of values between a backward and step() must not meet one midway
         self.await_updates: Callable[[], None] = lambda: None
+        # runs before any write of values: tentative updates computed from the values it
+        # replaces are taken back (the engine sets it: optim/speculation.py's note)
+        self.before_write: Callable[[], None] = lambda: None
         self.engine = None  # weakref to the Engine training this model, if any
+        # the most RSS seen in the first step, while reuse of freed memory waits for it
+        self.working_set: int | None = None
         if Tier.NVME in (self.param_tier, self.state_tier):
             # a bad nvme_path fails the build, even where nothing may be written for a while
             # (trainable parameters cast from masters in memory store nothing: CastShard)
@@ -206,6 +218,30 @@ class Runtime:
             reuse_freed_memory_on_small_host()
         elif reuse is None and self._frozen_base_on_disk(trainable_fraction):
             return_large_frees_to_os()
+        elif reuse is None and not self.plan.state_in_host_memory:
+            self.working_set = 0  # host_memory.py's [Note: reuse decided by the first step]
+
+    def sample_working_set(self) -> None:
+        """Note this process's RSS while the first step holds the most (the start of its
+        backward and of its step), until ``settle_reuse`` decides."""
+        if self.working_set is not None:
+            self.working_set = max(self.working_set, psutil.Process().memory_info().rss)
+
+    def settle_reuse(self, available: int) -> None:
+        """After the first step: keep freed memory for reuse if ``available`` bytes (this
+        host's, shared by its ranks) leave room for it (host_memory.py's [Note: reuse decided
+        by the first step]); decided once."""
+        if self.working_set is None:
+            return
+        held, self.working_set = self.working_set, None
+        room = available // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        if reuse_fits(held, room) and reuse_freed_memory_on_small_host():
+            log.info("outcore: the first step held %s with %s available: freed memory is kept "
+                     "for reuse (offload.reuse_freed_memory: false keeps giving it back)",
+                     format_bytes(held), format_bytes(room))
+        else:
+            log.info("outcore: the first step held %s with %s available: freed memory goes "
+                     "back to the system", format_bytes(held), format_bytes(room))
 
     def _frozen_base_on_disk(self, trainable_fraction: float) -> bool:
         """A mostly frozen model with its parameters on NVMe: the host is not sized for it

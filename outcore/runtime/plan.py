@@ -54,6 +54,7 @@ class Inputs:
     gradient_clipping: float = 0.0
     track_grad_norm: bool = False
     overlap_optimizer: bool = True
+    speculative_step: bool = True
     overlap_step_with_forward: bool = False
     aligned_regions: bool = True  # the OS can map aligned memory under a tensor's storage
 
@@ -88,6 +89,8 @@ class ExecutionPlan:
     """Something streams from NVMe, so the optimizer takes half the host buffer budget."""
     loss_scaling: bool
     """fp16's dynamic loss scaling is on."""
+    speculates: bool
+    """With clipping, updates during backward are tentative until ``step()`` has the norm."""
     overlaps_optimizer: bool
     """Parameter updates start during the boundary backward, group by group."""
     defers_updates: bool
@@ -130,6 +133,7 @@ class ExecutionPlan:
             optimizer_type=opt.type, momentum=opt.momentum,
             gradient_clipping=cfg.gradient_clipping, track_grad_norm=cfg.track_grad_norm,
             overlap_optimizer=cfg.zero.overlap_optimizer,
+            speculative_step=cfg.zero.speculative_step,
             overlap_step_with_forward=cfg.zero.overlap_step_with_forward,
             aligned_regions=aligned_regions))
 
@@ -224,17 +228,26 @@ def _decide(i: Inputs) -> Iterator[tuple[str, tuple[Any, str]]]:
     loss_scaling = i.dtype == "fp16"
     yield "loss_scaling", (loss_scaling, f"{i.dtype} compute")
 
-    hides = s is Tier.NVME or cuda
-    overlap = (i.overlap_optimizer and i.gradient_clipping == 0 and not loss_scaling and hides
-               and i.optimizer_type != "adafactor")
-    yield "overlaps_optimizer", (overlap, _overlap_reason(i, loss_scaling, hides))
+    speculates = (i.overlap_optimizer and i.speculative_step and i.gradient_clipping > 0
+                  and not loss_scaling and s is Tier.NVME and i.optimizer_type != "adafactor")
+    yield "speculates", (speculates, (
+        "clipping with the state on NVMe: updates during backward are written aside and "
+        "kept if the norm needs no clipping, else redone (optim/optimizer.py)" if speculates
+        else "needs gradient clipping, zero.overlap_optimizer and zero.speculative_step, the "
+        "state on NVMe, no fp16 and no Adafactor"))
 
-    defer = (overlap and i.overlap_step_with_forward and s is Tier.NVME
+    hides = s is Tier.NVME or cuda
+    overlap = (i.overlap_optimizer and (i.gradient_clipping == 0 or speculates)
+               and not loss_scaling and hides and i.optimizer_type != "adafactor")
+    yield "overlaps_optimizer", (overlap, _overlap_reason(i, loss_scaling, hides, speculates))
+
+    defer = (overlap and i.overlap_step_with_forward and s is Tier.NVME and not speculates
              and not i.track_grad_norm and not zero_copy)
     yield "defers_updates", (defer, (
         "zero.overlap_step_with_forward: the next forward runs behind the last updates"
         if defer else "off unless zero.overlap_step_with_forward, with the optimizer "
-        "overlapped, state on NVMe, no gradient norm tracked and no zero-copy shards"))
+        "overlapped, state on NVMe, no clipping, no gradient norm tracked and no zero-copy "
+        "shards"))
 
     kinds = optimizer_state_kinds(i.optimizer_type, i.momentum)
     yield "state_kinds", (kinds, f"{i.optimizer_type}"
@@ -255,13 +268,16 @@ def _decide(i: Inputs) -> Iterator[tuple[str, tuple[Any, str]]]:
     yield "staging_slots", (STAGING_SLOTS, "one sub-group read, one updated, one written back")
 
 
-def _overlap_reason(i: Inputs, loss_scaling: bool, hides: bool) -> str:
+def _overlap_reason(i: Inputs, loss_scaling: bool, hides: bool, speculates: bool) -> str:
     if not i.overlap_optimizer:
         return "zero.overlap_optimizer is off"
     if i.optimizer_type == "adafactor":
         return "Adafactor all-reduces whole-parameter statistics (adafactor.py's note)"
+    if speculates:
+        return "tentative updates run while backward goes on (see speculates)"
     if i.gradient_clipping:
-        return "clipping needs the global norm of every gradient before any update"
+        return ("clipping needs the global norm of every gradient before any update (the "
+                "state in memory has no room for tentative updates: see speculates)")
     if loss_scaling:
         return "an fp16 overflow anywhere must cancel the whole step"
     if not hides:

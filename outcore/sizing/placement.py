@@ -137,7 +137,7 @@ def state_bytes(num_params: int, world_size: int, settings: Config, device: str,
     else:  # a frozen parameter's shard is its fp32 values, beside the trainable masters
         use[ex.inputs.optimizer.value] += (per_rank - per_train) * 4
     use[ex.inputs.optimizer.value] += per_train * _state_bytes(settings)
-    if not ex.overlaps_optimizer:  # every gradient is held until the step
+    if not ex.overlaps_optimizer or ex.speculates:  # every gradient is held until the step
         use[ex.grad_tier.value] += per_train * GRAD_BYTES
     return use
 
@@ -155,7 +155,10 @@ def plan(num_params: int, world_size: int = 1, *, nvme_path: str | None = None,
     dtype's bytes unless they are the fp32 masters (``compute_is_master``), and a whole
     step's fp32 gradients need room beside the optimizer state unless the optimizer runs
     during backward (``overlaps_optimizer``): then each group's gradient is freed after its
-    update and needs no room beyond the host buffer budget. ``trainable``: how many
+    update and needs no room beyond the host buffer budget (not when the updates are
+    tentative, ``speculates``: those keep their gradients for ``step()``). The room a
+    speculative step takes on disk is not priced: it is reserved only where the disk has it
+    to spare (optim/speculation.py). ``trainable``: how many
     parameters train (default: all; see ``state_bytes``).
     ``usable``: the fraction of each tier's free bytes model states may take (default
     ``USABLE.states_only()``, see the note above).

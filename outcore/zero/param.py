@@ -461,6 +461,7 @@ class ShardedParam:
 
     def write_shard(self, shard: torch.Tensor) -> None:
         """Replace this rank's shard (fp32, ``shard_numel`` long, zero padding) everywhere."""
+        self.rt.before_write()
         if self.master_shard is not None:
             self.master_shard.save(shard).result()
         if self.compute_shard is not None and self.compute_shard.read_only:

@@ -72,10 +72,12 @@ class FailingDisk:
         return [(int(a) * block, (int(b) + 1) * block, int(p) * block) for a, b, p in rows]
 
     def cut_through(self, path: Path) -> list[tuple[int, int]]:
-        """Shrink the device to end at the physical block holding the middle of ``path``;
-        return the byte ranges of ``path`` that now lie past the end (they fail with EIO)."""
+        """Shrink the device to end at the physical block holding the first quarter's end of
+        ``path``; return the byte ranges of ``path`` that now lie past the end (they fail
+        with EIO). A quarter, not the middle: a run that clips reserves the file's second half
+        for tentative updates, which it leaves unused while every step clips."""
         extents = self.extents(path)
-        middle = max(end for _, end, _ in extents) // 2 // 4096 * 4096
+        middle = max(end for _, end, _ in extents) // 4 // 4096 * 4096
         cut = next(phys + middle - lo for lo, end, phys in extents if lo <= middle < end)
         os.truncate(self.image, cut)
         done = _sh("losetup", "-c", self.device)
@@ -174,7 +176,7 @@ def test_a_shrunk_device_fails_direct_reads_and_writes_with_eio(
     for i, extent in enumerate(extents):
         store.write(extent, aligned_empty(4 << 20).fill_(i + 1)).result()
     dead = failing_disk.cut_through(store.path)
-    assert dead and min(lo for lo, _ in dead) > 0  # mid-file: the first half still works
+    assert dead and min(lo for lo, _ in dead) > 0  # the first quarter still works
     with _no_hang(30):
         back = aligned_empty(4 << 20)
         store.read(extents[0], back).result()

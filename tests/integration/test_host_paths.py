@@ -8,21 +8,18 @@ forward is read during the step, and large freed blocks go back to the operating
 
 from __future__ import annotations
 
-import gc
 import json
 import platform
 import subprocess
 import sys
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
 from torch import nn
 
 import outcore
 from outcore.offload.buffers import ALIGN, AlignedRegions
-from outcore.offload.host_memory import return_large_frees_to_os
 from tests.common import square_loss_steps
 from tests.distributed import run_world
 
@@ -242,23 +239,36 @@ def test_head_groups_carried_over_the_step_are_not_read_again(dtype: str,
 
 def test_large_frees_return_to_the_os() -> None:
     """With the glibc threshold fixed, freed multi-MiB blocks leave RSS at once even when a
-    small live object sits above them in the heap (host_memory.py's note)."""
-    if not return_large_frees_to_os():
+    small live object sits above them in the heap (host_memory.py's note). In a fresh process:
+    the policy is process-wide, and a heap that an earlier engine let keep its frees would
+    serve the blocks from pages already resident."""
+    result = _run_fresh(_RETURNED_RSS)
+    if result is None:
         pytest.skip("not glibc")
-    proc = psutil.Process()
-    warm = torch.ones(4 << 20, dtype=torch.uint8)  # would raise glibc's dynamic threshold
-    del warm
-    gc.collect()
-    before = proc.memory_info().rss
-    blocks = [torch.ones(4 << 20, dtype=torch.uint8) for _ in range(64)]  # 256 MiB, touched
-    pin = torch.ones(16, dtype=torch.uint8)  # a small live allocation after them
-    grown = proc.memory_info().rss
-    del blocks
-    gc.collect()
-    after = proc.memory_info().rss
+    before, grown, after = result
     assert grown - before > 200 * 2**20
     assert after - before < 32 * 2**20, (before, grown, after)
-    del pin
+
+
+_RETURNED_RSS = """
+import gc, json
+import psutil, torch
+from outcore.offload.host_memory import return_large_frees_to_os
+if not return_large_frees_to_os():
+    print("null")
+    raise SystemExit
+proc = psutil.Process()
+warm = torch.ones(4 << 20, dtype=torch.uint8)  # would raise glibc's dynamic threshold
+del warm
+gc.collect()
+before = proc.memory_info().rss
+blocks = [torch.ones(4 << 20, dtype=torch.uint8) for _ in range(64)]  # 256 MiB, touched
+pin = torch.ones(16, dtype=torch.uint8)  # a small live allocation after them
+grown = proc.memory_info().rss
+del blocks
+gc.collect()
+print(json.dumps([before, grown, proc.memory_info().rss]))
+"""
 
 
 _STEP_FAULTS = """
@@ -266,7 +276,11 @@ import json, resource, sys
 import torch
 from torch import nn
 import outcore
+from outcore.guard.memory import Available
 from outcore.offload import host_memory
+from outcore.optim import optimizer
+if len(sys.argv) > 2:  # the memory this host has left, as the first step's decision sees it
+    optimizer.available_memory = lambda: Available(int(sys.argv[2]), None)
 torch.manual_seed(0)
 cfg = outcore.Config.from_dict({"dtype": "auto", "optimizer": {"type": "adamw", "lr": 1e-3},
                                 "offload": json.loads(sys.argv[1])})
@@ -286,18 +300,19 @@ print(json.dumps({"faults": faults, "policy": host_memory._policy, "at_build": a
 """
 
 
-def _run_fresh(script: str, arg: str) -> object:
+def _run_fresh(script: str, *args: str) -> object:
     """The JSON a script prints last, run in a fresh process (malloc policies are
     process-wide, so each case needs its own)."""
-    proc = subprocess.run([sys.executable, "-c", script, arg], capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run([sys.executable, "-c", script, *args], capture_output=True,
+                          text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def _step_faults(offload: dict) -> dict:
-    """Page faults of each of six steps in a fresh process with this ``offload`` config."""
-    return _run_fresh(_STEP_FAULTS, json.dumps(offload))
+def _step_faults(offload: dict, room: int | None = None) -> dict:
+    """Page faults of each of six steps in a fresh process with this ``offload`` config;
+    ``room``: the available memory the first step's decision is shown, else the host's."""
+    return _run_fresh(_STEP_FAULTS, json.dumps(offload), *([] if room is None else [str(room)]))
 
 
 glibc_only = pytest.mark.skipif(platform.libc_ver()[0] != "glibc",
@@ -328,17 +343,26 @@ def test_in_memory_steps_reuse_pages_instead_of_faulting_them_in() -> None:
 
 @glibc_only
 @pytest.mark.cpu_only("counts the page faults of steps computed in host memory")
-def test_small_host_reuses_pages_only_when_asked(tmp_path: Path) -> None:
-    """With the optimizer state on NVMe large frees go back to the system by default, and
-    ``offload.reuse_freed_memory: true`` reuses them instead (host_memory.py's [Note: reuse
-    on a small host, when asked])."""
+def test_small_host_reuses_pages_when_it_has_room_or_is_asked(tmp_path: Path) -> None:
+    """With the optimizer state on NVMe large frees go back to the system while the model is
+    built and in the first step. Then a host with room for it reuses them, as
+    ``offload.reuse_freed_memory: true`` does on any host, and a host without room, or a
+    config saying ``false``, keeps giving them back (host_memory.py's [Note: reuse on a small
+    host, when asked] and [Note: reuse decided by the first step])."""
     nvme = {"optimizer": "nvme", "nvme_path": str(tmp_path)}
-    default = _step_faults(nvme)
-    reuse = _step_faults({**nvme, "reuse_freed_memory": True})
-    assert default["policy"] == "return" and reuse["policy"] == "reuse"
-    assert reuse["at_build"] == "return"  # the build's frees are not kept (the note says why)
-    assert _settled(default["faults"]) > 20_000, default
-    assert _settled(reuse["faults"]) * 3 < _settled(default["faults"]), (reuse, default)
+    roomy = _step_faults(nvme, room=1 << 50)
+    short = _step_faults(nvme, room=64 << 20)
+    refused = _step_faults({**nvme, "reuse_freed_memory": False}, room=1 << 50)
+    asked = _step_faults({**nvme, "reuse_freed_memory": True}, room=64 << 20)
+    assert [r["policy"] for r in (roomy, short, refused, asked)] == [
+        "reuse", "return", "return", "reuse"]
+    for r in (roomy, short, refused, asked):  # the build's frees are not kept (the note)
+        assert r["at_build"] == "return"
+    for given_back in (short, refused):
+        assert _settled(given_back["faults"]) > 20_000, given_back
+        for reused in (roomy, asked):
+            assert _settled(reused["faults"]) * 3 < _settled(given_back["faults"]), (
+                reused, given_back)
     assert not any(tmp_path.iterdir())  # each run's swap files are gone
 
 
@@ -432,6 +456,65 @@ def test_which_malloc_policy_each_config_asks_for(offload: dict, at_build: list[
         assert calls == at_build + at_training
     finally:
         rt.close()
+
+
+@pytest.mark.cpu_only("the table is the CPU device's: on CUDA the default state is in "
+                      "device memory, not host memory")
+@pytest.mark.parametrize("offload, trainable, watched", [
+    ({"optimizer": "nvme"}, 1.0, True),
+    ({"optimizer": "nvme", "reuse_freed_memory": True}, 1.0, False),
+    ({"optimizer": "nvme", "reuse_freed_memory": False}, 1.0, False),
+    ({}, 1.0, False),  # the state in memory: its heap is kept from the build on
+    ({"params": "nvme"}, 0.01, False),  # a frozen base on disk: given back for good
+])
+def test_the_first_step_decides_reuse_where_the_config_leaves_it_open(
+        offload: dict, trainable: float, watched: bool, tmp_path: Path, monkeypatch) -> None:
+    """Which runtimes wait for the first step to decide (host_memory.py's [Note: reuse
+    decided by the first step]), and the decision: reuse when the room available to this
+    rank is ``REUSE_ROOM`` working sets or more, the room shared by the ranks on the host,
+    decided once."""
+    from outcore.offload.host_memory import REUSE_ROOM
+    from outcore.runtime import context as rt_mod
+
+    calls: list[str] = []
+    monkeypatch.setattr(rt_mod, "reuse_freed_memory_on_small_host",
+                        lambda: calls.append("reuse") or True)
+    if "nvme" in offload.values():
+        offload = {**offload, "nvme_path": str(tmp_path)}
+    cfg = outcore.Config.from_dict({"offload": offload})
+
+    def runtime() -> rt_mod.Runtime:
+        rt = rt_mod.Runtime(cfg, trainable_fraction=trainable)
+        rt.begin_training(trainable)
+        calls.clear()
+        return rt
+
+    rt = runtime()
+    try:
+        assert (rt.working_set == 0) is watched
+        rt.sample_working_set()
+        if not watched:
+            rt.settle_reuse(1 << 60)
+            assert calls == [] and rt.working_set is None
+            return
+        held = rt.working_set
+        assert held > 0
+        rt.settle_reuse(REUSE_ROOM * held - 1)  # just short of room
+        assert calls == [] and rt.working_set is None
+        rt.settle_reuse(1 << 60)  # decided once: a later step changes nothing
+        assert calls == []
+    finally:
+        rt.close()
+    for ranks, room, reused in ((1, REUSE_ROOM, True), (2, REUSE_ROOM, False),
+                                (2, 2 * REUSE_ROOM, True)):
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(ranks))
+        rt = runtime()
+        try:
+            rt.working_set = 100 << 20
+            rt.settle_reuse(room * (100 << 20))
+            assert calls == (["reuse"] if reused else []), (ranks, room)
+        finally:
+            rt.close()
 
 
 @pytest.mark.cpu_only("the state is in host memory by default only on the CPU device")

@@ -269,3 +269,65 @@ def test_load_now_reads_a_stored_shard(rt: Runtime) -> None:
     got = load_now(shard)
     assert got.dtype == torch.float32 and got.shape == (NUMEL,)
     assert torch.equal(got, _values(NUMEL, seed=4))
+
+
+# -- tentative writes (storage.py's [Note: tentative writes]) --------------------------------
+@pytest.mark.parametrize("verify", [True, False])
+def test_writes_aside_stay_unseen_until_kept(tmp_path: Path, verify: bool) -> None:
+    """Reads return the stored bytes while new ones are written aside in slices; keeping
+    them makes them the stored bytes (verified against their own digests), dropping them
+    leaves the old ones, and a second extent is charged while it exists."""
+    rt = _runtime(tmp_path, verify)
+    try:
+        old, new = _values(seed=1), _values(seed=2)
+        shard = NvmeShard(rt.nvme, NUMEL, torch.float32, Kind.OPTIMIZER, rt.ledger, verify)
+        shard.save(old).result()
+        for lo in range(0, NUMEL, 1024):
+            shard.save_range_aside(lo, new[lo : lo + 1024]).result()
+        assert rt.ledger.tier_bytes("nvme") == 2 * NUMEL * 4
+        assert torch.equal(load_now(shard), old)
+        shard.keep_aside()
+        assert torch.equal(load_now(shard), new)
+        shard.save_range_aside(0, old).result()
+        shard.drop_aside()
+        assert torch.equal(load_now(shard), new)
+        shard.keep_aside()  # nothing written aside since the drop: nothing changes
+        assert torch.equal(load_now(shard), new)
+        shard.release_aside()
+        assert rt.ledger.tier_bytes("nvme") == NUMEL * 4
+        shard.reserve_aside()
+        assert rt.ledger.tier_bytes("nvme") == 2 * NUMEL * 4
+        shard.free()
+        assert rt.ledger.tier_bytes("nvme") == 0
+    finally:
+        rt.close()
+
+
+def test_a_write_of_values_supersedes_what_was_written_aside(rt: Runtime) -> None:
+    """A plain save after a tentative one (a user's write between backward and step) stands:
+    keeping afterwards changes nothing, as the update it came from is dropped."""
+    shard = NvmeShard(rt.nvme, NUMEL, torch.float32, Kind.MASTER, rt.ledger)
+    shard.save(_values(seed=1)).result()
+    shard.save_range_aside(0, _values(seed=2)).result()
+    shard.save(_values(seed=3)).result()
+    shard.keep_aside()
+    assert torch.equal(load_now(shard), _values(seed=3))
+    shard.free()
+
+
+def test_keeping_a_partial_write_aside_is_refused(rt: Runtime) -> None:
+    """An update writes every slice of a shard: keeping a part would keep holes."""
+    shard = NvmeShard(rt.nvme, NUMEL, torch.float32, Kind.MASTER, rt.ledger)
+    shard.save(_values(seed=1)).result()
+    shard.save_range_aside(0, _values(numel=1024, seed=2)).result()
+    with pytest.raises(AssertionError):
+        shard.keep_aside()
+    shard.free()
+
+
+def test_memory_shards_refuse_to_write_aside() -> None:
+    """A memory tier has no second copy, so it cannot hold a tentative value apart."""
+    shard = MemoryShard(_values(), Tier.HOST, Kind.MASTER, Ledger())
+    shard.reserve_aside()  # nothing to reserve
+    with pytest.raises(NotImplementedError, match="no second copy"):
+        shard.save_range_aside(0, _values())

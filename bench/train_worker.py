@@ -255,7 +255,8 @@ def run_outcore(spec: dict) -> dict:
     report = engine.memory_report()
     res.update(init_s=round(init_s, 1), params=num_params(resolve_config(spec["model"])),
                memory_report={k: report[k] for k in (*(t.value for t in Tier), "rss")},
-               schedule=engine.schedule_stats(), **device_peaks())
+               schedule=engine.schedule_stats(), last_grad_norm=engine.last_grad_norm,
+               **device_peaks())
     engine.close(keep_values=False)  # no hand-back: it would count in the peak RSS
     return res
 

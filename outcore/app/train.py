@@ -374,7 +374,8 @@ def _loop(engine: Any, sampler: datamod.BatchSampler, job: dict[str, Any], seq: 
             state["elapsed"] += dt
             mem = engine.memory_report()
             record = {"step": step, "loss": loss_value, "tokens_per_s": tokens_per_step / dt,
-                      "lr": lr, "elapsed_s": round(state["elapsed"], 3),
+                      "lr": lr, "grad_norm": engine.last_grad_norm,
+                      "elapsed_s": round(state["elapsed"], 3),
                       **{f"bytes_{t.value}": int(mem[t.value]) for t in Tier}}
             if metrics is not None:
                 metrics.write(record)

@@ -291,10 +291,8 @@ class Engine:
         coef = clip / (norm + 1e-6) if norm is not None and clip > 0 else 1.0
         if self.rt.plan.speculates:  # speculation.py's [Note: a speculative step]
             self.sharded_optimizer.conclude(fits=not coef < 1.0)
-        if coef < 1.0:
-            for g in grads:
-                g.mul_(coef)
-        pending = self.sharded_optimizer.step(defer=defer)
+        pending = self.sharded_optimizer.step(defer=defer,
+                                              grad_scale=coef if coef < 1.0 else 1.0)
         self.scaler.update(overflow=False)
         self.sharded_optimizer.zero_grad(keep=pending)
         updates = UpdatePipeline.unfinished_by_group(pending)

@@ -109,7 +109,7 @@ class ShardedOptimizer:
         # step's gradients fitted the clipping norm, and whether the room for tentative writes
         # was made (None: not yet tried)
         self._speculates = plan.speculates
-        self._fits = True
+        self._fits = False  # speculation starts after a step that needed no clipping
         self._asides: bool | None = None
         self._tentative = False  # some update of this round is tentative
         self._round = 0  # optimizer steps taken; see ParamState.round
@@ -152,22 +152,25 @@ class ShardedOptimizer:
             for sp in members:
                 assert sp.grad is not None  # ``todo`` holds only parameters with a gradient
                 grad_bytes += sp.grad.nbytes
-            # a tentative update keeps its gradients for step() whatever it waits for
-            self.pipeline.submit(job, 0 if tentative else grad_bytes)
+            # a tentative update keeps its gradients for step(), but the limit still paces
+            # backward to the updates, as without speculation
+            self.pipeline.submit(job, grad_bytes)
 
     @property
     def submits(self) -> bool:
         """Whether a boundary backward may hand updates to ``submit`` now: always without
-        speculation; with it, while the last step's gradients fitted the clipping norm and
-        the room for tentative writes is there (speculation.py's [Note: a
+        speculation; with it, while the last step's gradients fitted the clipping norm (none
+        before the first step) and the room for tentative writes is there (speculation.py's [Note: a
         speculative step])."""
         if not self._speculates:
             return True
+        if not self._fits:
+            return False
         if self._asides is None:
             self._asides = reserve_asides(
                 [stored for sp in self.params for stored in written(sp, self.state[sp])],
                 shutil.disk_usage(self.rt.nvme.folder).free)
-        return self._fits and self._asides
+        return self._asides
 
     def conclude(self, fits: bool) -> None:
         """At ``step()``, with every update of this backward finished and the gradients' norm
@@ -206,14 +209,19 @@ class ShardedOptimizer:
         self.stats["tentative_redone"] += take_back(self.state, restore_copies)
         self._tentative = False
 
-    def step(self, defer: bool = False) -> list[UpdateJob]:
+    def step(self, defer: bool = False, grad_scale: float = 1.0) -> list[UpdateJob]:
         """Update every parameter that got a gradient and was not submitted, then end the
-        round. Submitted updates are waited for, unless ``defer``: then the unfinished ones
-        are returned, re-ordered for the next forward (engine/core.py's [Note: the step's tail runs
-        into the next forward])."""
+        round; ``grad_scale`` (clipping's coefficient) multiplies each gradient as its update
+        reads it, in fp32, so a gradient held in 16 bits is never scaled in 16 bits. Submitted
+        updates are waited for, unless ``defer``: then the unfinished ones are returned,
+        re-ordered for the next forward (engine/core.py's [Note: the step's tail runs into the
+        next forward])."""
         self.rt.sample_working_set()  # gradients not yet consumed are alive now
         rest = [sp for sp in self.params if sp.has_grad and self.state[sp].round != self._round]
         if self.adafactor is not None:  # never submitted during backward (the plan)
+            for sp in rest if grad_scale != 1.0 else ():
+                assert sp.grad is not None  # has_grad
+                sp.grad = sp.grad.float().mul_(grad_scale)  # a copy if held in 16 bits
             self.adafactor.step(rest, self.state)
             self.stats["updates_at_step"] += len(rest)
             self._end_round()
@@ -225,7 +233,8 @@ class ShardedOptimizer:
         self.stats["updates_at_step"] += len(rest)
         self._end_round()
         if rest:
-            self.pipeline.run_now([UpdateJob(i, self.param_groups[i], members, background=False)
+            self.pipeline.run_now([UpdateJob(i, self.param_groups[i], members, background=False,
+                                             grad_scale=grad_scale)
                                    for i, members in sorted(self._by_group(rest).items())])
         pending = self.pipeline.after_step()
         self.stats["updates_after_step"] += sum(len(job.sps) for job in pending)
@@ -390,7 +399,8 @@ class ShardedOptimizer:
     def apply(self, work: InFlight, hp: dict[str, Any]) -> None:
         if not work.params:
             return
-        grads = [self._fp32_grad(work, i, sl) for i, sl in enumerate(work.params)]
+        grads = [self._fp32_grad(work, i, sl, work.job.grad_scale)
+                 for i, sl in enumerate(work.params)]
         if self.kind in ("adamw", "adam"):
             # each slice gets its own copy of the parameter's step count: the kernel
             # increments it, and a parameter cut in several slices must advance only once.
@@ -418,17 +428,19 @@ class ShardedOptimizer:
             )
 
     @staticmethod
-    def _fp32_grad(work: InFlight, i: int, sl: ShardSlice) -> torch.Tensor:
-        """Slice ``i``'s gradient in fp32: the shard itself, or its cast into the slot's
-        reused buffer when it is held in the training dtype."""
+    def _fp32_grad(work: InFlight, i: int, sl: ShardSlice, scale: float) -> torch.Tensor:
+        """Slice ``i``'s gradient in fp32, times ``scale``: the shard itself (scaled in place),
+        or its cast into the slot's reused buffer when it is held in the training dtype."""
         assert sl.sp.grad is not None  # only parameters that got a gradient are updated
         grad = sl.of(sl.sp.grad)
         if grad.dtype == torch.float32:
-            return grad
-        if work.slot is None or "grad" not in work.slot.buffers:
-            return grad.float()
-        pos = work.places[i]
-        return work.slot.buffers["grad"][pos : pos + grad.numel()].copy_(grad)
+            fp32 = grad
+        elif work.slot is None or "grad" not in work.slot.buffers:
+            fp32 = grad.float()
+        else:
+            pos = work.places[i]
+            fp32 = work.slot.buffers["grad"][pos : pos + grad.numel()].copy_(grad)
+        return fp32 if scale == 1.0 else fp32.mul_(scale)
 
     def stage_out(self, work: InFlight) -> None:
         """Write back what lives on disk (aside, for a tentative job) and refresh each compute

@@ -46,6 +46,7 @@ class UpdateJob:
     # during backward])
     tentative: bool = False  # writes aside, keeps its gradients (speculation.py's [Note: a
     # speculative step])
+    grad_scale: float = 1.0  # clipping's coefficient, applied as the update reads a gradient
     done: Future[None] = field(default_factory=Future)
     unsettled: int = 0  # sub-groups whose writes have not been waited for
     error: BaseException | None = None

@@ -207,10 +207,11 @@ def _decide(i: Inputs) -> Iterator[tuple[str, tuple[Any, str]]]:
         "state in memory: the step needs every gradient at once, so buffers are reused"
         if keeps else "state on NVMe: each gradient is freed once its update consumed it"))
 
-    raw = (one and on_cpu and not keeps and i.gradient_clipping == 0 and i.dtype != "fp16")
+    raw = one and on_cpu and not keeps and i.dtype != "fp16"
     yield "holds_raw_grads", (raw, (
-        "one rank on the CPU with state on NVMe and nothing scaling gradients in place"
-        if raw else "needs one rank, a CPU device, state on NVMe, no clipping and no fp16"))
+        "one rank on the CPU with state on NVMe and no loss scaling (clipping scales a "
+        "gradient as its update reads it)"
+        if raw else "needs one rank, a CPU device, state on NVMe and no fp16"))
 
     carry = one and s is not Tier.NVME
     yield "carries_head", (carry, (

@@ -345,8 +345,9 @@ class ShardedParam:
         same (a bf16 to fp32 cast is exact). At more ranks it is the parameter's slice of
         the reduce-scatter's fp32 output (where the state is in memory, that slice becomes
         the kept buffer of the note above). A second gradient (accumulation) first turns
-        the shard into fp32, and where clipping or fp16 unscaling will scale gradients in
-        place, a 16-bit gradient is cast on arrival as before.
+        the shard into fp32, and where fp16 unscaling will scale gradients in place, a 16-bit
+        gradient is cast on arrival as before (clipping scales a gradient in fp32 as its
+        update reads it: optimizer.py's ``_fp32_grad``).
         """
         # the first gradient is taken or copied (cast) rather than added to zeros
         if self.grad is None and self._grad_buffer is not None:

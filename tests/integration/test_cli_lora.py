@@ -136,10 +136,13 @@ def test_frozen_base_is_read_in_place_never_copied(
             f"{llama_bf16.resolve()} (2 B/param, {compute}; no master, gradient or optimizer "
             "state)") in err
     # the ledger counts outcore's own bytes on disk: the adapters' master and AdamW moments
-    # (and their bf16 copy, where the compute dtype is not the master's), twice: the main job
-    # clips, so the speculative step keeps room beside each for its tentative updates
-    record = read_metrics(out / "metrics.jsonl")[-1]
-    assert record["bytes_nvme"] == 2 * adapters * (4 + 8 + (2 if dtype == "bf16" else 0))
+    # (and their bf16 copy, where the compute dtype is not the master's); twice once a step
+    # needed no clipping (the main job clips at 1.0): the speculative step then keeps room
+    # beside each for its tentative updates
+    records = read_metrics(out / "metrics.jsonl")
+    speculated = records[0]["grad_norm"] <= 1.0
+    assert records[-1]["bytes_nvme"] == (1 + speculated) * adapters * (
+        4 + 8 + (2 if dtype == "bf16" else 0))
     assert (total - adapters) * 2 == sum(p.stat().st_size for p in llama_bf16.glob(
         "*.safetensors")) - sum(8 + int.from_bytes(p.read_bytes()[:8], "little")
                                 for p in llama_bf16.glob("*.safetensors"))

@@ -159,9 +159,9 @@ class ShardedOptimizer:
     @property
     def submits(self) -> bool:
         """Whether a boundary backward may hand updates to ``submit`` now: always without
-        speculation; with it, while the last step's gradients fitted the clipping norm (none
-        before the first step) and the room for tentative writes is there (speculation.py's [Note: a
-        speculative step])."""
+        speculation; with it, once the last step's gradients fitted the clipping norm (never
+        in the first step) and while the room for tentative writes is there
+        (speculation.py's [Note: a speculative step])."""
         if not self._speculates:
             return True
         if not self._fits:

@@ -191,3 +191,20 @@ def test_a_model_leaving_between_backward_and_step_has_the_values_before_it(
     plain, spec = run(False), run(True)
     assert spec[0] == plain[0]
     assert all(torch.equal(spec[1][k], v) for k, v in plain[1].items())
+
+
+def test_a_checkpoint_of_a_speculating_run_resumes_exactly(tmp_path: Path) -> None:
+    """A checkpoint saved after kept tentative updates holds the stored values (the extents
+    made current), and a run loading it, with its own room aside, trains on exactly as the
+    run that saved it."""
+    cfg = _config(tmp_path / "swap", True, "bf16", "nvme")
+    with outcore.initialize(_model(), cfg) as engine:
+        _train(engine, SCALES[:2])  # the second step speculates, and is kept
+        assert engine.sharded_optimizer.stats["tentative_kept"] > 0
+        engine.save_checkpoint(tmp_path / "ckpt")
+        later = _train(engine, [1e-3, 1e3, 1e-3, 1e-3])  # kept, redone, plain, kept
+        assert engine.sharded_optimizer.stats["tentative_redone"] > 0
+    with outcore.initialize(_model(), _config(tmp_path / "swap2", True, "bf16", "nvme")) as e:
+        _train(e, [1e-3])  # a step that fits first: the load lands between speculative steps
+        e.load_checkpoint(tmp_path / "ckpt")
+        assert _train(e, [1e-3, 1e3, 1e-3, 1e-3]) == later

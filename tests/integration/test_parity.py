@@ -101,6 +101,21 @@ def test_fp32_parity_with_accumulation_clipping_and_param_groups(world: int) -> 
     assert results[0]["losses"] == results[-1]["losses"]
 
 
+@pytest.mark.parametrize("clip", [0.5, 1e3])
+def test_fp32_parity_with_clipping_and_the_state_on_nvme(clip: float, tmp_path) -> None:
+    """Parameters and optimizer state on NVMe with clipping: the step speculates once a step
+    fits (every one at 1e3; at 0.5 some clip, and their updates wait or are redone), and the
+    update scales each gradient as it reads it. Still plain PyTorch's ``clip_grad_norm_`` and
+    AdamW, with accumulation."""
+    cfg = {**BASE, "gradient_accumulation_steps": 2, "gradient_clipping": clip,
+           "offload": {"params": "nvme", "optimizer": "nvme", "nvme_path": str(tmp_path)}}
+    r = run_world(_train, 1, cfg, 5, True)[0]
+    _check(r, 1e-5)
+    for mine, ref in r["norms"]:
+        assert mine == pytest.approx(ref, rel=1e-5)
+    assert any(ref > clip for _, ref in r["norms"]) is (clip < 1)
+
+
 def test_fp32_parity_sgd_momentum_no_clipping() -> None:
     cfg = {**BASE, "optimizer": {"type": "sgd", "lr": 0.05, "momentum": 0.9,
                                  "weight_decay": 0.01}}
@@ -119,9 +134,13 @@ def test_grad_norm_is_computed_only_where_asked(track: bool) -> None:
             assert (mine == pytest.approx(ref, rel=1e-5)) if track else mine is None
 
 
-def test_bf16_training_tracks_fp32_reference() -> None:
-    cfg = {**BASE, "dtype": "bf16", "gradient_clipping": 1.0}
-    for r in run_world(_train, 2, cfg, 5, True):
+@pytest.mark.parametrize("world, offload", [(2, "none"), (1, "nvme")])
+def test_bf16_training_tracks_fp32_reference(world: int, offload: str, tmp_path) -> None:
+    """bf16 with clipping; with everything on NVMe at one rank the gradients stay in bf16
+    until their update casts and scales them (plan.holds_raw_grads)."""
+    cfg = {**BASE, "dtype": "bf16", "gradient_clipping": 1.0,
+           "offload": {"params": offload, "optimizer": offload, "nvme_path": str(tmp_path)}}
+    for r in run_world(_train, world, cfg, 5, True):
         for a, b in zip(r["losses"], r["ref_losses"], strict=True):
             assert abs(a - b) <= 2e-2 * abs(b)
         # bf16 rounding moves near-zero biases by a visible fraction of their own tiny norm,

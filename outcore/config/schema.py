@@ -101,7 +101,7 @@ class ZeroConfig(_Section):
     prefetch_bytes: int = Field(
         128 * _MiB, ge=0, description="byte budget for parameters gathered ahead of use; "
         "left at this default it grows to the two largest layers, and to 5% of free memory "
-        "where trainable parameters on NVMe are cast from masters in memory"
+        "where the parameters are on NVMe and most of the model trains"
     )
     overlap_optimizer: bool = Field(
         True, description="update parameters during backward when clipping and fp16 allow"

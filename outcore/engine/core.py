@@ -131,7 +131,7 @@ class Engine:
             if g.zero_copy:  # its shards are the full tensors: show them once, for good
                 g.wait_unshard()
         self.buffer_places = build.cast_buffers(module, self.rt)
-        budget = build.prefetch_budget(cfg, self.groups, placement.cast_share(self.rt))
+        budget = build.prefetch_budget(cfg, self.groups, placement.nvme_fetch_share(self.rt))
         self.schedule = Schedule(budget, self.groups, carry=self.rt.plan.carries_head)
         self.sharded_optimizer = ShardedOptimizer(self._optimizer_groups(param_groups),
                                                   cfg.optimizer, self.rt)

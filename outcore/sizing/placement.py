@@ -96,10 +96,12 @@ def free_memory() -> tuple[int, int]:
     return device_free(device), available_memory().bytes
 
 
-def cast_share(rt: Runtime) -> int:
-    """The prefetch budget's floor for training copies cast from masters in memory
-    (zero/build.py's [Note: a cast copy's budget follows the free memory]); 0 elsewhere."""
-    return prefetch_share(device_free(rt.device)) if rt.plan.derives_compute_copy else 0
+def nvme_fetch_share(rt: Runtime) -> int:
+    """The prefetch budget's floor where parameters are fetched from NVMe, cast from masters
+    in memory or read from disk (zero/build.py's [Note: a budget for parameters on NVMe
+    follows the free memory]); 0 elsewhere."""
+    on_nvme = rt.plan.inputs.params is Tier.NVME
+    return prefetch_share(device_free(rt.device)) if on_nvme else 0
 
 
 def device_free(device: torch.device) -> int:

@@ -86,11 +86,11 @@ def to_compute(obj: Any, device: torch.device, dtype: torch.dtype | None) -> Any
     return obj
 
 
-def prefetch_budget(cfg: Config, groups: list[GatherGroup], cast_share: int = 0) -> int:
+def prefetch_budget(cfg: Config, groups: list[GatherGroup], nvme_share: int = 0) -> int:
     """The schedule's budget for groups fetched ahead: ``zero.prefetch_bytes``, and where it
     is at its default value, at least the two largest groups that are fetched, and at least
-    ``cast_share``: for training copies cast from masters in memory, what the free memory
-    affords (the engine passes ``placement.cast_share``; 0 otherwise).
+    ``nvme_share``: for parameters on NVMe, what the free memory affords (the engine passes
+    ``placement.nvme_fetch_share``; 0 otherwise).
 
     [Note: a default budget that fits the model's layers]
     A group larger than the budget is never prefetched, and the schedule's read-ahead stops
@@ -106,19 +106,22 @@ def prefetch_budget(cfg: Config, groups: list[GatherGroup], cast_share: int = 0)
     the key was written: configs pass through dumps and merges (``Config.auto``, a
     DeepSpeed file, the Trainer's arguments) that write every key.
 
-    [Note: a cast copy's budget follows the free memory]
-    Where the training copies are cast from masters in memory (``plan.derives_compute_copy``:
-    params on NVMe, optimizer state in memory), a fetch reads nothing from disk: it casts.
-    The budget then decides how often: a group kept gathered from forward into backward is
-    cast once per step, one released in between is cast again for backward. On gpt-335m
-    (Intel AMX, bf16, 512 tokens) the default budget ran at 0.80-0.86x no offload, and a
-    budget holding the 16-bit model at 0.95-1.02x, for its 0.5-0.7 GiB of memory
-    (bench/results/2026-11-26-intel-amx-bf16-derived-params.md). So at the default value
+    [Note: a budget for parameters on NVMe follows the free memory]
+    With the parameters on NVMe the budget decides how often each layer is fetched: a group
+    kept gathered from forward into backward is fetched once per step, one released in
+    between is fetched again for backward. Where the training copies are cast from masters
+    in memory (``plan.derives_compute_copy``) a fetch is a cast: on gpt-335m (Intel AMX,
+    bf16, 512 tokens) the 128 MiB default ran at 0.80-0.86x no offload, and a budget holding
+    the 16-bit model at 0.95-1.02x, for its 0.5-0.7 GiB of memory
+    (bench/results/2026-11-26-intel-amx-bf16-derived-params.md). With the optimizer state on
+    NVMe too a fetch is a disk read, in a step bound by the disk: a 1 GiB budget read 4.71
+    GB a step instead of 5.31, and the step took 4.75 and 5.99 s against 5.93 and 7.31 s at
+    the default, in two alternating pairs, for 0.5 GiB more peak RSS
+    (bench/results/2026-11-26-intel-amx-bf16-clip-and-reuse.md). So at the default value
     this budget grows to what ``Config.auto`` gives prefetching, 5% of the device's free
     memory (64 MiB to 2 GiB, ``placement.prefetch_share``): a share that shrinks with the
-    headroom, where the host already holds the masters at twice the copies' size. Not where
-    most of the model is frozen (a LoRA base on NVMe): its fetches are disk reads, and the
-    host was left short on purpose (host_memory.py's [Note: a frozen base does not size the
+    headroom. Not where most of the model is frozen (a LoRA base on NVMe): there the host
+    was left short on purpose (host_memory.py's [Note: a frozen base does not size the
     host]).
     """
     budget = cfg.zero.prefetch_bytes
@@ -129,5 +132,5 @@ def prefetch_budget(cfg: Config, groups: list[GatherGroup], cast_share: int = 0)
     params = [sp for g in groups for sp in g.params]
     total = sum(sp.numel for sp in params)
     if total and sum(sp.numel for sp in params if sp.trainable) < MOSTLY_FROZEN * total:
-        cast_share = 0
-    return max(budget, sum(fetched[:2]), cast_share)
+        nvme_share = 0
+    return max(budget, sum(fetched[:2]), nvme_share)

@@ -157,7 +157,8 @@ def test_on_an_accelerator_a_cast_from_a_host_master_is_staged(
 @pytest.mark.filterwarnings("ignore:zero.prefetch_bytes=1 is smaller")
 def test_the_budget_decides_how_often_a_copy_is_cast(tmp_path: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    """build.py's [Note: a cast copy's budget follows the free memory]: a tight budget casts
+    """build.py's [Note: a budget for parameters on NVMe follows the free memory]: a tight
+    budget casts
     copies twice a step (forward, and again for backward, all but the last layer's, which
     backward uses first); one that holds the model
     fetches nothing: its groups stay gathered from forward into backward and through the
@@ -183,5 +184,7 @@ def test_the_budget_decides_how_often_a_copy_is_cast(tmp_path: Path,
     monkeypatch.setattr(placement, "device_free", lambda device: 20 << 30)
     with outcore.initialize(_model(), _cfg("nvme", "cpu", tmp_path)) as engine:
         assert engine.memory_report()["schedule"]["prefetch_bytes"] == prefetch_share(20 << 30)
-    with outcore.initialize(_model(), _cfg("nvme", "nvme", tmp_path)) as engine:
-        assert engine.memory_report()["schedule"]["prefetch_bytes"] == 128 << 20  # reads disk
+    with outcore.initialize(_model(), _cfg("nvme", "nvme", tmp_path)) as engine:  # reads disk
+        assert engine.memory_report()["schedule"]["prefetch_bytes"] == prefetch_share(20 << 30)
+    with outcore.initialize(_model(), _cfg("cpu", "nvme", tmp_path)) as engine:
+        assert engine.memory_report()["schedule"]["prefetch_bytes"] == 128 << 20

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import outcore
+from outcore.offload.tier import Tier
 from outcore.sizing import placement
 from outcore.zero.build import prefetch_budget
 
@@ -48,23 +49,24 @@ def test_the_default_survives_the_round_trips_configs_make() -> None:
     assert prefetch_budget(cfg, _groups(141_557_760, 327_680_000)) == 469_237_760
 
 
-def _rt(derives: bool) -> SimpleNamespace:
-    """The runtime's two facts the floor reads: the plan's decision, the compute device."""
-    return SimpleNamespace(plan=SimpleNamespace(derives_compute_copy=derives),
+def _rt(params: Tier) -> SimpleNamespace:
+    """The runtime's two facts the floor reads: the parameters' tier, the compute device."""
+    return SimpleNamespace(plan=SimpleNamespace(inputs=SimpleNamespace(params=params)),
                            device=torch.device("cpu"))
 
 
 @pytest.mark.parametrize(("free", "want"), [(20 * GiB, 1024 * MiB), (100 * GiB, 2048 * MiB),
                                             (GiB, 128 * MiB)])
-def test_cast_copies_get_what_the_free_memory_affords(monkeypatch: pytest.MonkeyPatch,
-                                                      free: int, want: int) -> None:
-    """build.py's [Note: a cast copy's budget follows the free memory]: 5% of it, 64 MiB to
-    2 GiB, and never less than the default's own rule; a budget the user set stays."""
+def test_parameters_on_nvme_get_what_the_free_memory_affords(
+        monkeypatch: pytest.MonkeyPatch, free: int, want: int) -> None:
+    """build.py's [Note: a budget for parameters on NVMe follows the free memory]: 5% of it,
+    64 MiB to 2 GiB, and never less than the default's own rule; a budget the user set
+    stays; parameters in memory keep the default's rule."""
     monkeypatch.setattr(placement, "device_free", lambda device: free)
     cfg = outcore.Config()
-    share = placement.cast_share(_rt(derives=True))
+    share = placement.nvme_fetch_share(_rt(Tier.NVME))
     assert prefetch_budget(cfg, _groups(8 * MiB, 50 * MiB), share) == want
-    assert placement.cast_share(_rt(derives=False)) == 0
+    assert placement.nvme_fetch_share(_rt(Tier.HOST)) == 0
     assert prefetch_budget(cfg, _groups(8 * MiB, 50 * MiB), 0) == 128 * MiB
     cfg = outcore.Config(zero={"prefetch_bytes": 64 * MiB})
     assert prefetch_budget(cfg, _groups(8 * MiB, 50 * MiB), share) == 64 * MiB

@@ -114,9 +114,10 @@ def prefetch_budget(cfg: Config, groups: list[GatherGroup], nvme_share: int = 0)
     bf16, 512 tokens) the 128 MiB default ran at 0.80-0.86x no offload, and a budget holding
     the 16-bit model at 0.95-1.02x, for its 0.5-0.7 GiB of memory
     (bench/results/2026-11-26-intel-amx-bf16-derived-params.md). With the optimizer state on
-    NVMe too a fetch is a disk read, in a step bound by the disk: a 1 GiB budget read 4.71
-    GB a step instead of 5.31, and the step took 4.75 and 5.99 s against 5.93 and 7.31 s at
-    the default, in two alternating pairs, for 0.5 GiB more peak RSS
+    NVMe too a fetch is a disk read, in a step bound by the disk: a budget of ~1 GiB read
+    4.71 GB a step instead of 5.31, and in four alternating pairs the step took 4.75, 5.99,
+    5.22 and 5.13 s against 5.93, 7.31, 5.14 and 5.43 s at 128 MiB (the disk's speed moves
+    that much), for 0.35-0.5 GiB more peak RSS
     (bench/results/2026-11-26-intel-amx-bf16-clip-and-reuse.md). So at the default value
     this budget grows to what ``Config.auto`` gives prefetching, 5% of the device's free
     memory (64 MiB to 2 GiB, ``placement.prefetch_share``): a share that shrinks with the

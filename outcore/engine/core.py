@@ -204,9 +204,10 @@ class Engine:
             boundary and self.rt.plan.overlaps_optimizer
             and self.sharded_optimizer.submits) else None
         # [Note: a failed boundary backward] Updates already started on the worker are allowed
-        # to finish (they used final gradients) and stay applied; everything else of this
-        # backward is dropped, so a retry of the step sees a consistent engine.
-        with self.hooks.backward(on_reduced, before_abort=self.sharded_optimizer.abandon):
+        # to finish (they used final gradients) and stay applied, unless they are tentative
+        # (speculation.py's note): those are taken back with their gradients; everything else
+        # of this backward is dropped, so a retry of the step sees a consistent engine.
+        with self.hooks.backward(on_reduced, before_abort=self.sharded_optimizer.abandon_backward):
             scaled.backward()
         self.micro_steps += 1
         self._at_boundary = boundary

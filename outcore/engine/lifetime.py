@@ -20,7 +20,6 @@ shards stay.
 from __future__ import annotations
 
 import logging
-import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -30,6 +29,7 @@ from outcore.config import Config
 from outcore.errors import ConfigError, ParamAccessError
 from outcore.guard.memory import available_memory
 from outcore.runtime import Runtime
+from outcore.runtime.bootstrap import ranks_on_this_host
 from outcore.units import format_bytes
 from outcore.zero.access import dropped_message
 from outcore.zero.registry import managed
@@ -172,7 +172,7 @@ def _keep(engine: Engine, sps: list[ShardedParam], keep_values: bool | None) -> 
     if gpu is not None:  # values go back to a GPU: its free memory decides
         room, ranks = torch.cuda.mem_get_info(gpu)[0], 1
     else:
-        room, ranks = available_memory().bytes, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        room, ranks = available_memory().bytes, ranks_on_this_host()
     fits = need * ranks <= room // 2
     if rt.world_size > 1:
         if rt.comm.failed:  # a rank is gone: a collective now would only time out

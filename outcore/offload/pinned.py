@@ -16,6 +16,8 @@ its neighbours are gone too.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 BLOCK_BYTES = 256 << 20
@@ -34,10 +36,7 @@ class PinnedArena:
 
     def empty(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """An uninitialized contiguous tensor in page-locked host memory."""
-        numel = 1
-        for n in shape:
-            numel *= n
-        nbytes = numel * dtype.itemsize
+        nbytes = math.prod(shape) * dtype.itemsize
         if nbytes == 0 or nbytes > self._block_bytes // 2:
             own = self._new_block(nbytes)
             return own.view(dtype).view(shape)

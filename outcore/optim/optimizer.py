@@ -60,9 +60,10 @@ class ShardedOptimizer:
     continues on earlier layers; torch kernels and file I/O release the GIL. ``step()`` waits
     for the queue, or with ``defer`` hands back the jobs still queued (engine/core.py's [Note: the
     step's tail runs into the next forward]), and updates whatever was not submitted. The
-    engine only submits when the update cannot depend on gradients still to come: no
-    clipping (the global norm needs every gradient) and no fp16 (an overflow anywhere must
-    cancel the whole step). A job's hyper-parameters are copied when it is submitted.
+    engine only submits when the update cannot depend on gradients still to come: no fp16
+    (an overflow anywhere must cancel the whole step), and no clipping (the global norm needs
+    every gradient) unless the update is tentative (speculation.py's [Note: a speculative
+    step]). A job's hyper-parameters are copied when it is submitted.
     """
 
     def __init__(self, groups: list[tuple[dict[str, Any], list[ShardedParam]]],
@@ -193,21 +194,32 @@ class ShardedOptimizer:
         if self._tentative:
             self.abandon()
 
-    def abandon(self) -> None:
+    def abandon(self) -> list[ShardedParam]:
         """Wait for every submitted update and take back the tentative ones, restoring the
-        training copies in memory they overwrote (a boundary backward failed, or
-        ``zero_grad()`` came before ``step()``)."""
+        training copies in memory they overwrote (``zero_grad()`` or a write of values came
+        before ``step()``); returns the parameters taken back."""
         try:
             self.wait()
         finally:
-            self._take_back(restore_copies=True)
+            taken = self._take_back(restore_copies=True)
+        return taken
 
-    def _take_back(self, restore_copies: bool = False) -> None:
+    def abandon_backward(self) -> None:
+        """A boundary backward failed: wait for its updates, and take back the tentative
+        ones with the gradients they kept, which hold this failed backward's share (its retry
+        computes them again). The other updates stay applied (engine/core.py's [Note: a failed
+        boundary backward])."""
+        for sp in self.abandon():
+            sp.drop_grad()
+
+    def _take_back(self, restore_copies: bool = False) -> list[ShardedParam]:
         """Forget this round's tentative updates; their parameters are updated at ``step()``
         (which rewrites the training copies), or with ``restore_copies`` the training copies
-        in memory are cast again from the masters now."""
-        self.stats["tentative_redone"] += take_back(self.state, restore_copies)
+        in memory are cast again from the masters now. Returns the parameters taken back."""
+        taken = take_back(self.state, restore_copies)
+        self.stats["tentative_redone"] += len(taken)
         self._tentative = False
+        return taken
 
     def step(self, defer: bool = False, grad_scale: float = 1.0) -> list[UpdateJob]:
         """Update every parameter that got a gradient and was not submitted, then end the
@@ -445,16 +457,18 @@ class ShardedOptimizer:
     def stage_out(self, work: InFlight) -> None:
         """Write back what lives on disk (aside, for a tentative job) and refresh each compute
         shard from its master."""
-        tentative = work.job.tentative
+        def save(stored: StoredShard, start: int, t: torch.Tensor) -> None:
+            write = stored.save_range_aside if work.job.tentative else stored.save_range
+            work.pending.append(write(start, t))
+
         for i, sl in enumerate(work.params):
             sp = sl.sp
             # trainable, and prepared for training: both shards are there
             assert sp.master_shard is not None and sp.compute_shard is not None
             if sp.master_shard.resident() is None:
-                for stored, t in [(sp.master_shard, work.master[i])] + [
-                        (self.state[sp].moments[k], work.states[k][i]) for k in self.state_kinds]:
-                    work.pending.append(stored.save_range_aside(sl.lo, t) if tentative
-                                        else stored.save_range(sl.lo, t))
+                save(sp.master_shard, sl.lo, work.master[i])
+                for k in self.state_kinds:
+                    save(self.state[sp].moments[k], sl.lo, work.states[k][i])
             if sp.compute_shard is sp.master_shard or isinstance(sp.compute_shard, CastShard):
                 continue  # the next read of the training copy casts the updated master
             resident = sp.compute_shard.resident()
@@ -466,6 +480,4 @@ class ShardedOptimizer:
                 assert work.slot is not None and work.slot.cast is not None
                 cast = work.slot.cast[pos : pos + n]
                 cast.copy_(work.master[i])
-                save = (sp.compute_shard.save_range_aside if tentative
-                        else sp.compute_shard.save_range)
-                work.pending.append(save(sl.lo, cast))
+                save(sp.compute_shard, sl.lo, cast)

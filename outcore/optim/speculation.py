@@ -97,11 +97,12 @@ def keep_tentative(states: dict[ShardedParam, ParamState]) -> int:
     return kept
 
 
-def take_back(states: dict[ShardedParam, ParamState], restore_copies: bool) -> int:
+def take_back(states: dict[ShardedParam, ParamState],
+              restore_copies: bool) -> list[ShardedParam]:
     """Forget every tentative update; with ``restore_copies`` cast the training copies in
-    memory, which a tentative update overwrites, from the masters again. Returns how many
+    memory, which a tentative update overwrites, from the masters again. Returns the
     parameters it took back."""
-    taken = 0
+    taken = []
     for sp, state in states.items():
         if not state.tentative:
             continue
@@ -113,5 +114,5 @@ def take_back(states: dict[ShardedParam, ParamState], restore_copies: bool) -> i
         resident = copy.resident()
         if restore_copies and resident is not None and copy is not master:
             resident.copy_(load_now(master, resident.device))
-        taken += 1
+        taken.append(sp)
     return taken

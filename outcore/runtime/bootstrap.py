@@ -16,6 +16,11 @@ from outcore.errors import ConfigError
 from outcore.runtime.comm import Comm, NamedFailure
 
 
+def ranks_on_this_host() -> int:
+    """How many ranks share this host's memory (torchrun's ``LOCAL_WORLD_SIZE``; 1 alone)."""
+    return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
 def join_world(backend: str, timeout_s: float) -> Comm:
     """Join the process group ``torchrun`` describes (or the one already joined), or run
     alone without one when ``WORLD_SIZE`` is absent or 1."""

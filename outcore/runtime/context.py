@@ -11,7 +11,6 @@ PyTorch, and every ``ShardedParam`` points at it; there are no module-level glob
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 
 import psutil
@@ -36,7 +35,7 @@ from outcore.offload.pinned import PinnedArena
 from outcore.offload.source_file import SourceReader
 from outcore.offload.stale import remove_stale_swap
 from outcore.offload.storage import Ledger, MemoryShard, NvmeShard, StoredShard, Tier
-from outcore.runtime.bootstrap import join_world
+from outcore.runtime.bootstrap import join_world, ranks_on_this_host
 from outcore.runtime.phase import Phase
 from outcore.runtime.plan import ExecutionPlan
 from outcore.units import format_bytes
@@ -234,7 +233,7 @@ class Runtime:
         if self.working_set is None:
             return
         held, self.working_set = self.working_set, None
-        room = available // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        room = available // ranks_on_this_host()
         if reuse_fits(held, room) and reuse_freed_memory_on_small_host():
             log.info("outcore: the first step held %s with %s available: freed memory is kept "
                      "for reuse (offload.reuse_freed_memory: false keeps giving it back)",

@@ -208,3 +208,79 @@ def test_a_checkpoint_of_a_speculating_run_resumes_exactly(tmp_path: Path) -> No
         _train(e, [1e-3])  # a step that fits first: the load lands between speculative steps
         e.load_checkpoint(tmp_path / "ckpt")
         assert _train(e, [1e-3, 1e3, 1e-3, 1e-3]) == later
+
+
+class _FailOnce(torch.autograd.Function):
+    """Identity whose backward raises when armed: a fault in the middle of backward, after
+    the layers above it had their (tentative) updates submitted."""
+
+    armed = False
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # noqa: ANN001 - torch's signature
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> torch.Tensor:  # noqa: ANN001 - torch's signature
+        if _FailOnce.armed:
+            _FailOnce.armed = False
+            raise RuntimeError("injected backward fault")
+        return g
+
+
+class _Faulty(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(64, 48), nn.Linear(48, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(_FailOnce.apply(torch.tanh(self.a(x))))
+
+
+def test_a_failed_backward_takes_its_tentative_updates_back(tmp_path: Path) -> None:
+    """A boundary backward that raises after the last layer's update was submitted: the
+    update was tentative, so it is taken back (the weights are as before that backward), and
+    the run goes on exactly as one where the fault never happened."""
+    def run(fail: bool) -> dict[str, torch.Tensor]:
+        torch.manual_seed(0)
+        cfg = _config(tmp_path / str(fail), True, "fp32", "nvme")
+        with outcore.initialize(_Faulty(), cfg) as engine:
+            _train(engine, [1e-3])  # fits: the next backward speculates
+            if fail:
+                before = _values(engine)
+                _FailOnce.armed = True
+                with pytest.raises(RuntimeError, match="injected backward fault"):
+                    engine.backward(engine(_batch(7)).float().pow(2).mean() * 1e-3)
+                stats = engine.sharded_optimizer.stats
+                assert stats["updates_during_backward"] > 0 and stats["tentative_redone"] > 0
+                assert all(torch.equal(v, before[k]) for k, v in _values(engine).items())
+            _train(engine, [1e-3, 1e-3])
+            return _values(engine)
+
+    clean, faulted = run(False), run(True)
+    assert all(torch.equal(faulted[k], v) for k, v in clean.items())
+
+
+def test_the_torch_optimizer_contract_and_a_scheduler_over_a_speculating_engine(
+        tmp_path: Path) -> None:
+    """A plain loop through ``engine.optimizer`` (``step``, ``zero_grad`` at the top of each
+    iteration, a torch LR scheduler) trains exactly as without speculation."""
+    def run(speculate: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
+        cfg = _config(tmp_path / str(speculate), speculate, "bf16", "nvme")
+        with outcore.initialize(_model(), cfg) as engine:
+            opt = engine.optimizer
+            sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+            losses = []
+            for step, scale in enumerate(SCALES):
+                opt.zero_grad()
+                loss = engine(_batch(step).to(engine.device)).float().pow(2).mean() * scale
+                engine.backward(loss)
+                opt.step()
+                sched.step()
+                losses.append(loss.item())
+            assert (engine.sharded_optimizer.stats["tentative_kept"] > 0) is speculate
+            return losses, _values(engine)
+
+    plain, spec = run(False), run(True)
+    assert spec[0] == plain[0]
+    assert all(torch.equal(spec[1][k], v) for k, v in plain[1].items())

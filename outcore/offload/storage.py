@@ -256,7 +256,7 @@ class NvmeShard(StoredShard):
 
         Callers cut ranges at 4 KiB boundaries (optimizer.py), as O_DIRECT needs aligned offsets.
         """
-        extent = extent or self.extent
+        extent = self.extent if extent is None else extent
         assert extent is not None, "a freed NvmeShard has no bytes to move"
         esize = self.nbytes // max(self.numel, 1)
         offset = extent.offset + start * esize

@@ -344,7 +344,9 @@ def targets(run: dict, by: dict) -> dict:
                                               "met": v >= 0.8}
     else:
         out["host_vs_none_at_most_tokens"] = {"value": None, "target": 0.8, "met": None}
-    nv = [r["step_over_floor"] for r in by.values() if "nvme" in r["row"] and r["main"]]
+    # rows that stream from NVMe: nvme+opt-cpu casts its copies from masters in memory
+    nv = [r["step_over_floor"] for r in by.values()
+          if "nvme" in r["row"] and r["main"] and r["read_bytes_per_step"] > 0]
     out["nvme_step_over_floor"] = {"value": min(nv, default=None), "target": 1.2,
                                    "met": None if not nv else min(nv) <= 1.2}
     device = (run["probe"].get("machine") or {}).get("gpu") or {}

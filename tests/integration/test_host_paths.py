@@ -114,7 +114,10 @@ def test_gradient_buffers_reused_in_memory_freed_after_nvme_updates(optimizer: s
         grads, after_step = [], []
         for _ in range(2):
             engine.backward(engine(x).float().pow(2).mean())
-            grads.append(engine.params[0].grad)
+            # the kept buffer, not `.grad`: on CUDA the update overlaps backward and may
+            # have consumed (and dropped) the gradient already, leaving the buffer for next step
+            grads.append(engine.params[0]._grad_buffer if optimizer == "none"
+                         else engine.params[0].grad)
             engine.step()
             engine.synchronize()  # the step may return with updates (and their grads) left
             after_step.append(engine.params[0].grad)

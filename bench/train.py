@@ -25,6 +25,8 @@ model, avx512_bf16/amx, cores, torch, dtype, threads, date). Rows:
                                 ``--clip``, every update waits for the step)
     nvme+opt-early              nvme+opt with ``zero.overlap_step_with_forward: true`` (the
                                 step returns before its last updates; the forward follows them)
+    nvme+opt-lean               nvme+opt with the smallest footprint: freed memory given
+                                back, 64 MiB of host buffers and of prefetch
     deepspeed    DeepSpeed ZeRO-3, params and optimizer on NVMe (bench/ds_contender.py, run in
                  DeepSpeed's own venv; skipped if that venv is missing)
 

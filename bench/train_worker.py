@@ -27,6 +27,7 @@ PLACEMENT = {  # row -> (offload.params, offload.optimizer, prefetch on)
     "nvme+opt-p0": ("nvme", "nvme", False), "nvme+opt": ("nvme", "nvme", True),
     "nvme+opt-reuse": ("nvme", "nvme", True), "nvme+opt-early": ("nvme", "nvme", True),
     "nvme+opt-return": ("nvme", "nvme", True), "nvme+opt-wait": ("nvme", "nvme", True),
+    "nvme+opt-lean": ("nvme", "nvme", True),
     "opt-cpu": ("none", "cpu", True), "cpu+opt": ("cpu", "cpu", True),
     "nvme+opt-cpu": ("nvme", "cpu", True),
 }
@@ -34,7 +35,11 @@ PLACEMENT = {  # row -> (offload.params, offload.optimizer, prefetch on)
 ROW_SET = {"nvme+opt-reuse": {"offload": {"reuse_freed_memory": True}},
            "nvme+opt-return": {"offload": {"reuse_freed_memory": False}},
            "nvme+opt-wait": {"zero": {"speculative_step": False}},
-           "nvme+opt-early": {"zero": {"overlap_step_with_forward": True}}}
+           "nvme+opt-early": {"zero": {"overlap_step_with_forward": True}},
+           # the smallest footprint (docs/offload.md): memory given back, 64 MiB buffers
+           "nvme+opt-lean": {"offload": {"reuse_freed_memory": False,
+                                         "host_buffer_bytes": 64 << 20},
+                             "zero": {"prefetch_bytes": 64 << 20}}}
 HP = {"lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.0}
 
 

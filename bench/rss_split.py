@@ -1,0 +1,116 @@
+"""Where the peak RSS of a run with everything on NVMe goes: Python and torch, the ledger's
+host kinds (gradients waiting for their update, I/O buffers, the parameter cache), and the
+rest (activations, the loss's logits, freed memory kept for reuse).
+
+    .venv/bin/python bench/rss_split.py --model gpt-335m
+    .venv/bin/python bench/rss_split.py --model gpt-335m --lean --checkpoint
+
+``--lean`` is the small-footprint setting: ``offload.reuse_freed_memory: false`` and 64 MiB
+each of host buffers and prefetch. ``--checkpoint`` checkpoints every block's activations (as
+``outcore train --checkpoint-activations on`` does). Prints one JSON object with the machine;
+the peak is polled every 20 ms over the measured steps and checked against ``ru_maxrss``;
+the ledger's peaks need not fall at the same moment, so the rest is a lower bound.
+Run by hand; memory, not time, is what it reports (the step times are there only as a sign
+of what the setting costs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import threading
+import time
+
+import psutil
+import torch
+
+MIB = 1 << 20
+
+
+class Peak:
+    """This process's highest RSS since the last ``reset``, polled in a thread."""
+
+    def __init__(self) -> None:
+        self.value = 0
+        self._proc = psutil.Process()
+        self._stop = threading.Event()
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.value = max(self.value, self._proc.memory_info().rss)
+            time.sleep(0.02)
+
+    def reset(self) -> int:
+        value, self.value = self.value, 0
+        return value
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="gpt-335m")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--lean", action="store_true", help="reuse off, 64 MiB buffers and prefetch")
+    ap.add_argument("--checkpoint", action="store_true", help="checkpoint every block")
+    ap.add_argument("--nvme-path", default="bench/out/rss-swap")
+    args = ap.parse_args(argv)
+
+    proc = psutil.Process()
+    torch_rss = proc.memory_info().rss
+    import outcore
+    from outcore.app.models import build_model, checkpoint_blocks, num_params, resolve_config
+    from outcore.device.machine import describe
+
+    base_rss = proc.memory_info().rss
+    peak = Peak()
+    lean = {"offload": {"reuse_freed_memory": False, "host_buffer_bytes": 64 * MIB},
+            "zero": {"prefetch_bytes": 64 * MIB}} if args.lean else {"offload": {}, "zero": {}}
+    cfg = outcore.Config.from_dict({
+        "dtype": "bf16", "seed": 0, "optimizer": {"type": "adamw", "lr": 1e-4},
+        "offload": {"params": "nvme", "optimizer": "nvme", "nvme_path": args.nvme_path,
+                    **lean["offload"]},
+        "zero": lean["zero"]})
+    torch.manual_seed(0)
+    with outcore.init(cfg):
+        model = build_model(args.model)
+    blocks = checkpoint_blocks(model, "on", args.batch, args.seq) if args.checkpoint else 0
+    engine = outcore.initialize(model, cfg)
+    build_peak = peak.reset()
+    shape = resolve_config(args.model)
+    ids = torch.randint(0, shape.vocab, (args.batch, args.seq + 1),
+                        generator=torch.Generator().manual_seed(0))
+    steps = []
+    for _ in range(args.steps):
+        t = time.perf_counter()
+        engine.backward(engine(ids[:, :-1], ids[:, 1:]))
+        engine.step()
+        engine.synchronize()
+        steps.append(round(time.perf_counter() - t, 2))
+    step_peak = peak.reset()
+    peak.stop()
+    by_kind = engine.memory_report()["by_kind"]
+    ledger = {k.removeprefix("peak."): v // MIB for k, v in by_kind.items()
+              if k.startswith("peak.host.") and v}
+    engine.close(keep_values=False)  # no hand-back: it would count in the peak
+    states = 16 * num_params(shape)
+    print(json.dumps({
+        "model": args.model, "tokens": args.batch * args.seq, "lean": args.lean,
+        "checkpointed_blocks": blocks, "model_state_bytes": states,
+        "rss_MiB": {"python_torch": torch_rss // MIB, "outcore_imported": base_rss // MIB,
+                    "build_peak": build_peak // MIB, "steps_peak": step_peak // MIB,
+                    "ru_maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024},
+        "ledger_peaks_MiB": ledger,
+        "rest_MiB": (step_peak - base_rss) // MIB - sum(ledger.values()),
+        "peak_over_model_states": round(step_peak / states, 3), "steps_s": steps,
+        "machine": describe("bf16")}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

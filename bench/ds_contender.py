@@ -11,7 +11,10 @@ defaults elsewhere (aio block 1 MiB, queue depth 8, sub_group_size 1e9). Prints 
 ``RESULT {json}`` line, as bench/train.py's workers do.
 
 outcore is not installed in this venv: its models.py is loaded from the repo through a bare
-namespace stub, so the package's ``__init__`` (and its dependencies) is not imported.
+namespace stub, so the package's ``__init__`` does not run. The modules models.py imports
+need outcore's light dependencies in this venv (DeepSpeed brings pydantic and psutil):
+
+    ~/.cache/outcore-peers/ds-venv/bin/pip install pyyaml xxhash safetensors tqdm
 """
 
 from __future__ import annotations
@@ -32,7 +35,12 @@ def load_models():
     pkg = types.ModuleType("outcore")
     pkg.__path__ = [str(REPO / "outcore")]  # submodules import; __init__.py does not run
     sys.modules.setdefault("outcore", pkg)
-    return importlib.import_module("outcore.app.models")
+    try:
+        return importlib.import_module("outcore.app.models")
+    except ModuleNotFoundError as e:  # the row's log says what to install, not a traceback
+        raise SystemExit(f"ds_contender: {e.name} is missing from DeepSpeed's venv; "
+                         f"{Path(sys.executable).parent / 'pip'} install pyyaml xxhash "
+                         "safetensors tqdm") from None
 
 
 def main() -> None:

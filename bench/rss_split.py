@@ -57,6 +57,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--lean", action="store_true", help="reuse off, 64 MiB buffers and prefetch")
+    ap.add_argument("--reuse", choices=["auto", "true", "false"], default=None,
+                    help="offload.reuse_freed_memory (auto: unset)")
+    ap.add_argument("--host-buffer-mib", type=int, help="offload.host_buffer_bytes in MiB")
+    ap.add_argument("--prefetch-mib", type=int, help="zero.prefetch_bytes in MiB")
     ap.add_argument("--checkpoint", action="store_true", help="checkpoint every block")
     ap.add_argument("--nvme-path", default="bench/out/rss-swap")
     args = ap.parse_args(argv)
@@ -69,13 +73,18 @@ def main(argv: list[str] | None = None) -> int:
 
     base_rss = proc.memory_info().rss
     peak = Peak()
-    lean = {"offload": {"reuse_freed_memory": False, "host_buffer_bytes": 64 * MIB},
-            "zero": {"prefetch_bytes": 64 * MIB}} if args.lean else {"offload": {}, "zero": {}}
+    if args.lean:
+        args.reuse, args.host_buffer_mib, args.prefetch_mib = "false", 64, 64
+    offload: dict = {} if args.reuse in (None, "auto") else {
+        "reuse_freed_memory": args.reuse == "true"}
+    if args.host_buffer_mib is not None:
+        offload["host_buffer_bytes"] = args.host_buffer_mib * MIB
+    zero = {} if args.prefetch_mib is None else {"prefetch_bytes": args.prefetch_mib * MIB}
     cfg = outcore.Config.from_dict({
         "dtype": "bf16", "seed": 0, "optimizer": {"type": "adamw", "lr": 1e-4},
         "offload": {"params": "nvme", "optimizer": "nvme", "nvme_path": args.nvme_path,
-                    **lean["offload"]},
-        "zero": lean["zero"]})
+                    **offload},
+        "zero": zero})
     torch.manual_seed(0)
     with outcore.init(cfg):
         model = build_model(args.model)
@@ -100,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     engine.close(keep_values=False)  # no hand-back: it would count in the peak
     states = 16 * num_params(shape)
     print(json.dumps({
-        "model": args.model, "tokens": args.batch * args.seq, "lean": args.lean,
+        "model": args.model, "tokens": args.batch * args.seq,
+        "settings": {"offload": offload, "zero": zero},
         "checkpointed_blocks": blocks, "model_state_bytes": states,
         "rss_MiB": {"python_torch": torch_rss // MIB, "outcore_imported": base_rss // MIB,
                     "build_peak": build_peak // MIB, "steps_peak": step_peak // MIB,

@@ -166,9 +166,20 @@ def engine_step(engine, x, y):
 
 
 def run_plain(spec: dict) -> dict:
+    from outcore.app.models import num_params, resolve_config
+
+    res = timed_steps(plain_step(spec), spec["steps"], spec["warmup"])
+    res["params"] = num_params(resolve_config(spec["model"]))
+    res.update(device_peaks())
+    return res
+
+
+def plain_step(spec: dict):
+    """The plain PyTorch row's model, optimizer and fixed batch, as one timed-step function
+    (``timed_steps``'s contract)."""
     import torch
 
-    from outcore.app.models import build_model, num_params, resolve_config
+    from outcore.app.models import build_model, resolve_config
     from outcore.device.accel import default_device
     from outcore.device.compute_dtype import DTYPES
 
@@ -203,10 +214,7 @@ def run_plain(spec: dict) -> dict:
         now()
         return out, t1, t2
 
-    res = timed_steps(step, spec["steps"], spec["warmup"])
-    res["params"] = num_params(resolve_config(spec["model"]))
-    res.update(device_peaks())
-    return res
+    return step
 
 
 def outcore_engine(spec: dict):

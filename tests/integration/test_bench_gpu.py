@@ -85,3 +85,21 @@ def test_merged_runs_give_one_json(tmp_path: Path) -> None:
     assert host["floor_s"] == 1.0 and host["step_over_floor"] == 1.25
     assert merged["targets"]["host_vs_none_at_most_tokens"]["value"] == 0.8
     assert [p["measured"] for p in merged["sweep"]["points"]] == [0.8]
+
+
+def test_gpu_step_profile_runs_every_variant_tiny(tmp_path: Path) -> None:
+    # bench/gpu/profile_step.py: prepared here so a GPU session spends its minutes on the run
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "gpu" / "profile_step.py"), "--model", "tiny",
+         "--batch", "2", "--seq", "32", "--warmup", "1", "--steps", "1", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = {r["variant"]: r for r in json.loads((tmp_path / "profile-summary.json").read_text())}
+    assert set(summary) == {"plain", "plain-master", "none", "none-serial"}
+    for variant, r in summary.items():
+        assert r["step_s"] > 0 and r["cpu_ops_per_step"] > 0
+        table = (tmp_path / f"profile-{variant}.txt").read_text()
+        assert "by device time" in table and "aten::" in table
+    # outcore's own ranges are seen in its rows only, the optimizer's worker thread included
+    assert "outcore::step" in summary["none"]["outcore_ranges_ms_per_step"]
+    assert summary["plain"]["outcore_ranges_ms_per_step"] == {}

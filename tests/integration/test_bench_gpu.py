@@ -100,6 +100,6 @@ def test_gpu_step_profile_runs_every_variant_tiny(tmp_path: Path) -> None:
         assert r["step_s"] > 0 and r["cpu_ops_per_step"] > 0
         table = (tmp_path / f"profile-{variant}.txt").read_text()
         assert "by device time" in table and "aten::" in table
-    # outcore's own ranges are seen in its rows only, the optimizer's worker thread included
+    # outcore's own ranges are seen in its rows only
     assert "outcore::step" in summary["none"]["outcore_ranges_ms_per_step"]
     assert summary["plain"]["outcore_ranges_ms_per_step"] == {}

@@ -9,8 +9,10 @@ loss's logits, freed memory kept for reuse).
 ``--lean`` is the small-footprint setting: ``offload.reuse_freed_memory: false`` and 64 MiB
 each of host buffers and prefetch. ``--checkpoint`` checkpoints every block's activations (as
 ``outcore train --checkpoint-activations on`` does). Prints one JSON object with the machine;
-the peak is polled every 20 ms over the measured steps and checked against ``ru_maxrss``;
-the ledger's peaks need not fall at the same moment, so the rest is a lower bound.
+the peak is polled every 20 ms over the measured steps and checked against ``ru_maxrss``.
+The rest is the peak's growth above the imports less the ledger's peaks. The ledger counts
+bytes reserved, and its peaks need not fall at the same moment; on a small model whose I/O
+buffers are never filled, the rest can come out negative.
 Run by hand; memory, not time, is what it reports (the step times are there only as a sign
 of what the setting costs).
 """

@@ -50,6 +50,7 @@ def profiled(spec: dict) -> dict:
 
     from outcore.profiling import profile
 
+    engine = None
     if VARIANTS[spec["variant"]] is None:
         step = train_worker.plain_step({**spec, "row": spec["variant"]})
     else:
@@ -67,6 +68,8 @@ def profiled(spec: dict) -> dict:
         for _ in range(spec["steps"]):
             step()
         wall = (time.perf_counter() - t0) / spec["steps"]
+    if engine is not None:
+        engine.close(keep_values=False)  # what it created goes; the values are not wanted
     events = prof.key_averages()
     by_device = "self_device_time_total" if cuda else "self_cpu_time_total"
     try:

@@ -291,7 +291,7 @@ class Engine:
         self.last_grad_norm = norm
         coef = clip / (norm + 1e-6) if norm is not None and clip > 0 else 1.0
         if self.rt.plan.speculates:  # speculation.py's [Note: a speculative step]
-            self.sharded_optimizer.conclude(fits=not coef < 1.0)
+            self.sharded_optimizer.conclude(fits=coef >= 1.0)
         pending = self.sharded_optimizer.step(defer=defer,
                                               grad_scale=coef if coef < 1.0 else 1.0)
         self.scaler.update(overflow=False)

@@ -24,6 +24,7 @@ parameters whose ``.grad`` is None.
 
 from __future__ import annotations
 
+import math
 import shutil
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -284,7 +285,7 @@ class ShardedOptimizer:
         for same in by_device.values():
             norms = torch._foreach_norm(same, 2, dtype=torch.float32)  # some may be bf16
             local += torch.stack(norms).double().pow(2).sum().cpu()
-        return float(float(self.rt.comm.all_reduce_sum(local)) ** 0.5)
+        return math.sqrt(float(self.rt.comm.all_reduce_sum(local)))
 
     def step_of(self, sp: ShardedParam) -> int:
         """How many updates ``sp`` has had (AdamW's bias correction counts them)."""

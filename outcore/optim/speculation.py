@@ -66,20 +66,21 @@ def reserve_asides(shards: list[StoredShard], disk_free: int) -> bool:
     bytes, which checkpoints and other runs may need, or the disk refuses it."""
     unique = list({id(stored): stored for stored in shards}.values())  # fp32: copy is master
     need = sum(stored.nbytes for stored in unique if stored.tier is Tier.NVME)
-    try:
-        if need > disk_free // 2:
-            raise StorageError(f"it needs {format_bytes(need)}, more than half of the "
-                               f"{format_bytes(disk_free)} free")
-        for stored in unique:
-            stored.reserve_aside()
-    except StorageError as e:
-        for stored in unique:
-            stored.release_aside()
-        log.warning("outcore: the speculative step is off for this run: the room for "
-                    "tentative updates did not fit on disk (%s); updates wait for step() "
-                    "(zero.speculative_step: false says so up front)", e)
-        return False
-    return True
+    if need > disk_free // 2:
+        why = f"it needs {format_bytes(need)}, more than half of the {format_bytes(disk_free)} free"
+    else:
+        try:
+            for stored in unique:
+                stored.reserve_aside()
+            return True
+        except StorageError as e:
+            for stored in unique:  # what was reserved before the refusal
+                stored.release_aside()
+            why = str(e)
+    log.warning("outcore: the speculative step is off for this run: the room for tentative "
+                "updates did not fit on disk (%s); updates wait for step() "
+                "(zero.speculative_step: false says so up front)", why)
+    return False
 
 
 def keep_tentative(states: dict[ShardedParam, ParamState]) -> int:

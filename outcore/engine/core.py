@@ -132,6 +132,7 @@ class Engine:
                 g.wait_unshard()
         self.buffer_places = build.cast_buffers(module, self.rt)
         budget = build.prefetch_budget(cfg, self.groups, placement.nvme_fetch_share(self.rt))
+        self.rt.adopt_prefetch_budget(budget)
         self.schedule = Schedule(budget, self.groups, carry=self.rt.plan.carries_head)
         self.sharded_optimizer = ShardedOptimizer(self._optimizer_groups(param_groups),
                                                   cfg.optimizer, self.rt)

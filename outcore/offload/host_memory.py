@@ -39,10 +39,17 @@ and on a host with few cores that time is taken from compute.
 the state is in device memory, for which nothing is set by default), so most of a step's
 pages are reused: steps get shorter at every batch size, and peak RSS higher, the more so
 the larger the batch (measured side by side: bench/RESULTS.md, 'reuse_freed_memory'). A
-free heap top beyond ``REUSE_TRIM_BYTES`` still goes back to the system, so one huge
-transient at the top (an evaluation batch, say) is not kept for good; but blocks freed
-below a live one (torch allocates small blocks after large ones) stay, so this bounds the
-top, not the RSS. Asked for, it applies whatever the host's room; left unset, the
+free heap top beyond ``REUSE_TRIM_BYTES``, or beyond what the first step held once it has
+been measured (the next note), still goes back to the system, so one huge transient at the
+top (an evaluation batch, say) is not kept for good; but blocks freed below a live one
+(torch allocates small blocks after large ones) stay, so this bounds the top, not the RSS.
+The bound grows to the step's size because the loss's tensors are the largest a step makes
+(the logits in fp32, their log-softmax and its gradient: 250 MiB each at 2048 tokens of a
+32,000-word vocabulary); below them, they went back every step: 90% of a step's page faults
+on gpt-335m at 4 x 512 tokens (about 200,000), 0.35 CPU-s of the compute threads' time
+(bench/results/2026-11-26-intel-amx-bf16-fault-free-steps.md). The same decision lets the
+parameters' full-tensor memory be kept (runtime/context.py's [Note: kept full-tensor memory
+follows the budget]). Asked for, it applies whatever the host's room; left unset, the
 next note decides from the first step, since RSS is what a small host is short of. It
 starts once the engine is built (``Runtime.begin_training``): building the model allocates
 and frees every full tensor once, and a heap serving that would keep holding it for the
@@ -146,11 +153,12 @@ def keep_freed_memory_for_reuse(force: bool = False) -> bool:
     return _apply("keep", [(_M_TRIM_THRESHOLD, _NEVER_TRIM), (_M_MMAP_MAX, 0)])
 
 
-def reuse_freed_memory_on_small_host() -> bool:
-    """Serve every block from the heap, trimming its top beyond ``REUSE_TRIM_BYTES`` (the
-    third note); True if in effect. Only an explicit config asks for it, so it always
-    applies."""
-    return _apply("reuse", [(_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, REUSE_TRIM_BYTES)])
+def reuse_freed_memory_on_small_host(step_bytes: int = 0) -> bool:
+    """Serve every block from the heap, trimming its top beyond ``REUSE_TRIM_BYTES`` or
+    ``step_bytes`` (what one step holds, once measured), whichever is more (the third note);
+    True if in effect. It always applies: an explicit config or the first step asked."""
+    trim = max(REUSE_TRIM_BYTES, step_bytes)
+    return _apply("reuse", [(_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, trim)])
 
 
 def reuse_fits(working_set: int, available: int) -> bool:

@@ -65,6 +65,8 @@ class Runtime:
             return_large_frees_to_os()  # reuse, if asked, starts in begin_training
         elif self.plan.state_in_host_memory:
             keep_freed_memory_for_reuse(force=reuse is True)
+        self.reusing = False  # freed memory is kept for reuse (host_memory.py's notes)
+        self.prefetch_budget: int | None = None  # the engine's, once it adopts one
         self.full_regions = self._full_regions(cfg)
         # page-locked blocks for host shards that cross to the device every step
         self.pinned = PinnedArena() if self.accel.pin_host_buffers else None
@@ -156,18 +158,37 @@ class Runtime:
         on NVMe (buffers.py's [Note: aligned memory under a storage ...])."""
         if not self.plan.aligned_full:
             return None
-        # Kept memory is bounded by twice the prefetch budget where the optimizer state is in
-        # host memory (the host is sized for 8x the parameters then), by half of it where the
-        # state is on NVMe (a small host); at least a few layers' worth either way. With the
-        # state in memory, a cap of half or one budget still maps fresh memory for many fills,
-        # twice the budget for few (measured: bench/RESULTS.md, 'in-memory page reuse').
         return AlignedRegions(self._region_cap(cfg),
                               self.ledger.charge(Tier.HOST, Kind.PARAM_CACHE))
 
+    def adopt_prefetch_budget(self, budget: int) -> None:
+        """The engine's prefetch budget, which may have grown past ``zero.prefetch_bytes``
+        (zero/build.py's notes): the memory kept for full tensors follows it."""
+        self.prefetch_budget = budget
+        self._resize_regions()
+
+    def _resize_regions(self) -> None:
+        if self.full_regions is not None:
+            self.full_regions.cap_bytes = self._region_cap(self.cfg)
+
     def _region_cap(self, cfg: Config) -> int:
-        kept = 2 * cfg.zero.prefetch_bytes if self.state_tier is not Tier.NVME else (
-            cfg.zero.prefetch_bytes // 2)
-        return max(kept, 32 << 20)
+        """[Note: kept full-tensor memory follows the budget]
+        A released full tensor's memory is kept for the next one of its size, up to this
+        cap; beyond it, it is unmapped and the next fill maps fresh memory, which the O_DIRECT
+        read into it then faults in page by page. The cap is a share of the prefetch budget
+        the engine runs with (which grows past the configured value with params on NVMe),
+        not of the configured value: twice the budget where the host has room (the optimizer
+        state in host memory, sized for 8x the parameters; or on NVMe once freed memory is
+        kept for reuse, host_memory.py's notes), half of it on a small host; at least a few
+        layers' worth either way. With the state in memory, a cap of half or one budget still
+        maps fresh memory for many fills (bench/RESULTS.md, 'in-memory page reuse'). Capped
+        at the configured 128 MiB's half while the budget had grown to ~1.1 GiB, gpt-335m
+        with everything on NVMe mapped 610 MiB afresh every step, and its I/O threads spent
+        0.5-1.0 CPU-s a step in the kernel faulting them in; kept, they spent 0.2-0.26
+        (bench/results/2026-11-26-intel-amx-bf16-fault-free-steps.md)."""
+        budget = cfg.zero.prefetch_bytes if self.prefetch_budget is None else self.prefetch_budget
+        roomy = self.state_tier is not Tier.NVME or self.reusing
+        return max(2 * budget if roomy else budget // 2, 32 << 20)
 
     @property
     def staging_bytes(self) -> int:
@@ -210,11 +231,14 @@ class Runtime:
         pool idle in training keeps no pages]), and apply ``offload.reuse_freed_memory: true``
         where the host is not sized for the optimizer state (on NVMe or in device memory):
         building the model under that policy would leave the heap holding what the build
-        allocated and freed (host_memory.py's [Note: reuse on a small host, when asked])."""
+        allocated and freed (host_memory.py's [Note: reuse on a small host, when asked]).
+        Either way the first step is measured: it decides an unset key and sizes the heap's
+        kept top for both (host_memory.py's notes)."""
         self.release_idle_io_buffers()
         reuse = self.cfg.offload.reuse_freed_memory
         if not self.plan.state_in_host_memory and reuse:
-            reuse_freed_memory_on_small_host()
+            self._start_reuse()
+            self.working_set = 0
         elif reuse is None and self._frozen_base_on_disk(trainable_fraction):
             return_large_frees_to_os()
         elif reuse is None and not self.plan.state_in_host_memory:
@@ -228,19 +252,29 @@ class Runtime:
 
     def settle_reuse(self, available: int) -> None:
         """After the first step: keep freed memory for reuse if ``available`` bytes (this
-        host's, shared by its ranks) leave room for it (host_memory.py's [Note: reuse decided
-        by the first step]); decided once."""
+        host's, shared by its ranks) leave room for it, or if the config asked (host_memory.py's
+        [Note: reuse decided by the first step]); decided once."""
         if self.working_set is None:
             return
         held, self.working_set = self.working_set, None
+        if self.reusing:  # asked for: what the step held only bounds the heap's kept top
+            self._start_reuse(held)
+            return
         room = available // ranks_on_this_host()
-        if reuse_fits(held, room) and reuse_freed_memory_on_small_host():
+        if reuse_fits(held, room) and self._start_reuse(held):
             log.info("outcore: the first step held %s with %s available: freed memory is kept "
                      "for reuse (offload.reuse_freed_memory: false keeps giving it back)",
                      format_bytes(held), format_bytes(room))
         else:
             log.info("outcore: the first step held %s with %s available: freed memory goes "
                      "back to the system", format_bytes(held), format_bytes(room))
+
+    def _start_reuse(self, step_bytes: int = 0) -> bool:
+        """Keep freed memory for reuse, the heap's and the full tensors' (the note at
+        ``_region_cap``); True if in effect."""
+        self.reusing = reuse_freed_memory_on_small_host(step_bytes)
+        self._resize_regions()
+        return self.reusing
 
     def _frozen_base_on_disk(self, trainable_fraction: float) -> bool:
         """A mostly frozen model with its parameters on NVMe: the host is not sized for it
@@ -262,8 +296,7 @@ class Runtime:
         self.cfg = cfg = cfg.with_dtype(self.dtype_choice.name)
         self.compute_dtype = self.dtype_choice.torch_dtype
         self.plan = self._derive_plan(cfg)
-        if self.full_regions is not None:
-            self.full_regions.cap_bytes = self._region_cap(cfg)
+        self._resize_regions()
         return cfg
 
     def close(self) -> None:

@@ -282,7 +282,7 @@ import outcore
 from outcore.guard.memory import Available
 from outcore.offload import host_memory
 from outcore.optim import optimizer
-if len(sys.argv) > 2:  # the memory this host has left, as the first step's decision sees it
+if sys.argv[2]:  # the memory this host has left, as the first step's decision sees it
     optimizer.available_memory = lambda: Available(int(sys.argv[2]), None)
 torch.manual_seed(0)
 cfg = outcore.Config.from_dict({"dtype": "auto", "optimizer": {"type": "adamw", "lr": 1e-3},
@@ -292,10 +292,11 @@ with outcore.init(cfg):
     at_build = host_memory._policy
 engine = outcore.initialize(model, cfg)
 x = torch.randn(40000, 256)  # 20 MB activations in bf16, 40 MB in fp32 (auto: per CPU)
+widen = int(sys.argv[3])  # the loss's fp32 tensors: widen x 40 MB
 faults = []
 for _ in range(6):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    engine.backward(engine(x).float().pow(2).mean())
+    engine.backward(engine(x).float().repeat(1, widen).pow(2).mean())
     engine.step()
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 engine.close()
@@ -312,10 +313,12 @@ def _run_fresh(script: str, *args: str) -> object:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def _step_faults(offload: dict, room: int | None = None) -> dict:
+def _step_faults(offload: dict, room: int | None = None, widen: int = 1) -> dict:
     """Page faults of each of six steps in a fresh process with this ``offload`` config;
-    ``room``: the available memory the first step's decision is shown, else the host's."""
-    return _run_fresh(_STEP_FAULTS, json.dumps(offload), *([] if room is None else [str(room)]))
+    ``room``: the available memory the first step's decision is shown, else the host's;
+    ``widen``: the loss's fp32 tensors are that many times the output's 40 MB."""
+    room_arg = "" if room is None else str(room)
+    return _run_fresh(_STEP_FAULTS, json.dumps(offload), room_arg, str(widen))
 
 
 glibc_only = pytest.mark.skipif(platform.libc_ver()[0] != "glibc",
@@ -373,8 +376,10 @@ _FREED_RSS = """
 import ctypes, json, sys
 import psutil
 from outcore.offload import host_memory
-{"keep": host_memory.keep_freed_memory_for_reuse,
- "reuse": host_memory.reuse_freed_memory_on_small_host}[sys.argv[1]]()
+if sys.argv[1] == "keep":
+    host_memory.keep_freed_memory_for_reuse()
+else:  # what the first step held, if given
+    host_memory.reuse_freed_memory_on_small_host(*map(int, sys.argv[2:]))
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
 proc = psutil.Process()
@@ -449,7 +454,7 @@ def test_which_malloc_policy_each_config_asks_for(offload: dict, at_build: list[
     monkeypatch.setattr(rt_mod, "keep_freed_memory_for_reuse",
                         lambda force=False: calls.append(f"keep force={force}"))
     monkeypatch.setattr(rt_mod, "reuse_freed_memory_on_small_host",
-                        lambda: calls.append("reuse"))
+                        lambda step_bytes=0: calls.append("reuse"))
     if offload.get("optimizer") == "nvme":
         offload = {**offload, "nvme_path": str(tmp_path)}
     rt = rt_mod.Runtime(outcore.Config.from_dict({"offload": offload}))
@@ -465,7 +470,7 @@ def test_which_malloc_policy_each_config_asks_for(offload: dict, at_build: list[
                       "device memory, not host memory")
 @pytest.mark.parametrize("offload, trainable, watched", [
     ({"optimizer": "nvme"}, 1.0, True),
-    ({"optimizer": "nvme", "reuse_freed_memory": True}, 1.0, False),
+    ({"optimizer": "nvme", "reuse_freed_memory": True}, 1.0, True),  # for the heap's top
     ({"optimizer": "nvme", "reuse_freed_memory": False}, 1.0, False),
     ({}, 1.0, False),  # the state in memory: its heap is kept from the build on
     ({"params": "nvme"}, 0.01, False),  # a frozen base on disk: given back for good
@@ -475,13 +480,14 @@ def test_the_first_step_decides_reuse_where_the_config_leaves_it_open(
     """Which runtimes wait for the first step to decide (host_memory.py's [Note: reuse
     decided by the first step]), and the decision: reuse when the room available to this
     rank is ``REUSE_ROOM`` working sets or more, the room shared by the ranks on the host,
-    decided once."""
+    decided once. Asked for, reuse stands whatever the room, and the first step's size bounds
+    the heap's kept top in both cases."""
     from outcore.offload.host_memory import REUSE_ROOM
     from outcore.runtime import context as rt_mod
 
     calls: list[str] = []
     monkeypatch.setattr(rt_mod, "reuse_freed_memory_on_small_host",
-                        lambda: calls.append("reuse") or True)
+                        lambda step_bytes=0: calls.append(step_bytes) or True)
     if "nvme" in offload.values():
         offload = {**offload, "nvme_path": str(tmp_path)}
     cfg = outcore.Config.from_dict({"offload": offload})
@@ -502,12 +508,15 @@ def test_the_first_step_decides_reuse_where_the_config_leaves_it_open(
             return
         held = rt.working_set
         assert held > 0
+        asked = [held] if offload.get("reuse_freed_memory") else []
         rt.settle_reuse(REUSE_ROOM * held - 1)  # just short of room
-        assert calls == [] and rt.working_set is None
+        assert calls == asked and rt.working_set is None
         rt.settle_reuse(1 << 60)  # decided once: a later step changes nothing
-        assert calls == []
+        assert calls == asked
     finally:
         rt.close()
+    if asked:
+        return
     for ranks, room, reused in ((1, REUSE_ROOM, True), (2, REUSE_ROOM, False),
                                 (2, 2 * REUSE_ROOM, True)):
         monkeypatch.setenv("LOCAL_WORLD_SIZE", str(ranks))
@@ -515,7 +524,7 @@ def test_the_first_step_decides_reuse_where_the_config_leaves_it_open(
         try:
             rt.working_set = 100 << 20
             rt.settle_reuse(room * (100 << 20))
-            assert calls == (["reuse"] if reused else []), (ranks, room)
+            assert calls == ([100 << 20] if reused else []), (ranks, room)
         finally:
             rt.close()
 

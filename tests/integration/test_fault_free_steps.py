@@ -1,0 +1,130 @@
+"""Steps that reuse their memory instead of faulting it in again, where the host has room.
+
+With the optimizer state on NVMe, a host with room keeps freed memory for reuse once the
+first step has shown what a step holds (offload/host_memory.py's notes). Two things a step
+allocates afresh each time escaped that: the loss's tensors, larger than the heap's old
+256 MiB bound on a free top, and the parameters' full-tensor memory, capped at a share of
+the configured prefetch budget while the engine's budget had grown (runtime/context.py's
+[Note: kept full-tensor memory follows the budget]). Malloc policies are process-wide, so
+whatever applies one runs in a fresh process.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import outcore
+from outcore.guard.memory import Available
+from outcore.offload.host_memory import REUSE_TRIM_BYTES
+from tests.integration.test_host_paths import (
+    _FREED_RSS,
+    _run_fresh,
+    _settled,
+    _step_faults,
+    glibc_only,
+)
+
+_MiB = 1 << 20
+
+
+@glibc_only
+@pytest.mark.cpu_only("counts the page faults of steps computed in host memory")
+def test_loss_tensors_past_the_old_bound_reuse_their_pages(tmp_path: Path) -> None:
+    """The loss's fp32 tensors here are 320 MB each, past ``REUSE_TRIM_BYTES``: a host with
+    room reuses their pages from the second step on, as it does a narrower step's, where a
+    bound of 256 MiB gave them back every step (about 80,000 faults each)."""
+    nvme = {"optimizer": "nvme", "nvme_path": str(tmp_path)}
+    wide = 8  # x 40 MB
+    assert wide * 40_000 * 256 * 4 > REUSE_TRIM_BYTES
+    roomy = _step_faults(nvme, room=1 << 50, widen=wide)
+    short = _step_faults(nvme, room=64 << 20, widen=wide)
+    assert (roomy["policy"], short["policy"]) == ("reuse", "return")
+    assert _settled(short["faults"]) > 200_000, short
+    assert _settled(roomy["faults"]) * 3 < _settled(short["faults"]), (roomy, short)
+
+
+@glibc_only
+def test_the_heap_keeps_a_free_top_up_to_what_a_step_held() -> None:
+    """Reuse keeps a freed heap top as large as the first step held and gives back one that
+    is larger: 512 MiB freed at the top stays under a 1 GiB step, not under the bound alone
+    (host_memory.py's [Note: reuse on a small host, when asked])."""
+    for step_bytes, kept in ((1 << 30, True), (0, False), (256 * _MiB, False)):
+        before, grown, after = _run_fresh(_FREED_RSS, "reuse", str(step_bytes))
+        assert grown - before > 500 * _MiB, (step_bytes, before, grown)
+        assert (after - before > 500 * _MiB) is kept, (step_bytes, before, grown, after)
+
+
+@pytest.mark.cpu_only("NVMe reads land in page-aligned full tensors on a CPU device only "
+                      "(plan.aligned_full)")
+@pytest.mark.parametrize("reuse", [None, False])
+def test_kept_full_tensor_memory_follows_the_engines_budget(reuse: bool | None, tmp_path: Path,
+                                                            monkeypatch) -> None:
+    """The memory kept for full tensors is half the engine's prefetch budget on a small host,
+    the budget it grew to with params on NVMe (not the configured 128 MiB), and twice it once
+    the first step keeps freed memory for reuse; a config that refuses reuse keeps half."""
+    from outcore.optim import optimizer
+    from outcore.runtime import context as rt_mod
+
+    monkeypatch.setattr(rt_mod, "reuse_freed_memory_on_small_host", lambda step_bytes=0: True)
+    monkeypatch.setattr(optimizer, "available_memory",
+                        lambda: Available(1 << 50, None))
+    cfg = outcore.Config.from_dict({
+        "dtype": "auto", "optimizer": {"type": "adamw", "lr": 1e-3},
+        "offload": {"params": "nvme", "optimizer": "nvme", "nvme_path": str(tmp_path),
+                    "reuse_freed_memory": reuse}})
+    torch.manual_seed(0)
+    with outcore.initialize(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 4)), cfg) as engine:
+        regions, budget = engine.rt.full_regions, engine.schedule.prefetch_bytes
+        assert regions is not None
+        assert budget > cfg.zero.prefetch_bytes  # grown: parameters on NVMe
+        assert regions.cap_bytes == max(budget // 2, 32 * _MiB)
+        engine.backward(engine(torch.randn(8, 64)).float().pow(2).mean())
+        engine.step()
+        assert engine.rt.reusing is (reuse is None)
+        assert regions.cap_bytes == (2 * budget if reuse is None else max(budget // 2, 32 * _MiB))
+
+
+_FRESH_MAPPINGS = """
+import json, sys
+import torch
+from torch import nn
+import outcore
+from outcore.guard.memory import Available
+from outcore.optim import optimizer
+optimizer.available_memory = lambda: Available(1 << 50, None)  # a host with room
+cfg = outcore.Config.from_dict({"dtype": "bf16", "optimizer": {"type": "adamw", "lr": 1e-3},
+                                "offload": {"params": "nvme", "optimizer": "nvme",
+                                            "nvme_path": sys.argv[1]}})
+torch.manual_seed(0)
+with outcore.init(cfg):  # 9 x 4M parameters: 75 MB of bf16 full tensors, past 64 MiB
+    model = nn.Sequential(*[nn.Linear(2048, 2048, bias=False) for _ in range(9)])
+engine = outcore.initialize(model, cfg)
+regions = engine.rt.full_regions
+x = torch.randn(4, 2048)
+mapped = []
+for _ in range(4):
+    engine.backward(engine(x).float().pow(2).mean())
+    engine.step()
+    mapped.append(regions.mapped)
+print(json.dumps({"mapped": mapped, "fills": regions.fills, "reusing": engine.rt.reusing}))
+engine.close()
+"""
+
+
+@glibc_only
+@pytest.mark.cpu_only("NVMe reads land in page-aligned full tensors on a CPU device only "
+                      "(plan.aligned_full)")
+def test_steps_after_the_first_map_no_fresh_full_tensor_memory(tmp_path: Path) -> None:
+    """With params and optimizer on NVMe and a host with room, every full tensor from the
+    third step on is filled with memory kept from an earlier one: none is mapped afresh
+    (and faulted in by the read into it). Capped at the configured budget's half, 64 MiB,
+    this model's 75 MB were partly mapped afresh every step."""
+    out = _run_fresh(_FRESH_MAPPINGS, str(tmp_path))
+    assert out["reusing"], out
+    assert out["fills"] >= 4 * 9, out
+    assert out["mapped"][3] == out["mapped"][1], out
+    assert not any(tmp_path.iterdir())

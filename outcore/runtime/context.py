@@ -184,7 +184,7 @@ class Runtime:
         maps fresh memory for many fills (bench/RESULTS.md, 'in-memory page reuse'). Capped
         at the configured 128 MiB's half while the budget had grown to ~1.1 GiB, gpt-335m
         with everything on NVMe mapped 610 MiB afresh every step, and its I/O threads spent
-        0.5-1.0 CPU-s a step in the kernel faulting them in; kept, they spent 0.2-0.26
+        0.73-1.20 CPU-s a step in the kernel, most of it faulting them in; kept, 0.21-0.26
         (bench/results/2026-11-26-intel-amx-bf16-fault-free-steps.md)."""
         budget = cfg.zero.prefetch_bytes if self.prefetch_budget is None else self.prefetch_budget
         roomy = self.state_tier is not Tier.NVME or self.reusing

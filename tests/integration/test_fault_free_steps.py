@@ -20,13 +20,7 @@ from torch import nn
 import outcore
 from outcore.guard.memory import Available
 from outcore.offload.host_memory import REUSE_TRIM_BYTES
-from tests.integration.test_host_paths import (
-    _FREED_RSS,
-    _run_fresh,
-    _settled,
-    _step_faults,
-    glibc_only,
-)
+from tests.heap import FREED_RSS, glibc_only, run_fresh, settled, step_faults
 
 _MiB = 1 << 20
 
@@ -40,11 +34,11 @@ def test_loss_tensors_past_the_old_bound_reuse_their_pages(tmp_path: Path) -> No
     nvme = {"optimizer": "nvme", "nvme_path": str(tmp_path)}
     wide = 8  # x 40 MB
     assert wide * 40_000 * 256 * 4 > REUSE_TRIM_BYTES
-    roomy = _step_faults(nvme, room=1 << 50, widen=wide)
-    short = _step_faults(nvme, room=64 << 20, widen=wide)
+    roomy = step_faults(nvme, room=1 << 50, widen=wide)
+    short = step_faults(nvme, room=64 << 20, widen=wide)
     assert (roomy["policy"], short["policy"]) == ("reuse", "return")
-    assert _settled(short["faults"]) > 200_000, short
-    assert _settled(roomy["faults"]) * 3 < _settled(short["faults"]), (roomy, short)
+    assert settled(short["faults"]) > 200_000, short
+    assert settled(roomy["faults"]) * 3 < settled(short["faults"]), (roomy, short)
 
 
 @glibc_only
@@ -53,7 +47,7 @@ def test_the_heap_keeps_a_free_top_up_to_what_a_step_held() -> None:
     is larger: 512 MiB freed at the top stays under a 1 GiB step, not under the bound alone
     (host_memory.py's [Note: reuse on a small host, when asked])."""
     for step_bytes, kept in ((1 << 30, True), (0, False), (256 * _MiB, False)):
-        before, grown, after = _run_fresh(_FREED_RSS, "reuse", str(step_bytes))
+        before, grown, after = run_fresh(FREED_RSS, "reuse", str(step_bytes))
         assert grown - before > 500 * _MiB, (step_bytes, before, grown)
         assert (after - before > 500 * _MiB) is kept, (step_bytes, before, grown, after)
 
@@ -123,7 +117,7 @@ def test_steps_after_the_first_map_no_fresh_full_tensor_memory(tmp_path: Path) -
     third step on is filled with memory kept from an earlier one: none is mapped afresh
     (and faulted in by the read into it). Capped at the configured budget's half, 64 MiB,
     this model's 75 MB were partly mapped afresh every step."""
-    out = _run_fresh(_FRESH_MAPPINGS, str(tmp_path))
+    out = run_fresh(_FRESH_MAPPINGS, str(tmp_path))
     assert out["reusing"], out
     assert out["fills"] >= 4 * 9, out
     assert out["mapped"][3] == out["mapped"][1], out

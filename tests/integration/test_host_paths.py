@@ -8,10 +8,6 @@ forward is read during the step, and large freed blocks go back to the operating
 
 from __future__ import annotations
 
-import json
-import platform
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,6 +18,7 @@ import outcore
 from outcore.offload.buffers import ALIGN, AlignedRegions
 from tests.common import square_loss_steps
 from tests.distributed import run_world
+from tests.heap import FREED_RSS, glibc_only, run_fresh, settled, step_faults
 
 
 def _mlp() -> nn.Module:
@@ -245,7 +242,7 @@ def test_large_frees_return_to_the_os() -> None:
     small live object sits above them in the heap (host_memory.py's note). In a fresh process:
     the policy is process-wide, and a heap that an earlier engine let keep its frees would
     serve the blocks from pages already resident."""
-    result = _run_fresh(_RETURNED_RSS)
+    result = run_fresh(_RETURNED_RSS)
     if result is None:
         pytest.skip("not glibc")
     before, grown, after = result
@@ -274,63 +271,14 @@ print(json.dumps([before, grown, proc.memory_info().rss]))
 """
 
 
-_STEP_FAULTS = """
-import json, resource, sys
-import torch
-from torch import nn
-import outcore
-from outcore.guard.memory import Available
-from outcore.offload import host_memory
-from outcore.optim import optimizer
-if sys.argv[2]:  # the memory this host has left, as the first step's decision sees it
-    optimizer.available_memory = lambda: Available(int(sys.argv[2]), None)
-torch.manual_seed(0)
-cfg = outcore.Config.from_dict({"dtype": "auto", "optimizer": {"type": "adamw", "lr": 1e-3},
-                                "offload": json.loads(sys.argv[1])})
-with outcore.init(cfg):
-    model = nn.Sequential(nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 256))
-    at_build = host_memory._policy
-engine = outcore.initialize(model, cfg)
-x = torch.randn(40000, 256)  # 20 MB activations in bf16, 40 MB in fp32 (auto: per CPU)
-widen = int(sys.argv[3])  # the loss's fp32 tensors: widen x 40 MB
-faults = []
-for _ in range(6):
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    engine.backward(engine(x).float().repeat(1, widen).pow(2).mean())
-    engine.step()
-    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-engine.close()
-print(json.dumps({"faults": faults, "policy": host_memory._policy, "at_build": at_build}))
-"""
 
 
-def _run_fresh(script: str, *args: str) -> object:
-    """The JSON a script prints last, run in a fresh process (malloc policies are
-    process-wide, so each case needs its own)."""
-    proc = subprocess.run([sys.executable, "-c", script, *args], capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def _step_faults(offload: dict, room: int | None = None, widen: int = 1) -> dict:
-    """Page faults of each of six steps in a fresh process with this ``offload`` config;
-    ``room``: the available memory the first step's decision is shown, else the host's;
-    ``widen``: the loss's fp32 tensors are that many times the output's 40 MB."""
-    room_arg = "" if room is None else str(room)
-    return _run_fresh(_STEP_FAULTS, json.dumps(offload), room_arg, str(widen))
 
 
-glibc_only = pytest.mark.skipif(platform.libc_ver()[0] != "glibc",
-                                reason="the malloc policies are glibc's")
 
 
-def _settled(faults: list[int]) -> int:
-    # The heap still grows now and then: with threads interleaving differently one step of a
-    # few may fault in 30-50k pages even where freed memory is reused (seen in bf16 and in
-    # fp32). A policy that does not reuse faults every step, so the fewest of the last three
-    # steps tells the policies apart without depending on that noise.
-    return min(faults[3:])
 
 
 @glibc_only
@@ -340,11 +288,11 @@ def test_in_memory_steps_reuse_pages_instead_of_faulting_them_in() -> None:
     step's pages (host_memory.py's [Note: page faults are the other cost]); a config that
     asks for large frees to be given back (``offload.reuse_freed_memory: false``) faults
     them in again every step."""
-    keep = _step_faults({})
-    given_back = _step_faults({"reuse_freed_memory": False})
+    keep = step_faults({})
+    given_back = step_faults({"reuse_freed_memory": False})
     assert keep["policy"] == "keep" and given_back["policy"] == "return"
-    assert _settled(given_back["faults"]) > 20_000, given_back
-    assert _settled(keep["faults"]) * 3 < _settled(given_back["faults"]), (keep, given_back)
+    assert settled(given_back["faults"]) > 20_000, given_back
+    assert settled(keep["faults"]) * 3 < settled(given_back["faults"]), (keep, given_back)
 
 
 @glibc_only
@@ -356,40 +304,22 @@ def test_small_host_reuses_pages_when_it_has_room_or_is_asked(tmp_path: Path) ->
     config saying ``false``, keeps giving them back (host_memory.py's [Note: reuse on a small
     host, when asked] and [Note: reuse decided by the first step])."""
     nvme = {"optimizer": "nvme", "nvme_path": str(tmp_path)}
-    roomy = _step_faults(nvme, room=1 << 50)
-    short = _step_faults(nvme, room=64 << 20)
-    refused = _step_faults({**nvme, "reuse_freed_memory": False}, room=1 << 50)
-    asked = _step_faults({**nvme, "reuse_freed_memory": True}, room=64 << 20)
+    roomy = step_faults(nvme, room=1 << 50)
+    short = step_faults(nvme, room=64 << 20)
+    refused = step_faults({**nvme, "reuse_freed_memory": False}, room=1 << 50)
+    asked = step_faults({**nvme, "reuse_freed_memory": True}, room=64 << 20)
     assert [r["policy"] for r in (roomy, short, refused, asked)] == [
         "reuse", "return", "return", "reuse"]
     for r in (roomy, short, refused, asked):  # the build's frees are not kept (the note)
         assert r["at_build"] == "return"
     for given_back in (short, refused):
-        assert _settled(given_back["faults"]) > 20_000, given_back
+        assert settled(given_back["faults"]) > 20_000, given_back
         for reused in (roomy, asked):
-            assert _settled(reused["faults"]) * 3 < _settled(given_back["faults"]), (
+            assert settled(reused["faults"]) * 3 < settled(given_back["faults"]), (
                 reused, given_back)
     assert not any(tmp_path.iterdir())  # each run's swap files are gone
 
 
-_FREED_RSS = """
-import ctypes, json, sys
-import psutil
-from outcore.offload import host_memory
-if sys.argv[1] == "keep":
-    host_memory.keep_freed_memory_for_reuse()
-else:  # what the first step held, if given
-    host_memory.reuse_freed_memory_on_small_host(*map(int, sys.argv[2:]))
-libc = ctypes.CDLL("libc.so.6")
-libc.malloc.restype, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
-proc = psutil.Process()
-before = proc.memory_info().rss
-block = libc.malloc(512 << 20)  # at the heap's top: nothing is allocated after it
-ctypes.memset(block, 1, 512 << 20)
-grown = proc.memory_info().rss
-libc.free(block)
-print(json.dumps([before, grown, proc.memory_info().rss]))
-"""
 
 
 @glibc_only
@@ -398,7 +328,7 @@ def test_small_host_reuse_gives_back_what_exceeds_its_bound() -> None:
     back to the system; the in-memory policy keeps it (host_memory.py's notes). The bound
     is on the heap's top only: a freed block below a live one stays either way."""
     for policy, kept in (("reuse", False), ("keep", True)):
-        before, grown, after = _run_fresh(_FREED_RSS, policy)
+        before, grown, after = run_fresh(FREED_RSS, policy)
         assert grown - before > 500 * 2**20, (policy, before, grown)
         assert (after - before > 500 * 2**20) is kept, (policy, before, grown, after)
 

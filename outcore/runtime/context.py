@@ -257,8 +257,8 @@ class Runtime:
         if self.working_set is None:
             return
         held, self.working_set = self.working_set, None
-        if self.reusing:  # asked for: what the step held only bounds the heap's kept top
-            self._start_reuse(held)
+        if self.cfg.offload.reuse_freed_memory:  # asked for: what the step held only
+            self._start_reuse(held)  # bounds the heap's kept top
             return
         room = available // ranks_on_this_host()
         if reuse_fits(held, room) and self._start_reuse(held):

@@ -44,15 +44,16 @@ print(json.dumps({"faults": faults, "policy": host_memory._policy, "at_build": a
 """
 
 
-
 FREED_RSS = """
 import ctypes, json, sys
 import psutil
 from outcore.offload import host_memory
 if sys.argv[1] == "keep":
     host_memory.keep_freed_memory_for_reuse()
-else:  # what the first step held, if given
-    host_memory.reuse_freed_memory_on_small_host(*map(int, sys.argv[2:]))
+else:
+    host_memory.reuse_freed_memory_on_small_host()
+    if len(sys.argv) > 2:  # what the first step held
+        host_memory.bound_reused_top(int(sys.argv[2]))
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
 proc = psutil.Process()
@@ -65,7 +66,6 @@ print(json.dumps([before, grown, proc.memory_info().rss]))
 """
 
 
-
 def run_fresh(script: str, *args: str) -> object:
     """The JSON a script prints last, run in a fresh process (malloc policies are
     process-wide, so each case needs its own)."""
@@ -73,7 +73,6 @@ def run_fresh(script: str, *args: str) -> object:
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.strip().splitlines()[-1])
-
 
 
 def step_faults(offload: dict, room: int | None = None, widen: int = 1) -> dict:
@@ -84,10 +83,8 @@ def step_faults(offload: dict, room: int | None = None, widen: int = 1) -> dict:
     return run_fresh(STEP_FAULTS, json.dumps(offload), room_arg, str(widen))
 
 
-
 glibc_only = pytest.mark.skipif(platform.libc_ver()[0] != "glibc",
                                 reason="the malloc policies are glibc's")
-
 
 
 def settled(faults: list[int]) -> int:

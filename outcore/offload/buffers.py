@@ -170,6 +170,19 @@ class AlignedRegions:
             self._charge.change(-nbytes)
         storage._swap_data_ptr_(donor)  # type: ignore[attr-defined]  # private torch API
 
+    def set_cap(self, cap_bytes: int) -> None:
+        """Change the cap; what is kept beyond a lower one is unmapped now."""
+        dropped = 0
+        with self._lock:
+            self.cap_bytes = cap_bytes
+            for nbytes, kept in self._free.items():
+                while kept and self.cached_bytes > cap_bytes:
+                    kept.pop()  # its holder owned the mapping: unmapped as it goes
+                    self.cached_bytes -= nbytes
+                    dropped += nbytes
+        if dropped and self._charge is not None:
+            self._charge.change(-dropped)
+
     def release(self, storage: torch.UntypedStorage) -> None:
         """Free a storage's memory in place (to zero bytes), whoever allocated it."""
         if storage.resizable():

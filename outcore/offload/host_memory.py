@@ -39,21 +39,23 @@ and on a host with few cores that time is taken from compute.
 the state is in device memory, for which nothing is set by default), so most of a step's
 pages are reused: steps get shorter at every batch size, and peak RSS higher, the more so
 the larger the batch (measured side by side: bench/RESULTS.md, 'reuse_freed_memory'). A
-free heap top beyond ``REUSE_TRIM_BYTES``, or beyond what the first step held once it has
-been measured (the next note), still goes back to the system, so one huge transient at the
+free heap top beyond a bound still goes back to the system, so one huge transient at the
 top (an evaluation batch, say) is not kept for good; but blocks freed below a live one
 (torch allocates small blocks after large ones) stay, so this bounds the top, not the RSS.
-The bound grows to the step's size because the loss's tensors are the largest a step makes
-(the logits in fp32, their log-softmax and its gradient: 250 MiB each at 2048 tokens of a
-32,000-word vocabulary); below them, they went back every step: 90% of a step's page faults
-on gpt-335m at 4 x 512 tokens (about 200,000), 0.35 CPU-s of the compute threads' time
-(bench/results/2026-11-26-intel-amx-bf16-fault-free-steps.md). The same decision lets the
-parameters' full-tensor memory be kept (runtime/context.py's [Note: kept full-tensor memory
-follows the budget]). Asked for, it applies whatever the host's room; left unset, the
-next note decides from the first step, since RSS is what a small host is short of. It
-starts once the engine is built (``Runtime.begin_training``): building the model allocates
-and frees every full tensor once, and a heap serving that would keep holding it for the
-whole run. ``false`` gives large frees back wherever the state is.
+The bound is ``REUSE_TRIM_BYTES`` until the first step ends, then a ``REUSE_ROOM``-th of the
+memory this rank has left (where the first step decided reuse, at least what it held: the
+next note), at most 2 GiB, all ``mallopt`` takes. It grows because the loss's tensors are the
+largest a step makes (the logits in fp32, their log-softmax and its gradient: 250 MiB each at
+2048 tokens of a 32,000-word vocabulary), and a loss computed outside the model makes them
+where no sample of the step's RSS sees them all; below them, they went back every step: 90%
+of a step's page faults on gpt-335m at 4 x 512 tokens (about 200,000), 0.35 CPU-s of the
+compute threads' time (bench/results/2026-11-26-intel-amx-bf16-fault-free-steps.md). The
+same decision lets the parameters' full-tensor memory be kept (runtime/context.py's [Note:
+kept full-tensor memory follows the budget]). Asked for, it applies whatever the host's
+room; left unset, the next note decides from the first step, since RSS is what a small host
+is short of. It starts once the engine is built (``Runtime.begin_training``): building the
+model allocates and frees every full tensor once, and a heap serving that would keep holding
+it for the whole run. ``false`` gives large frees back wherever the state is.
 
 [Note: reuse decided by the first step]
 Left unset, with the state on NVMe or in device memory, the choice is made once the first
@@ -108,6 +110,7 @@ REUSE_TRIM_BYTES = 256 << 20  # see [Note: reuse on a small host, when asked]
 REUSE_ROOM = 4  # see [Note: reuse decided by the first step]
 MOSTLY_FROZEN = 0.5  # trainable fraction below which [Note: a frozen base does not size the host]
 _NEVER_TRIM = -1  # mallopt(M_TRIM_THRESHOLD, -1) turns trimming off (glibc: SIZE_MAX)
+_MALLOPT_MAX = (1 << 31) - 1  # mallopt's value is a C int
 
 _policy: str | None = None  # "return", "keep" or "reuse", once applied
 
@@ -153,12 +156,22 @@ def keep_freed_memory_for_reuse(force: bool = False) -> bool:
     return _apply("keep", [(_M_TRIM_THRESHOLD, _NEVER_TRIM), (_M_MMAP_MAX, 0)])
 
 
-def reuse_freed_memory_on_small_host(step_bytes: int = 0) -> bool:
-    """Serve every block from the heap, trimming its top beyond ``REUSE_TRIM_BYTES`` or
-    ``step_bytes`` (what one step holds, once measured), whichever is more (the third note);
-    True if in effect. It always applies: an explicit config or the first step asked."""
-    trim = max(REUSE_TRIM_BYTES, step_bytes)
-    return _apply("reuse", [(_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, trim)])
+def reuse_freed_memory_on_small_host() -> bool:
+    """Serve every block from the heap, trimming its top beyond ``REUSE_TRIM_BYTES`` (the
+    third note); True if in effect. An explicit config or the first step asked, so it always
+    applies."""
+    return _apply("reuse", [(_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, REUSE_TRIM_BYTES)])
+
+
+def bound_reused_top(top_bytes: int) -> bool:
+    """Under that reuse, let the heap keep a free top of up to ``top_bytes``, never less than
+    ``REUSE_TRIM_BYTES`` and never more than ``mallopt`` can take (its value is a C ``int``: a
+    larger one would wrap); True if in effect. Does nothing where another policy was applied
+    since: the last engine built decides."""
+    if _policy != "reuse":
+        return False
+    trim = min(max(REUSE_TRIM_BYTES, top_bytes), _MALLOPT_MAX)
+    return _apply("reuse", [(_M_TRIM_THRESHOLD, trim)])
 
 
 def reuse_fits(working_set: int, available: int) -> bool:

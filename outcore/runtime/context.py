@@ -24,6 +24,8 @@ from outcore.offload.aio import AioEngine
 from outcore.offload.buffers import AlignedRegions, BufferPool
 from outcore.offload.host_memory import (
     MOSTLY_FROZEN,
+    REUSE_ROOM,
+    bound_reused_top,
     keep_freed_memory_for_reuse,
     return_large_frees_to_os,
     reuse_fits,
@@ -66,6 +68,7 @@ class Runtime:
         elif self.plan.state_in_host_memory:
             keep_freed_memory_for_reuse(force=reuse is True)
         self.reusing = False  # freed memory is kept for reuse (host_memory.py's notes)
+        self.frozen_base = self._frozen_base_on_disk(trainable_fraction)
         self.prefetch_budget: int | None = None  # the engine's, once it adopts one
         self.full_regions = self._full_regions(cfg)
         # page-locked blocks for host shards that cross to the device every step
@@ -169,7 +172,7 @@ class Runtime:
 
     def _resize_regions(self) -> None:
         if self.full_regions is not None:
-            self.full_regions.cap_bytes = self._region_cap(self.cfg)
+            self.full_regions.set_cap(self._region_cap(self.cfg))
 
     def _region_cap(self, cfg: Config) -> int:
         """[Note: kept full-tensor memory follows the budget]
@@ -178,16 +181,17 @@ class Runtime:
         read into it then faults in page by page. The cap is a share of the prefetch budget
         the engine runs with (which grows past the configured value with params on NVMe),
         not of the configured value: twice the budget where the host has room (the optimizer
-        state in host memory, sized for 8x the parameters; or on NVMe once freed memory is
-        kept for reuse, host_memory.py's notes), half of it on a small host; at least a few
-        layers' worth either way. With the state in memory, a cap of half or one budget still
-        maps fresh memory for many fills (bench/RESULTS.md, 'in-memory page reuse'). Capped
-        at the configured 128 MiB's half while the budget had grown to ~1.1 GiB, gpt-335m
-        with everything on NVMe mapped 610 MiB afresh every step, and its I/O threads spent
-        0.73-1.20 CPU-s a step in the kernel, most of it faulting them in; kept, 0.21-0.26
+        state in host memory, sized for 8x the parameters, unless a frozen base on disk is the
+        bulk of the model; or freed memory kept for reuse, host_memory.py's notes), half of
+        it on a small host; at least a few layers' worth either way. With the state in
+        memory, a cap of half or one budget still maps fresh memory for many fills
+        (bench/RESULTS.md, 'in-memory page reuse'). Capped at the configured 128 MiB's half
+        while the budget had grown to ~1.1 GiB, gpt-335m with everything on NVMe mapped 610
+        MiB afresh every step, and its I/O threads spent 0.73-1.20 CPU-s a step in the
+        kernel, most of it faulting them in; kept, 0.21-0.26
         (bench/results/2026-11-26-intel-amx-bf16-fault-free-steps.md)."""
         budget = cfg.zero.prefetch_bytes if self.prefetch_budget is None else self.prefetch_budget
-        roomy = self.state_tier is not Tier.NVME or self.reusing
+        roomy = self.reusing or (self.state_tier is not Tier.NVME and not self.frozen_base)
         return max(2 * budget if roomy else budget // 2, 32 << 20)
 
     @property
@@ -232,17 +236,19 @@ class Runtime:
         where the host is not sized for the optimizer state (on NVMe or in device memory):
         building the model under that policy would leave the heap holding what the build
         allocated and freed (host_memory.py's [Note: reuse on a small host, when asked]).
-        Either way the first step is measured: it decides an unset key and sizes the heap's
-        kept top for both (host_memory.py's notes)."""
+        Where reuse is asked for or left to decide, the first step is awaited: it decides an
+        unset key, and sizes the heap's kept top either way (host_memory.py's notes)."""
         self.release_idle_io_buffers()
         reuse = self.cfg.offload.reuse_freed_memory
+        self.frozen_base = self._frozen_base_on_disk(trainable_fraction)
         if not self.plan.state_in_host_memory and reuse:
             self._start_reuse()
             self.working_set = 0
-        elif reuse is None and self._frozen_base_on_disk(trainable_fraction):
+        elif reuse is None and self.frozen_base:
             return_large_frees_to_os()
         elif reuse is None and not self.plan.state_in_host_memory:
             self.working_set = 0  # host_memory.py's [Note: reuse decided by the first step]
+        self._resize_regions()
 
     def sample_working_set(self) -> None:
         """Note this process's RSS while the first step holds the most (the start of its
@@ -252,16 +258,19 @@ class Runtime:
 
     def settle_reuse(self, available: int) -> None:
         """After the first step: keep freed memory for reuse if ``available`` bytes (this
-        host's, shared by its ranks) leave room for it, or if the config asked (host_memory.py's
-        [Note: reuse decided by the first step]); decided once."""
+        host's, shared by its ranks) leave room for it (host_memory.py's [Note: reuse decided
+        by the first step]), and bound the heap's kept top by that room, also where the
+        config asked for reuse (the note before it); decided once."""
         if self.working_set is None:
             return
         held, self.working_set = self.working_set, None
-        if self.cfg.offload.reuse_freed_memory:  # asked for: what the step held only
-            self._start_reuse(held)  # bounds the heap's kept top
-            return
         room = available // ranks_on_this_host()
-        if reuse_fits(held, room) and self._start_reuse(held):
+        if self.cfg.offload.reuse_freed_memory:  # asked for: the room only bounds the top
+            bound_reused_top(room // REUSE_ROOM)
+            return
+        if reuse_fits(held, room):
+            self._start_reuse()
+            bound_reused_top(room // REUSE_ROOM)
             log.info("outcore: the first step held %s with %s available: freed memory is kept "
                      "for reuse (offload.reuse_freed_memory: false keeps giving it back)",
                      format_bytes(held), format_bytes(room))
@@ -269,12 +278,12 @@ class Runtime:
             log.info("outcore: the first step held %s with %s available: freed memory goes "
                      "back to the system", format_bytes(held), format_bytes(room))
 
-    def _start_reuse(self, step_bytes: int = 0) -> bool:
-        """Keep freed memory for reuse, the heap's and the full tensors' (the note at
-        ``_region_cap``); True if in effect."""
-        self.reusing = reuse_freed_memory_on_small_host(step_bytes)
+    def _start_reuse(self) -> None:
+        """Keep freed memory for reuse: the heap's (glibc only) and the full tensors' (the
+        note at ``_region_cap``)."""
+        reuse_freed_memory_on_small_host()
+        self.reusing = True
         self._resize_regions()
-        return self.reusing
 
     def _frozen_base_on_disk(self, trainable_fraction: float) -> bool:
         """A mostly frozen model with its parameters on NVMe: the host is not sized for it

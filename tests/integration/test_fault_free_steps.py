@@ -46,7 +46,11 @@ def test_the_heap_keeps_a_free_top_up_to_what_a_step_held() -> None:
     """Reuse keeps a freed heap top as large as the first step held and gives back one that
     is larger: 512 MiB freed at the top stays under a 1 GiB step, not under the bound alone
     (host_memory.py's [Note: reuse on a small host, when asked])."""
-    for step_bytes, kept in ((1 << 30, True), (0, False), (256 * _MiB, False)):
+    # mallopt takes a C int: a step of 4 GiB or more is held at its 2 GiB ceiling, not wrapped
+    # to 0 or to a few MiB
+    cases = ((1 << 30, True), (0, False), (256 * _MiB, False), (4 << 30, True),
+             ((4 << 30) + 100 * _MiB, True))
+    for step_bytes, kept in cases:
         before, grown, after = run_fresh(FREED_RSS, "reuse", str(step_bytes))
         assert grown - before > 500 * _MiB, (step_bytes, before, grown)
         assert (after - before > 500 * _MiB) is kept, (step_bytes, before, grown, after)
@@ -54,18 +58,22 @@ def test_the_heap_keeps_a_free_top_up_to_what_a_step_held() -> None:
 
 @pytest.mark.cpu_only("NVMe reads land in page-aligned full tensors on a CPU device only "
                       "(plan.aligned_full)")
-@pytest.mark.parametrize("reuse", [None, False])
+@pytest.mark.parametrize("reuse", [None, False, True])
 def test_kept_full_tensor_memory_follows_the_engines_budget(reuse: bool | None, tmp_path: Path,
                                                             monkeypatch) -> None:
     """The memory kept for full tensors is half the engine's prefetch budget on a small host,
     the budget it grew to with params on NVMe (not the configured 128 MiB), and twice it once
-    the first step keeps freed memory for reuse; a config that refuses reuse keeps half."""
+    freed memory is kept for reuse: after the first step where the key is unset, from the
+    start where it says ``true``; a config that refuses reuse keeps half."""
     from outcore.optim import optimizer
     from outcore.runtime import context as rt_mod
+    from outcore.sizing import placement
 
-    monkeypatch.setattr(rt_mod, "reuse_freed_memory_on_small_host", lambda step_bytes=0: True)
-    monkeypatch.setattr(optimizer, "available_memory",
-                        lambda: Available(1 << 50, None))
+    # nothing process-wide is applied here; the budget is what 8 GiB of free memory affords
+    monkeypatch.setattr(rt_mod, "reuse_freed_memory_on_small_host", lambda: True)
+    monkeypatch.setattr(rt_mod, "bound_reused_top", lambda step_bytes: True)
+    monkeypatch.setattr(placement, "available_memory", lambda: Available(8 << 30, None))
+    monkeypatch.setattr(optimizer, "available_memory", lambda: Available(1 << 50, None))
     cfg = outcore.Config.from_dict({
         "dtype": "auto", "optimizer": {"type": "adamw", "lr": 1e-3},
         "offload": {"params": "nvme", "optimizer": "nvme", "nvme_path": str(tmp_path),
@@ -74,12 +82,32 @@ def test_kept_full_tensor_memory_follows_the_engines_budget(reuse: bool | None, 
     with outcore.initialize(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 4)), cfg) as engine:
         regions, budget = engine.rt.full_regions, engine.schedule.prefetch_bytes
         assert regions is not None
-        assert budget > cfg.zero.prefetch_bytes  # grown: parameters on NVMe
-        assert regions.cap_bytes == max(budget // 2, 32 * _MiB)
+        assert budget == placement.prefetch_share(8 << 30) > cfg.zero.prefetch_bytes
+        half, twice = max(budget // 2, 32 * _MiB), 2 * budget
+        assert regions.cap_bytes == (twice if reuse else half)
         engine.backward(engine(torch.randn(8, 64)).float().pow(2).mean())
         engine.step()
-        assert engine.rt.reusing is (reuse is None)
-        assert regions.cap_bytes == (2 * budget if reuse is None else max(budget // 2, 32 * _MiB))
+        assert engine.rt.reusing is (reuse is not False)
+        assert regions.cap_bytes == (half if reuse is False else twice)
+
+
+@pytest.mark.parametrize("fraction, kept", [(1.0, "twice"), (0.0, "half")])
+def test_a_frozen_base_on_disk_keeps_the_small_hosts_share(fraction: float, kept: str,
+                                                          tmp_path: Path) -> None:
+    """With the optimizer state in memory the host counts as sized for the model, unless a
+    frozen base on NVMe is most of it (host_memory.py's [Note: a frozen base does not size
+    the host]): then the full tensors keep the small host's half budget."""
+    from outcore.runtime.context import Runtime
+
+    cfg = outcore.Config.from_dict({"offload": {"params": "nvme", "nvme_path": str(tmp_path)}})
+    rt = Runtime(cfg, trainable_fraction=fraction)
+    try:
+        if rt.full_regions is None:
+            pytest.skip("full tensors are not read into aligned memory here (plan.aligned_full)")
+        rt.adopt_prefetch_budget(512 * _MiB)
+        assert rt.full_regions.cap_bytes == {"twice": 1024, "half": 256}[kept] * _MiB
+    finally:
+        rt.close()
 
 
 _FRESH_MAPPINGS = """

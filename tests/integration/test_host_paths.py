@@ -97,6 +97,18 @@ def test_aligned_regions_recycle_memory_by_size_within_the_cap() -> None:
     regions.release(storage)
     regions.release(other)  # 4 MiB more would pass the 3 MiB cap: unmapped instead
     assert regions.cached_bytes == full.nbytes
+    roomy = AlignedRegions(cap_bytes=8 * 2**20)
+    storages = [torch.empty(0, dtype=torch.uint8).untyped_storage() for _ in range(3)]
+    for s in storages:
+        roomy.fill(s, 2 * 2**20)
+    for s in storages:
+        roomy.release(s)
+    assert roomy.cached_bytes == 6 * 2**20
+    roomy.set_cap(2 * 2**20)  # a lower cap gives back what is kept beyond it, at once
+    assert roomy.cached_bytes == 2 * 2**20
+    roomy.fill(storages[0], 2 * 2**20)
+    roomy.fill(storages[1], 2 * 2**20)
+    assert roomy.mapped == 4  # one kept, one mapped afresh
 
 
 @pytest.mark.parametrize("optimizer", ["none", "nvme"])
@@ -271,16 +283,6 @@ print(json.dumps([before, grown, proc.memory_info().rss]))
 """
 
 
-
-
-
-
-
-
-
-
-
-
 @glibc_only
 @pytest.mark.cpu_only("counts the page faults of steps computed in host memory")
 def test_in_memory_steps_reuse_pages_instead_of_faulting_them_in() -> None:
@@ -384,7 +386,7 @@ def test_which_malloc_policy_each_config_asks_for(offload: dict, at_build: list[
     monkeypatch.setattr(rt_mod, "keep_freed_memory_for_reuse",
                         lambda force=False: calls.append(f"keep force={force}"))
     monkeypatch.setattr(rt_mod, "reuse_freed_memory_on_small_host",
-                        lambda step_bytes=0: calls.append("reuse"))
+                        lambda: calls.append("reuse"))
     if offload.get("optimizer") == "nvme":
         offload = {**offload, "nvme_path": str(tmp_path)}
     rt = rt_mod.Runtime(outcore.Config.from_dict({"offload": offload}))
@@ -415,9 +417,11 @@ def test_the_first_step_decides_reuse_where_the_config_leaves_it_open(
     from outcore.offload.host_memory import REUSE_ROOM
     from outcore.runtime import context as rt_mod
 
-    calls: list[str] = []
+    calls: list[object] = []
     monkeypatch.setattr(rt_mod, "reuse_freed_memory_on_small_host",
-                        lambda step_bytes=0: calls.append(step_bytes) or True)
+                        lambda: calls.append("reuse") or True)
+    monkeypatch.setattr(rt_mod, "bound_reused_top",
+                        lambda step_bytes: calls.append(("bound", step_bytes)) or True)
     if "nvme" in offload.values():
         offload = {**offload, "nvme_path": str(tmp_path)}
     cfg = outcore.Config.from_dict({"offload": offload})
@@ -438,7 +442,8 @@ def test_the_first_step_decides_reuse_where_the_config_leaves_it_open(
             return
         held = rt.working_set
         assert held > 0
-        asked = [held] if offload.get("reuse_freed_memory") else []
+        # asked for, the room only bounds the heap's kept top: a REUSE_ROOM-th of it
+        asked = [("bound", held - 1)] if offload.get("reuse_freed_memory") else []
         rt.settle_reuse(REUSE_ROOM * held - 1)  # just short of room
         assert calls == asked and rt.working_set is None
         rt.settle_reuse(1 << 60)  # decided once: a later step changes nothing
@@ -454,7 +459,8 @@ def test_the_first_step_decides_reuse_where_the_config_leaves_it_open(
         try:
             rt.working_set = 100 << 20
             rt.settle_reuse(room * (100 << 20))
-            assert calls == ([100 << 20] if reused else []), (ranks, room)
+            share = room * (100 << 20) // ranks // REUSE_ROOM
+            assert calls == (["reuse", ("bound", share)] if reused else []), (ranks, room)
         finally:
             rt.close()
 

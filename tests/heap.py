@@ -52,7 +52,7 @@ if sys.argv[1] == "keep":
     host_memory.keep_freed_memory_for_reuse()
 else:
     host_memory.reuse_freed_memory_on_small_host()
-    if len(sys.argv) > 2:  # what the first step held
+    if len(sys.argv) > 2:  # the bound the first step would set
         host_memory.bound_reused_top(int(sys.argv[2]))
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_void_p]

@@ -42,18 +42,18 @@ def test_loss_tensors_past_the_old_bound_reuse_their_pages(tmp_path: Path) -> No
 
 
 @glibc_only
-def test_the_heap_keeps_a_free_top_up_to_what_a_step_held() -> None:
-    """Reuse keeps a freed heap top as large as the first step held and gives back one that
-    is larger: 512 MiB freed at the top stays under a 1 GiB step, not under the bound alone
-    (host_memory.py's [Note: reuse on a small host, when asked])."""
-    # mallopt takes a C int: a step of 4 GiB or more is held at its 2 GiB ceiling, not wrapped
-    # to 0 or to a few MiB
+def test_the_heap_keeps_a_free_top_up_to_its_bound() -> None:
+    """Under reuse the heap keeps a freed top up to the bound the first step sets (a quarter
+    of the room left) and gives back a larger one: 512 MiB freed at the top stays under a
+    1 GiB bound, not under 256 MiB (host_memory.py's [Note: reuse on a small host, when
+    asked]). ``mallopt`` takes a C int: a bound of 4 GiB or more is held at its 2 GiB
+    ceiling, not wrapped to 0 or to a few MiB."""
     cases = ((1 << 30, True), (0, False), (256 * _MiB, False), (4 << 30, True),
              ((4 << 30) + 100 * _MiB, True))
-    for step_bytes, kept in cases:
-        before, grown, after = run_fresh(FREED_RSS, "reuse", str(step_bytes))
-        assert grown - before > 500 * _MiB, (step_bytes, before, grown)
-        assert (after - before > 500 * _MiB) is kept, (step_bytes, before, grown, after)
+    for top_bytes, kept in cases:
+        before, grown, after = run_fresh(FREED_RSS, "reuse", str(top_bytes))
+        assert grown - before > 500 * _MiB, (top_bytes, before, grown)
+        assert (after - before > 500 * _MiB) is kept, (top_bytes, before, grown, after)
 
 
 @pytest.mark.cpu_only("NVMe reads land in page-aligned full tensors on a CPU device only "
@@ -71,7 +71,7 @@ def test_kept_full_tensor_memory_follows_the_engines_budget(reuse: bool | None, 
 
     # nothing process-wide is applied here; the budget is what 8 GiB of free memory affords
     monkeypatch.setattr(rt_mod, "reuse_freed_memory_on_small_host", lambda: True)
-    monkeypatch.setattr(rt_mod, "bound_reused_top", lambda step_bytes: True)
+    monkeypatch.setattr(rt_mod, "bound_reused_top", lambda top_bytes: True)
     monkeypatch.setattr(placement, "available_memory", lambda: Available(8 << 30, None))
     monkeypatch.setattr(optimizer, "available_memory", lambda: Available(1 << 50, None))
     cfg = outcore.Config.from_dict({

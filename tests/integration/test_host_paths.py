@@ -421,7 +421,7 @@ def test_the_first_step_decides_reuse_where_the_config_leaves_it_open(
     monkeypatch.setattr(rt_mod, "reuse_freed_memory_on_small_host",
                         lambda: calls.append("reuse") or True)
     monkeypatch.setattr(rt_mod, "bound_reused_top",
-                        lambda step_bytes: calls.append(("bound", step_bytes)) or True)
+                        lambda top_bytes: calls.append(("bound", top_bytes)) or True)
     if "nvme" in offload.values():
         offload = {**offload, "nvme_path": str(tmp_path)}
     cfg = outcore.Config.from_dict({"offload": offload})

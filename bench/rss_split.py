@@ -9,7 +9,8 @@ loss's logits, freed memory kept for reuse).
 ``--lean`` is the small-footprint setting: ``offload.reuse_freed_memory: false`` and 64 MiB
 each of host buffers and prefetch. ``--checkpoint`` checkpoints every block's activations (as
 ``outcore train --checkpoint-activations on`` does). Prints one JSON object with the machine;
-the peak is polled every 20 ms over the measured steps and checked against ``ru_maxrss``.
+the peaks are ``VmHWM``, reset before the build and before the measured steps (bench/
+cpu_split.py's helpers).
 The rest is the peak's growth above the imports less the ledger's peaks. The ledger counts
 bytes reserved, and its peaks need not fall at the same moment; on a small model whose I/O
 buffers are never filled, the rest can come out negative.
@@ -22,35 +23,14 @@ from __future__ import annotations
 import argparse
 import json
 import resource
-import threading
+import sys
 import time
+from pathlib import Path
 
 import psutil
 import torch
 
 MIB = 1 << 20
-
-
-class Peak:
-    """This process's highest RSS since the last ``reset``, polled in a thread."""
-
-    def __init__(self) -> None:
-        self.value = 0
-        self._proc = psutil.Process()
-        self._stop = threading.Event()
-        threading.Thread(target=self._run, daemon=True).start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.value = max(self.value, self._proc.memory_info().rss)
-            time.sleep(0.02)
-
-    def reset(self) -> int:
-        value, self.value = self.value, 0
-        return value
-
-    def stop(self) -> None:
-        self._stop.set()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -74,8 +54,11 @@ def main(argv: list[str] | None = None) -> int:
     from outcore.app.models import build_model, checkpoint_blocks, num_params, resolve_config
     from outcore.device.machine import describe
 
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from cpu_split import peak_rss_bytes, reset_peak_rss
+
     base_rss = proc.memory_info().rss
-    peak = Peak()
+    reset_peak_rss()
     if args.lean:
         args.reuse, args.host_buffer_mib, args.prefetch_mib = "false", 64, 64
     offload: dict = {} if args.reuse in (None, "auto") else {
@@ -93,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
         model = build_model(args.model)
     blocks = checkpoint_blocks(model, "on", args.batch, args.seq) if args.checkpoint else 0
     engine = outcore.initialize(model, cfg)
-    build_peak = peak.reset()
+    build_peak = peak_rss_bytes()
+    reset_peak_rss()
     shape = resolve_config(args.model)
     ids = torch.randint(0, shape.vocab, (args.batch, args.seq + 1),
                         generator=torch.Generator().manual_seed(0))
@@ -104,8 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         engine.step()
         engine.synchronize()
         steps.append(round(time.perf_counter() - t, 2))
-    step_peak = peak.reset()
-    peak.stop()
+    step_peak = peak_rss_bytes()
     by_kind = engine.memory_report()["by_kind"]
     # on a CPU device the device tier is host memory too (full layers kept for backward)
     tiers = ("peak.host.", "peak.device.") if engine.device.type == "cpu" else ("peak.host.",)

@@ -70,7 +70,7 @@ class Runtime:
         self.reusing = False  # freed memory is kept for reuse (host_memory.py's notes)
         self.frozen_base = self._frozen_base_on_disk(trainable_fraction)
         self.prefetch_budget: int | None = None  # the engine's, once it adopts one
-        self.full_regions = self._full_regions(cfg)
+        self.full_regions = self._full_regions()
         # page-locked blocks for host shards that cross to the device every step
         self.pinned = PinnedArena() if self.accel.pin_host_buffers else None
         self._nvme = None
@@ -156,12 +156,12 @@ class Runtime:
                                                      self._reader.capacity_bytes)
         return self._reader
 
-    def _full_regions(self, cfg: Config) -> AlignedRegions | None:
+    def _full_regions(self) -> AlignedRegions | None:
         """Aligned memory for full tensors where disk reads land in them: one rank, params
         on NVMe (buffers.py's [Note: aligned memory under a storage ...])."""
         if not self.plan.aligned_full:
             return None
-        return AlignedRegions(self._region_cap(cfg),
+        return AlignedRegions(self._region_cap(),
                               self.ledger.charge(Tier.HOST, Kind.PARAM_CACHE))
 
     def adopt_prefetch_budget(self, budget: int) -> None:
@@ -172,9 +172,9 @@ class Runtime:
 
     def _resize_regions(self) -> None:
         if self.full_regions is not None:
-            self.full_regions.set_cap(self._region_cap(self.cfg))
+            self.full_regions.set_cap(self._region_cap())
 
-    def _region_cap(self, cfg: Config) -> int:
+    def _region_cap(self) -> int:
         """[Note: kept full-tensor memory follows the budget]
         A released full tensor's memory is kept for the next one of its size, up to this
         cap; beyond it, it is unmapped and the next fill maps fresh memory, which the O_DIRECT
@@ -190,7 +190,8 @@ class Runtime:
         MiB afresh every step, and its I/O threads spent 0.73-1.20 CPU-s a step in the
         kernel, most of it faulting them in; kept, 0.21-0.26
         (bench/results/2026-11-26-intel-amx-bf16-fault-free-steps.md)."""
-        budget = cfg.zero.prefetch_bytes if self.prefetch_budget is None else self.prefetch_budget
+        budget = (self.cfg.zero.prefetch_bytes if self.prefetch_budget is None
+                  else self.prefetch_budget)
         roomy = self.reusing or (self.state_tier is not Tier.NVME and not self.frozen_base)
         return max(2 * budget if roomy else budget // 2, 32 << 20)
 
@@ -265,18 +266,16 @@ class Runtime:
             return
         held, self.working_set = self.working_set, None
         room = available // ranks_on_this_host()
-        if self.cfg.offload.reuse_freed_memory:  # asked for: the room only bounds the top
-            bound_reused_top(room // REUSE_ROOM)
-            return
-        if reuse_fits(held, room):
+        if not self.cfg.offload.reuse_freed_memory:  # asked for, the room only bounds the top
+            if not reuse_fits(held, room):
+                log.info("outcore: the first step held %s with %s available: freed memory "
+                         "goes back to the system", format_bytes(held), format_bytes(room))
+                return
             self._start_reuse()
-            bound_reused_top(room // REUSE_ROOM)
             log.info("outcore: the first step held %s with %s available: freed memory is kept "
                      "for reuse (offload.reuse_freed_memory: false keeps giving it back)",
                      format_bytes(held), format_bytes(room))
-        else:
-            log.info("outcore: the first step held %s with %s available: freed memory goes "
-                     "back to the system", format_bytes(held), format_bytes(room))
+        bound_reused_top(room // REUSE_ROOM)
 
     def _start_reuse(self) -> None:
         """Keep freed memory for reuse: the heap's (glibc only) and the full tensors' (the

@@ -412,8 +412,8 @@ def test_the_first_step_decides_reuse_where_the_config_leaves_it_open(
     """Which runtimes wait for the first step to decide (host_memory.py's [Note: reuse
     decided by the first step]), and the decision: reuse when the room available to this
     rank is ``REUSE_ROOM`` working sets or more, the room shared by the ranks on the host,
-    decided once. Asked for, reuse stands whatever the room, and the first step's size bounds
-    the heap's kept top in both cases."""
+    decided once. Asked for, reuse stands whatever the room, and the room the first step
+    leaves bounds the heap's kept top in both cases."""
     from outcore.offload.host_memory import REUSE_ROOM
     from outcore.runtime import context as rt_mod
 

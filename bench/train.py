@@ -27,6 +27,8 @@ model, avx512_bf16/amx, cores, torch, dtype, threads, date). Rows:
                                 step returns before its last updates; the forward follows them)
     nvme+opt-lean               nvme+opt with the smallest footprint: freed memory given
                                 back, 64 MiB of host buffers and of prefetch
+    nvme+opt-small              nvme+opt-lean's 64 MiB buffers with freed memory kept
+                                for reuse where the host has room (the default policy)
     deepspeed    DeepSpeed ZeRO-3, params and optimizer on NVMe (bench/ds_contender.py, run in
                  DeepSpeed's own venv; skipped if that venv is missing)
 

@@ -27,7 +27,7 @@ PLACEMENT = {  # row -> (offload.params, offload.optimizer, prefetch on)
     "nvme+opt-p0": ("nvme", "nvme", False), "nvme+opt": ("nvme", "nvme", True),
     "nvme+opt-reuse": ("nvme", "nvme", True), "nvme+opt-early": ("nvme", "nvme", True),
     "nvme+opt-return": ("nvme", "nvme", True), "nvme+opt-wait": ("nvme", "nvme", True),
-    "nvme+opt-lean": ("nvme", "nvme", True),
+    "nvme+opt-lean": ("nvme", "nvme", True), "nvme+opt-small": ("nvme", "nvme", True),
     "opt-cpu": ("none", "cpu", True), "cpu+opt": ("cpu", "cpu", True),
     "nvme+opt-cpu": ("nvme", "cpu", True),
 }
@@ -39,7 +39,10 @@ ROW_SET = {"nvme+opt-reuse": {"offload": {"reuse_freed_memory": True}},
            # the smallest footprint (docs/offload.md): memory given back, 64 MiB buffers
            "nvme+opt-lean": {"offload": {"reuse_freed_memory": False,
                                          "host_buffer_bytes": 64 << 20},
-                             "zero": {"prefetch_bytes": 64 << 20}}}
+                             "zero": {"prefetch_bytes": 64 << 20}},
+           # the small buffers of -lean, freed memory kept where the host has room (the default)
+           "nvme+opt-small": {"offload": {"host_buffer_bytes": 64 << 20},
+                              "zero": {"prefetch_bytes": 64 << 20}}}
 HP = {"lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.0}
 
 

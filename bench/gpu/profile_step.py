@@ -10,7 +10,8 @@ launches per step, and the time inside outcore's ranges (``outcore::*``).
 
 Variants: ``plain`` (bf16 model, fused AdamW on bf16), ``plain-master`` (fp32 masters and
 moments, as outcore keeps them), ``none`` (outcore, no offload), ``none-serial`` (the same with
-``zero.overlap_optimizer: false``: updates after backward, not during it).
+``zero.overlap_optimizer: false``: updates after backward, not during it), ``cpu+opt``
+(parameters and optimizer state in host memory: the host AdamW and the copies beside the GPU).
 
     python3 bench/gpu/profile_step.py --out $OUT          # on the GPU machine
     .venv/bin/python bench/gpu/profile_step.py --model tiny --batch 2 --seq 64 --out bench/out/prof
@@ -30,8 +31,11 @@ sys.path.insert(0, str(REPO / "bench"))
 import train  # noqa: E402  (bench/ on the path: its run_child runs each variant)
 import train_worker  # noqa: E402
 
-VARIANTS = {"plain": None, "plain-master": None, "none": {},
-            "none-serial": {"zero": {"overlap_optimizer": False}}}
+# variant -> None (plain PyTorch) or (bench/train_worker.py's row, its config overrides)
+VARIANTS: dict[str, tuple[str, dict] | None] = {
+    "plain": None, "plain-master": None, "none": ("none", {}),
+    "none-serial": ("none", {"zero": {"overlap_optimizer": False}}),
+    "cpu+opt": ("cpu+opt", {})}
 
 
 def _device_us(event) -> float:
@@ -51,11 +55,12 @@ def profiled(spec: dict) -> dict:
     from outcore.profiling import profile
 
     engine = None
-    if VARIANTS[spec["variant"]] is None:
+    variant = VARIANTS[spec["variant"]]
+    if variant is None:
         step = train_worker.plain_step({**spec, "row": spec["variant"]})
     else:
-        engine, _ = train_worker.outcore_engine(
-            {**spec, "row": "none", "outcore_set": VARIANTS[spec["variant"]]})
+        row, overrides = variant
+        engine, _ = train_worker.outcore_engine({**spec, "row": row, "outcore_set": overrides})
         x, y = train_worker.make_batch(spec["vocab"], spec["batch"],
                                        spec["seq"], engine.device)
         step = train_worker.engine_step(engine, x, y)

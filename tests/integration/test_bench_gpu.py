@@ -95,11 +95,13 @@ def test_gpu_step_profile_runs_every_variant_tiny(tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=300, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = {r["variant"]: r for r in json.loads((tmp_path / "profile-summary.json").read_text())}
-    assert set(summary) == {"plain", "plain-master", "none", "none-serial"}
+    assert set(summary) == {"plain", "plain-master", "none", "none-serial", "cpu+opt"}
     for variant, r in summary.items():
         assert r["step_s"] > 0 and r["cpu_ops_per_step"] > 0
         table = (tmp_path / f"profile-{variant}.txt").read_text()
         assert "by device time" in table and "aten::" in table
     # outcore's own ranges are seen in its rows only
     assert "outcore::step" in summary["none"]["outcore_ranges_ms_per_step"]
+    # the host-memory row runs its update on the host (the CPU device here)
+    assert "outcore::optim_update" in summary["cpu+opt"]["outcore_ranges_ms_per_step"]
     assert summary["plain"]["outcore_ranges_ms_per_step"] == {}

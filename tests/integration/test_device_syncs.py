@@ -23,7 +23,10 @@ LAYERS = 16
 def test_a_step_blocks_the_host_a_few_times_not_once_per_parameter(device, overlap) -> None:
     if device.type != "cuda":
         pytest.skip("counts CUDA stream synchronizations: run with --device cuda")
-    cfg = {"optimizer": {"type": "adamw", "lr": 1e-3},
+    if not torch.cuda.is_bf16_supported():
+        # fp16's overflow check reads a flag per gradient by design (engine/core.py)
+        pytest.skip("bf16 unsupported on this GPU: fp16 checks each gradient for overflow")
+    cfg = {"dtype": "bf16", "optimizer": {"type": "adamw", "lr": 1e-3},
            "zero": {"overlap_optimizer": overlap}}
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(LAYERS)])
@@ -37,7 +40,9 @@ def test_a_step_blocks_the_host_a_few_times_not_once_per_parameter(device, overl
             engine.backward(engine(x).pow(2).mean())
             engine.step()
             engine.synchronize()
-    syncs = sum(1 for e in prof.events() if e.name == "cudaStreamSynchronize")
-    # the step's own few (the overflow check's flag, the end of the update) are allowed;
-    # one per parameter is what this guards against
+    names = [e.name for e in prof.events()]
+    # the profiler saw the CUDA runtime at all (else a count of 0 would prove nothing)
+    assert any("LaunchKernel" in n for n in names), "no CUDA runtime calls were recorded"
+    syncs = names.count("cudaStreamSynchronize")
+    # a few a step are allowed; one per parameter is what this guards against
     assert syncs < params // 4, f"{syncs} stream synchronizations in a step of {params} parameters"

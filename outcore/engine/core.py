@@ -201,7 +201,8 @@ class Engine:
         scaled = loss.float() * factor if factor != 1.0 else loss
         if boundary is None:
             boundary = (self.micro_steps + 1) % self.cfg.gradient_accumulation_steps == 0
-        on_reduced = (lambda g: self.sharded_optimizer.submit(g.trainable)) if (
+        on_reduced = (lambda g: self.sharded_optimizer.submit(
+            g.trainable, unseen=self.hooks.unseen_grad_bytes)) if (
             boundary and self.rt.plan.overlaps_optimizer
             and self.sharded_optimizer.submits) else None
         # [Note: a failed boundary backward] Updates already started on the worker are allowed

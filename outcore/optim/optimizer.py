@@ -134,8 +134,9 @@ class ShardedOptimizer:
             if id(sp) not in kept:
                 sp.drop_grad()
 
-    def submit(self, sps: list[ShardedParam]) -> None:
-        """Update ``sps`` (gradients final) in the background; see the note above."""
+    def submit(self, sps: list[ShardedParam], unseen: int = 0) -> None:
+        """Update ``sps`` (gradients final) in the background; see the note above (``unseen``:
+        gradient bytes autograd holds for later submits, hooks.py's ``unseen_grad_bytes``)."""
         todo = [sp for sp in sps if sp.has_grad and id(sp) in self._hp_index
                 and self.state[sp].round != self._round]
         if not todo:
@@ -156,7 +157,7 @@ class ShardedOptimizer:
                 grad_bytes += sp.grad.nbytes
             # a tentative update keeps its gradients for step(), but the limit still paces
             # backward to the updates, as without speculation
-            self.pipeline.submit(job, grad_bytes)
+            self.pipeline.submit(job, grad_bytes, unseen)
 
     @property
     def submits(self) -> bool:

@@ -191,9 +191,10 @@ class UpdatePipeline:
         self._submitted: list[tuple[UpdateJob, int]] = []  # with the gradient bytes each holds
 
     # -- the worker ------------------------------------------------------------------------------
-    def submit(self, job: UpdateJob, grad_bytes: int) -> None:
+    def submit(self, job: UpdateJob, grad_bytes: int, unseen: int = 0) -> None:
         """Queue ``job`` for the worker (started on first use); first wait for the oldest
-        jobs while the gradients they hold and ``grad_bytes`` would pass the limit. A job
+        jobs while the gradients they hold, ``grad_bytes`` and ``unseen`` (held for later
+        jobs: hooks.py's [Note: a tied weight's gradient waits unseen]) would pass the limit. A job
         that failed meanwhile does not stop this one: its error is raised by ``wait()`` or
         ``after_step()``, with every job submitted before them accounted for."""
         if self.broken is not None:
@@ -206,7 +207,7 @@ class UpdatePipeline:
         held = sum(n for _, n in self._submitted)
         kept: list[tuple[UpdateJob, int]] = []
         for older, n in self._submitted:
-            if n and held + grad_bytes > self.pending_grad_limit:
+            if n and held + grad_bytes + unseen > self.pending_grad_limit:
                 wait_for([older.done])  # its gradients are freed once it is done
                 held -= n
                 if older.done.exception() is None:

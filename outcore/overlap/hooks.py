@@ -108,6 +108,11 @@ class Hooks:
         # see [Note: frozen groups in backward]: (group, node that last unpacked it, thread)
         self._frozen_held: list[tuple[GatherGroup, object, int | None]] = []
         self._pinned: set[int] = set()  # groups a recomputation fetched in this backward
+        # [Note: a tied weight's gradient waits unseen]: per group run by several modules, its
+        # gradient bytes, reserved in each backward until its gradients arrive
+        self._tied = {g.index: g.full_bytes for g in groups if g.trainable and sum(
+            g in gs for gs in module_groups.values()) > 1}
+        self._unseen: dict[int, int] = {}
         # per thread, the autograd node whose unpack recomputes now (see the note)
         self._recomputing: dict[int, object] = {}
         self._handles: list[RemovableHandle] = []
@@ -281,12 +286,28 @@ class Hooks:
             g = sp.group
             assert g is not None  # grouped before install, ungrouped only after remove()
             if g.grad_arrived(sp):
+                hooks._unseen.pop(g.index, None)
                 with hooks.mode.suspended():
                     hooks._reduce(g)
                     if g.holds == 0:
                         hooks.schedule.done(g)
 
         return hook
+
+    @property
+    def unseen_grad_bytes(self) -> int:
+        """Gradient bytes autograd may hold where no hook sees them (see the note).
+
+        [Note: a tied weight's gradient waits unseen]
+        A weight that several modules use (a head tied to the embedding) gets its gradient in
+        parts, one per use, and autograd sums them in a buffer of its own: the parameter's
+        hook fires once, after the last part. That buffer exists from the first use backward
+        reaches (the head, at its start) to the last (the embedding, at its end). It was 62
+        MiB on gpt-335m, on top of the gradients queued for updates
+        (bench/results/2026-11-26-intel-amx-bf16-small-buffers.md). The optimizer's limit on
+        waiting gradients counts it from the start of backward until the weight's gradient
+        arrives, so the limit bounds what the host holds."""
+        return sum(self._unseen.values())
 
     def _reduce(self, g: GatherGroup) -> None:
         """Start ``g``'s reduction; keep at most two in flight while backward goes on."""
@@ -311,6 +332,7 @@ class Hooks:
         body or the finish raises, ``before_abort`` runs, then the partial backward is
         dropped (``abort_backward``), and the error goes on."""
         self._in_backward, self._on_reduced = True, on_reduced
+        self._unseen = dict(self._tied)
         self._sync_phase()
         self.rt.sample_working_set()  # every activation is alive now (host_memory.py's note)
         try:
@@ -324,7 +346,7 @@ class Hooks:
                 self.abort_backward()
             raise
         finally:
-            self._in_backward, self._on_reduced = False, None
+            self._in_backward, self._on_reduced, self._unseen = False, None, {}
             self._sync_phase()
 
     def abort_backward(self) -> None:

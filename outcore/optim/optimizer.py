@@ -135,8 +135,7 @@ class ShardedOptimizer:
                 sp.drop_grad()
 
     def submit(self, sps: list[ShardedParam], unseen: int = 0) -> None:
-        """Update ``sps`` (gradients final) in the background; see the note above (``unseen``:
-        gradient bytes autograd holds for later submits, hooks.py's ``unseen_grad_bytes``)."""
+        """Update ``sps`` in the background (note above); ``unseen``: hooks.unseen_grad_bytes."""
         todo = [sp for sp in sps if sp.has_grad and id(sp) in self._hp_index
                 and self.state[sp].round != self._round]
         if not todo:

@@ -306,7 +306,9 @@ class Hooks:
         MiB on gpt-335m, on top of the gradients queued for updates
         (bench/results/2026-11-26-intel-amx-bf16-small-buffers.md). The optimizer's limit on
         waiting gradients counts it from the start of backward until the weight's gradient
-        arrives, so the limit bounds what the host holds."""
+        arrives. Only weights tied between modules are known ahead: a module called twice in
+        one forward, or a weight read by a function instead of its module, also leaves a
+        buffer like it, and is not counted."""
         return sum(self._unseen.values())
 
     def _reduce(self, g: GatherGroup) -> None:
@@ -363,6 +365,7 @@ class Hooks:
     def finish_backward(self) -> None:
         """Reduce what autograd left partial (params without grads), finish every reduction
         in flight, and release everything fetched for this iteration."""
+        self._unseen = {}  # what is left is reduced here: nothing waits unseen any more
         for g in self.groups:
             if g.has_pending_grads:
                 self._reduce(g)

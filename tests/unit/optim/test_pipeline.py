@@ -128,8 +128,8 @@ def test_backward_waits_when_pending_gradients_pass_their_limit(
     queued: list[int] = []
     submit = ShardedOptimizer.submit
 
-    def counted(self: ShardedOptimizer, sps) -> None:
-        submit(self, sps)
+    def counted(self: ShardedOptimizer, sps, unseen: int = 0) -> None:
+        submit(self, sps, unseen)
         queued.append(sum(not job.done.done() for job in self.pipeline.pending))
 
     monkeypatch.setattr(ShardedOptimizer, "submit", counted)

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from outcore.device.accel import default_device
 from outcore.device.machine import gpu_description
@@ -226,8 +227,6 @@ def chunked_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.
     rows = max(1, LOSS_CHUNK_BYTES // (4 * logits.shape[-1]))
     if logits.shape[0] <= rows:
         return F.cross_entropy(logits.float(), targets)
-    from torch.utils.checkpoint import checkpoint
-
     keep = torch.is_grad_enabled() and logits.requires_grad  # else nothing is kept anyway
     total = torch.zeros((), dtype=torch.float32, device=logits.device)
     for lc, tc in zip(logits.split(rows), targets.split(rows), strict=True):

@@ -62,13 +62,12 @@ class Runtime:
         self.plan = self._derive_plan(cfg)
         # host_memory.py's notes
         reuse = cfg.offload.reuse_freed_memory
-        if (self.state_tier is Tier.NVME or reuse is False
-                or (reuse is None and self._frozen_base_on_disk(trainable_fraction))):
+        self.frozen_base = self._frozen_base_on_disk(trainable_fraction)
+        if self.state_tier is Tier.NVME or reuse is False or (reuse is None and self.frozen_base):
             return_large_frees_to_os()  # reuse, if asked, starts in begin_training
         elif self.plan.state_in_host_memory:
             keep_freed_memory_for_reuse(force=reuse is True)
         self.reusing = False  # freed memory is kept for reuse (host_memory.py's notes)
-        self.frozen_base = self._frozen_base_on_disk(trainable_fraction)
         self.prefetch_budget: int | None = None  # the engine's, once it adopts one
         self.full_regions = self._full_regions()
         # page-locked blocks for host shards that cross to the device every step

@@ -13,11 +13,15 @@ time on, not for timings).
     python bench/cpu_split.py --row nvme+opt --seq 2048 --top 25
     python bench/cpu_split.py --row nvme+opt --set offload.verify_swap=false
     python bench/cpu_split.py --row nvme+opt --phases     # the disk's busy share per phase
+    python bench/cpu_split.py --row nvme+opt --pipeline --no-cprofile   # the update pipeline
 
 ``--phases`` samples the disk's busy time every 50 ms and splits it by the step's phases
 (forward, backward, the update tail in ``step()``). Busy means a request in flight, not the
 disk at its full rate: a share under 100% is idle disk time, a share near 100% does not
-prove saturation.
+prove saturation. ``--pipeline`` (bench/pipeline_trace.py) splits each phase by what the
+optimizer's update pipeline did: waited for jobs, for reads or writes, or worked (the update,
+casts, digests). The main thread's cProfile slows the hooks' Python; ``--no-cprofile`` turns it
+off so the phases keep a bench/train.py step's proportions.
 
 The peak RSS printed is over the measured steps only (``VmHWM`` reset before them). For
 native profiles (page faults, libgomp's spinning, the JIT's kernels), ``--perf-ctl`` frames
@@ -177,6 +181,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="cProfile the background threads too (distorts timings)")
     ap.add_argument("--phases", action="store_true",
                     help="the disk's busy share per phase (forward, backward, step)")
+    ap.add_argument("--pipeline", action="store_true",
+                    help="the update pipeline's time per phase (bench/pipeline_trace.py)")
+    ap.add_argument("--no-cprofile", action="store_true",
+                    help="no cProfile of the main thread: it slows the hooks' Python, so the "
+                    "phases' times are nearer a bench/train.py step without it")
     ap.add_argument("--out", type=Path, help="write the split as JSON here")
     ap.add_argument("--perf-ctl", type=Path, metavar="FIFO",
                     help="perf's control FIFO: 'enable' before the measured steps, 'disable' "
@@ -207,6 +216,12 @@ def main(argv: list[str] | None = None) -> int:
     x, y = train_worker.make_batch(resolve_config(args.model).vocab, args.batch, args.seq,
                                    engine.device)
     step = train_worker.engine_step(engine, x, y)
+    trace = None
+    if args.pipeline:
+        from pipeline_trace import PipelineTrace
+
+        trace = PipelineTrace(engine)
+        trace.install()
     for _ in range(args.warmup):
         step()
 
@@ -217,12 +232,16 @@ def main(argv: list[str] | None = None) -> int:
     reset_peak_rss()
     proc0 = process_times()
     before, t0, pb = thread_times(), time.perf_counter(), time.process_time()
-    sampler = DiskSampler(Path(folder)) if args.phases else None
+    sampler = DiskSampler(Path(folder)) if args.phases or args.pipeline else None
+    windows: list[tuple[str, float, float]] = []
+    if trace is not None:
+        trace.recording = True
     phases = {"forward": [0.0, 0.0], "backward": [0.0, 0.0], "step": [0.0, 0.0]}
     perf = open(args.perf_ctl, "w", buffering=1) if args.perf_ctl else None  # noqa: SIM115
     if perf is not None:
         perf.write("enable\n")
-    main_prof.enable()
+    if not args.no_cprofile:
+        main_prof.enable()
     for _ in range(args.steps):
         start = train_worker.now()
         _, fwd_end, bwd_end = step()
@@ -232,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
                                ("step", bwd_end, end)):
                 phases[name][0] += b - a
                 phases[name][1] += sampler.busy(a, b)
+                windows.append((name, a, b))
     main_prof.disable()
     if perf is not None:
         perf.write("disable\n")
@@ -259,6 +279,17 @@ def main(argv: list[str] | None = None) -> int:
     if sampler is not None:
         print("  ".join(f"{name} {d / args.steps:.2f} s/step, disk busy {b / max(d, 1e-9):.0%}"
                         for name, (d, b) in phases.items()))
+    pipe = trace.by_phase(windows) if trace is not None else None
+    if trace is not None and pipe is not None:
+        trace.uninstall()
+        from pipeline_trace import KINDS
+
+        print(f"{'pipeline, s/step':24}{'phase':9}" + "".join(f" {k[:13]:>13}" for k in KINDS))
+        for name, row in pipe.items():
+            print(f"{'':24}{name:9}" + "".join(f" {row[k] / args.steps:13.3f}" for k in KINDS))
+        firsts = [trace.first_submit_after(a) for n, a, _ in windows if n == "backward"]
+        print("first submit after backward starts, s: "
+              + ", ".join(f"{f:.3f}" if f is not None else "-" for f in firsts))
     print(f"{'thread':44} {'threads':>7} {'user s/step':>11} {'sys s/step':>10} {'share':>6}")
     for name, r in sorted(rows.items(), key=lambda kv: -(kv[1]["user_s"] + kv[1]["sys_s"])):
         tot = r["user_s"] + r["sys_s"]
@@ -273,7 +304,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n{title} (tottime, {args.steps} steps)")
         print("\n".join(lines[start:start + args.top + 1]))
 
-    top(main_prof, "main thread")
+    if not args.no_cprofile:
+        top(main_prof, "main thread")
     for tid, prof in profiles.items():
         top(prof, f"thread {tid} ({thread_names().get(tid, 'ended')}; build and warm-up "
                   "included)")
@@ -284,6 +316,7 @@ def main(argv: list[str] | None = None) -> int:
                                         "read_GB": read / 1e9, "written_GB": written / 1e9,
                                         "disk_busy_s": busy,
                                         "phases": phases if sampler is not None else None,
+                                        "pipeline": pipe,
                                         "threads": rows}, indent=1))
     return 0
 

@@ -156,6 +156,15 @@ class Accelerator:
         out = torch.empty_like(host, device=self.device)  # on the compute stream
         return out, self.copy_to_device(out, host)
 
+    def to_device_inline(self, host: torch.Tensor) -> torch.Tensor:
+        """A small host tensor on the device, queued on the *current* stream without blocking
+        the host: page-locked first (torch's host cache keeps the block until the copy has
+        read it), so no stream hop and no event, for values the next kernel on this stream
+        reads (optimizer.py's [Note: step counts cross in one copy]). On the CPU, ``host``."""
+        if not self.is_cuda:
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)
+
     def copy_to_device(self, dst: torch.Tensor, src: torch.Tensor) -> DeviceCopy:
         """Copy host ``src`` into device ``dst`` on the copy stream; wait before using
         ``dst``, synchronize before refilling ``src``. On the CPU: copied now (or nothing,

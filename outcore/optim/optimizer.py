@@ -452,8 +452,8 @@ class ShardedOptimizer:
         element, so a parameter cut in several slices still advances once."""
         counts = torch.tensor([float(self.state[sl.sp].step) for sl in work.params],
                               dtype=torch.float32)
-        if at.type != "cpu":
-            counts = counts.pin_memory().to(at, non_blocking=True)
+        if at.type != "cpu":  # masters in host memory keep their counts there
+            counts = self.rt.accel.to_device_inline(counts)
         return list(counts.unbind())
 
     @staticmethod

@@ -43,3 +43,25 @@ def test_cpu_split_names_the_io_threads_and_counts_the_steps_bytes(tmp_path: Pat
     assert nbytes < split["peak_rss_bytes"] < 8 * 2**30
     # perf's control commands frame the measured steps (a FIFO under perf; a file here)
     assert (tmp_path / "perf-ctl").read_text() == "enable\ndisable\n"
+
+
+def test_pipeline_trace_tiles_each_phase_without_the_main_profile(tmp_path: Path) -> None:
+    """``--pipeline``: the update pipeline runs on one thread at a time, so its intervals
+    inside a phase add up to no more than the phase; its updates are seen; ``--no-cprofile``
+    leaves the main thread unprofiled."""
+    out = tmp_path / "split.json"
+    cmd = [sys.executable, str(REPO / "bench" / "cpu_split.py"), "--row", "nvme+opt", "--model",
+           "tiny", "--seq", "64", "--steps", "3", "--warmup", "1", "--dtype", "fp32",
+           "--nvme-path", str(tmp_path), "--pipeline", "--no-cprofile", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    split = json.loads(out.read_text())
+    pipe, phases = split["pipeline"], split["phases"]
+    assert set(pipe) == set(phases) == {"forward", "backward", "step"}
+    one_thread = ("idle (no job)", "wait reads", "wait writes", "stage_in", "apply", "stage_out")
+    for name, row in pipe.items():
+        assert sum(row[k] for k in one_thread) <= phases[name][0] * 1.02 + 0.01, (name, row)
+    assert sum(row["apply"] for row in pipe.values()) > 0  # every step updates
+    assert sum(row["wait_unshard"] for row in pipe.values()) > 0  # every forward fetches
+    assert "first submit after backward starts" in proc.stdout
+    assert "main thread (tottime" not in proc.stdout

@@ -50,6 +50,18 @@ def test_cpu_copies_are_done_when_the_call_returns() -> None:
     back = torch.zeros(6)
     assert acc.copy_to_host(back, dst) is DONE and torch.equal(back, host)
     assert acc.copy_to_host(back, back) is DONE  # the same memory: nothing to do
+    assert acc.to_device_inline(host) is host
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_inline_copy_queues_on_the_current_stream() -> None:
+    """The optimizer's step counts: one copy on the stream the update's kernel runs on, so
+    that kernel reads the values without the host waiting for them."""
+    acc = Accelerator(torch.device("cuda"), torch.cuda.Stream())
+    counts = torch.tensor([1.0, 2.0, 3.0])
+    out = acc.to_device_inline(counts)
+    counts.fill_(0.0)  # the copy read a page-locked copy of its own, not this tensor
+    assert out.device.type == "cuda" and out.cpu().tolist() == [1.0, 2.0, 3.0]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

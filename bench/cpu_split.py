@@ -287,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'pipeline, s/step':24}{'phase':9}" + "".join(f" {k[:13]:>13}" for k in KINDS))
         for name, row in pipe.items():
             print(f"{'':24}{name:9}" + "".join(f" {row[k] / args.steps:13.3f}" for k in KINDS))
-        firsts = [trace.first_submit_after(a) for n, a, _ in windows if n == "backward"]
+        firsts = [trace.first_submit(a, b) for n, a, b in windows if n == "backward"]
         print("first submit after backward starts, s: "
               + ", ".join(f"{f:.3f}" if f is not None else "-" for f in firsts))
     print(f"{'thread':44} {'threads':>7} {'user s/step':>11} {'sys s/step':>10} {'share':>6}")

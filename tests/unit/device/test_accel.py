@@ -55,12 +55,17 @@ def test_cpu_copies_are_done_when_the_call_returns() -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_inline_copy_queues_on_the_current_stream() -> None:
-    """The optimizer's step counts: one copy on the stream the update's kernel runs on, so
-    that kernel reads the values without the host waiting for them."""
+    """The optimizer's step counts: one copy queued behind the current stream's work, which
+    the host does not wait for (a copy from pageable memory would wait for the stream), from
+    a page-locked copy of its own (the caller may reuse its tensor at once)."""
     acc = Accelerator(torch.device("cuda"), torch.cuda.Stream())
+    stream = torch.cuda.current_stream()
     counts = torch.tensor([1.0, 2.0, 3.0])
+    torch.cuda._sleep(10**9)  # keeps the current stream busy for ~0.5 s
     out = acc.to_device_inline(counts)
-    counts.fill_(0.0)  # the copy read a page-locked copy of its own, not this tensor
+    assert not stream.query(), "the host waited for the stream"
+    counts.fill_(0.0)
+    stream.synchronize()
     assert out.device.type == "cuda" and out.cpu().tolist() == [1.0, 2.0, 3.0]
 
 

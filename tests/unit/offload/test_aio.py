@@ -133,9 +133,18 @@ def test_large_request_is_split_into_blocks_over_threads(
     fd, path = direct_file
     calls: list[tuple[str, int]] = []
     real = os.pwritev
+    # the first two blocks wait for each other: they finish only if two threads serve them at
+    # once, however the machine schedules them (a loaded host can let one thread take all 32
+    # blocks one after another, which says nothing about the engine)
+    together = threading.Barrier(2, timeout=30)
+    lock = threading.Lock()
 
     def spy(fd_: int, buffers: list, offset: int) -> int:
-        calls.append((threading.current_thread().name, sum(len(b) for b in buffers)))
+        with lock:
+            calls.append((threading.current_thread().name, sum(len(b) for b in buffers)))
+            first_two = len(calls) <= 2
+        if first_two:
+            together.wait()  # BrokenBarrierError (the write's error) if no second thread came
         return real(fd_, buffers, offset)
 
     monkeypatch.setattr(os, "pwritev", spy)

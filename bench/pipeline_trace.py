@@ -72,8 +72,13 @@ class PipelineTrace:
                 if family is not None:
                     active.discard(family)
 
+        self._set(owner, attr, timed)
+
+    def _set(self, owner: Any, attr: str, value: Any) -> None:
+        """``owner.attr = value``, undone by ``uninstall()`` to what ``owner`` itself held
+        (an inherited or class attribute shows through again)."""
         before = owner.__dict__.get(attr, _MISSING)
-        setattr(owner, attr, timed)
+        setattr(owner, attr, value)
 
         def undo() -> None:
             if before is _MISSING:
@@ -95,7 +100,7 @@ class PipelineTrace:
             setattr(work, APPLIED, True)
             apply(work, hp)
 
-        self.opt.apply = noting  # an instance attribute: the next wrap's undo removes it
+        self._set(self.opt, "apply", noting)
         self._wrap(self.opt, "apply", "apply")
         self._wrap(pipeline_mod.InFlight, "wait", "wait reads",
                    when=lambda work: not getattr(work, APPLIED, False))

@@ -71,3 +71,46 @@ def test_pipeline_trace_tiles_each_phase_without_the_main_profile(tmp_path: Path
                   if ln.startswith("first submit after backward starts"))
     assert "-" not in firsts.split(":", 1)[1], firsts
     assert "main thread (tottime" not in proc.stdout
+
+
+UNINSTALL = """
+import sys
+sys.path.insert(0, "bench")
+from pipeline_trace import PipelineTrace
+from outcore.optim import pipeline as pm
+from outcore.zero.group import GatherGroup
+
+class Pipeline:
+    def submit(self, *a): pass
+
+class Optimizer:
+    def __init__(self): self.pipeline = Pipeline()
+    def stage_in(self, *a): pass
+    def stage_out(self, *a): pass
+    def apply(self, *a): pass
+
+class Engine:
+    sharded_optimizer = Optimizer()
+
+def snapshot(e):
+    return (dict(vars(e.sharded_optimizer)), dict(vars(e.sharded_optimizer.pipeline)),
+            pm.InFlight.wait, pm.JobQueue.next, GatherGroup.unshard, GatherGroup.wait_unshard,
+            GatherGroup.await_update)
+
+e = Engine()
+before = snapshot(e)
+trace = PipelineTrace(e)
+trace.install()
+assert snapshot(e) != before
+trace.uninstall()
+assert snapshot(e) == before, (snapshot(e), before)
+print("restored")
+"""
+
+
+def test_pipeline_trace_uninstall_puts_every_method_back() -> None:
+    """The tracer wraps the optimizer's own methods and the classes' (twice for a sub-group's
+    wait); taking it off leaves neither an instance attribute nor a wrapper behind."""
+    proc = subprocess.run([sys.executable, "-c", UNINSTALL], capture_output=True, text=True,
+                          timeout=120, cwd=REPO)
+    assert proc.returncode == 0 and "restored" in proc.stdout, proc.stderr[-2000:]

@@ -61,5 +61,7 @@ wait
 say "suite done"
 summarize_suite
 
-bench_row "$BENCH_S" "$BENCH_ROWS" 4 "${ROW_S:-45}"
+if [ "$BENCH_S" -gt 0 ]; then
+  bench_row "$BENCH_S" "$BENCH_ROWS" 4 "${ROW_S:-45}"
+fi
 say "done"

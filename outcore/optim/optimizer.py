@@ -101,10 +101,10 @@ class ShardedOptimizer:
         self._slot_list: list[StagingSlot] = []
         self._staging = rt.ledger.charge(Tier.HOST, Kind.IO_BUFFERS)  # the slots' bytes
         self._fused = rt.device.type in ("cpu", "cuda")
-        # everything that runs an update off the critical path (pipeline.py's note); gradients
-        # waiting for a background update hold at most twice the host buffer budget
-        self.pipeline = UpdatePipeline(self, self._slot_count,
-                                       pending_grad_limit=2 * rt.cfg.offload.host_buffer_bytes,
+        # everything that runs an update off the critical path (pipeline.py's note), paced where
+        # updates free gradients (pipeline.py's [Note: paced only where updates free gradients])
+        limit = None if plan.keeps_grad_buffers else 2 * rt.cfg.offload.host_buffer_bytes
+        self.pipeline = UpdatePipeline(self, self._slot_count, pending_grad_limit=limit,
                                        single_threaded_worker=rt.device.type == "cpu")
         self._dropped_sq = 0.0  # squared norm of gradients already consumed and freed
         # speculation.py's [Note: a speculative step]: whether it is on, whether the last

@@ -177,12 +177,23 @@ def first_error(futures: Iterable[ShardFuture]) -> None:
 class UpdatePipeline:
     """Runs updates read-ahead and write-behind, on its worker or the caller's thread."""
 
-    def __init__(self, kernel: Kernel, slot_count: int, pending_grad_limit: int,
+    def __init__(self, kernel: Kernel, slot_count: int, pending_grad_limit: int | None,
                  single_threaded_worker: bool) -> None:
         self._kernel = kernel
         self._slot_count = slot_count
         # gradients waiting for a background update may hold at most this many bytes; the
-        # backward that submits more waits for the oldest update
+        # backward that submits more waits for the oldest update (None: no limit)
+        #
+        # [Note: paced only where updates free gradients]
+        # The limit bounds the host memory of gradients that wait for their update, so it
+        # applies where an update frees the gradients it read (state on NVMe). Where the state
+        # is in memory, every gradient's buffer is kept from step to step (param.py's [Note:
+        # gradient buffers]): waiting costs no byte, and a limit would only stall backward.
+        # On a GPU it allowed one waiting update at a time for gpt-1.3b with the state in host
+        # memory: 200 MB of fp32 gradient per layer against a 512 MiB limit, with a tied
+        # head's 206 MB reserved. That step took 1.19 s where 0.60 s had been measured before
+        # the reservation; how much of that this stall was is not yet measured
+        # (bench/gpu/2026-11-26-h100-c/README.md).
         self.pending_grad_limit = pending_grad_limit
         self._single = single_threaded_worker
         self._worker: threading.Thread | None = None
@@ -207,7 +218,8 @@ class UpdatePipeline:
         held = sum(n for _, n in self._submitted)
         kept: list[tuple[UpdateJob, int]] = []
         for older, n in self._submitted:
-            if n and held + grad_bytes + unseen > self.pending_grad_limit:
+            limit = self.pending_grad_limit
+            if n and limit is not None and held + grad_bytes + unseen > limit:
                 wait_for([older.done])  # its gradients are freed once it is done
                 held -= n
                 if older.done.exception() is None:

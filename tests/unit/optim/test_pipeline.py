@@ -142,6 +142,38 @@ def test_backward_waits_when_pending_gradients_pass_their_limit(
     engine.close()
 
 
+@pytest.mark.parametrize("home", ["cpu", "nvme"])
+def test_backward_is_paced_only_where_updates_free_gradients(
+        home: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """pipeline.py's [Note: paced only where updates free gradients]: with the state in
+    memory every gradient buffer is kept, so gradients waiting for an update cost nothing and
+    backward never waits for one, however small the host buffers; on NVMe the limit holds
+    (the test above). Updates overlap backward with the state in memory only on a GPU, so
+    on the CPU this checks the limit the pipeline was given."""
+    monkeypatch.setattr(ShardedOptimizer, "apply", _slowed(0.05))
+    offload = {"optimizer": home, "nvme_path": str(tmp_path)}
+    if home == "cpu":
+        offload["host_buffer_bytes"] = 4096  # a limit of 8 KiB, if it applied
+    engine = outcore.initialize(_model(), outcore.Config(dtype="fp32", optimizer={"lr": 1e-2},
+                                                         offload=offload))
+    limit = engine.sharded_optimizer.pipeline.pending_grad_limit
+    assert limit == (None if home == "cpu" else 2 * outcore.Config().offload.host_buffer_bytes)
+    if home == "cpu" and engine.plan.overlaps_optimizer:  # a GPU
+        queued: list[int] = []
+        submit = ShardedOptimizer.submit
+
+        def counted(self: ShardedOptimizer, sps, unseen: int = 0) -> None:
+            submit(self, sps, unseen)
+            queued.append(sum(not job.done.done() for job in self.pipeline.pending))
+
+        monkeypatch.setattr(ShardedOptimizer, "submit", counted)
+        x = torch.randn(8, 64, generator=torch.Generator().manual_seed(1)).to(engine.device)
+        engine.backward(engine(x).pow(2).mean())
+        engine.step()
+        assert max(queued) == 3, queued  # none waited for the one before
+    engine.close()
+
+
 def _deferred(swap: str, defer: bool) -> dict:
     """Train with the step's tail running into the next forward (or not), the update slowed
     so the worker is surely behind when ``step()`` returns, and the learning rate changed

@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# One bench/gpu.py row over several commits in one device call, to find which change moved a
+# GPU timing (device time is too short for one call per commit).
+#
+#   bash bench/gpu/ab.sh prepare d624f02 088993f        # here: bench/out/ab/<commit>/
+#   OUT=$OUT bash bench/gpu/ab.sh run --models gpt-1.3b --rows cpu+opt --batch 8 --seq 2048 \
+#       --no-sweep --steps 4 --warmup 1 --row-timeout 90  # there, carry ["bench/out/ab"]
+#
+# `run` times the working tree first ("tree"), then each prepared commit in the order given to
+# `prepare`, each from its own copy of outcore/ and bench/ (PYTHONPATH, so the installed
+# outcore is not the one imported). Each run gets AB_S seconds (default 100; a cold machine
+# took over 46 s for one gpt-1.3b row at 8 x 2048). The probe comes from PROBE (default: the
+# third H100 session's), so no run spends 30 s measuring the card. In $OUT: summary.txt (one
+# line per commit: step, forward, backward, optimizer seconds, CPU-s per step) and ab.tgz.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+ROOT=$PWD
+AB=bench/out/ab
+case "${1:-}" in
+  prepare)
+    shift
+    rm -rf "$AB" && mkdir -p "$AB"
+    for c in "$@"; do
+      sha=$(git rev-parse --short "$c") || exit 1
+      mkdir -p "$AB/$sha"
+      git archive "$sha" outcore 'bench/*.py' | tar x -C "$AB/$sha" || exit 1
+      echo "$sha" >>"$AB/order.txt"
+    done
+    du -sh "$AB"
+    ;;
+  run)
+    shift
+    OUT=${OUT:-bench/out/ab-run}
+    PY=${PYTHON:-python3}
+    PROBE=${PROBE:-$ROOT/bench/gpu/2026-11-26-h100/run1-gpt-1.3b.json}
+    mkdir -p "$OUT/ab"
+    export PYTHONUNBUFFERED=1
+    bash bench/gpu/setup.sh >"$OUT/ab/setup.log" 2>&1
+    one() {  # name, folder
+      (cd "$2" && PYTHONPATH=$PWD timeout "${AB_S:-100}" $PY bench/gpu.py "${@:3}" \
+        --probe-from "$PROBE" --nvme-path /tmp/outcore-ab --out "$OUT/ab/$1.json" \
+        >/dev/null 2>"$OUT/ab/$1.err")
+      echo "$1 exit $?: $($PY - "$OUT/ab/$1.json" <<'PY'
+import json
+import sys
+try:
+    rows = json.load(open(sys.argv[1]))["rows"]
+except (OSError, ValueError):
+    print("no result")
+    sys.exit()
+print("; ".join(f"{r['row']} {r['batch']}x{r['seq']} " + (
+    f"step {r['step_s']:.3f} fwd {r['fwd_s']:.3f} bwd {r['bwd_s']:.3f} opt {r['opt_s']:.3f} "
+    f"cpu {r['user_s_per_step']:.2f}" if r["status"] == "ok" else r["status"]) for r in rows))
+PY
+)" | tee -a "$OUT/summary.txt"
+    }
+    one tree "$ROOT" "$@"
+    if [ -f "$AB/order.txt" ]; then
+      while read -r sha; do one "$sha" "$AB/$sha" "$@"; done <"$AB/order.txt"
+    fi
+    tar czf "$OUT/ab.tgz" -C "$OUT" ab && rm -rf "$OUT/ab"
+    ;;
+  *)
+    echo "usage: ab.sh prepare COMMIT... | ab.sh run BENCH_GPU_ARGS..." >&2
+    exit 2
+    ;;
+esac

@@ -10,8 +10,10 @@
 # `prepare`, each from its own copy of outcore/ and bench/ (PYTHONPATH, so the installed
 # outcore is not the one imported). Each run gets AB_S seconds (default 100; a cold machine
 # took over 46 s for one gpt-1.3b row at 8 x 2048). The probe comes from PROBE (default: the
-# third H100 session's), so no run spends 30 s measuring the card. In $OUT: summary.txt (one
-# line per commit: step, forward, backward, optimizer seconds, CPU-s per step) and ab.tgz.
+# third H100 session's), so no run spends 30 s measuring the card; the host-device link is
+# measured first, since it differs between machines. In $OUT: summary.txt (the link's rates,
+# then one line per commit: step, forward, backward, optimizer seconds, CPU-s per step) and
+# ab.tgz.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 ROOT=$PWD
@@ -54,6 +56,9 @@ print("; ".join(f"{r['row']} {r['batch']}x{r['seq']} " + (
 PY
 )" | tee -a "$OUT/summary.txt"
     }
+    # this machine's own page-locked copy rates: a slower link moves a row as much as code
+    (cd bench && $PY -c "import gpu; print('link', gpu.link_rates() or 'no CUDA')") 2>&1 \
+      | tee -a "$OUT/summary.txt"
     one tree "$ROOT" "$@"
     if [ -f "$AB/order.txt" ]; then
       while read -r sha; do one "$sha" "$AB/$sha" "$@"; done <"$AB/order.txt"

@@ -189,11 +189,10 @@ class UpdatePipeline:
         # applies where an update frees the gradients it read (state on NVMe). Where the state
         # is in memory, every gradient's buffer is kept from step to step (param.py's [Note:
         # gradient buffers]): waiting costs no byte, and a limit would only stall backward.
-        # On a GPU it allowed one waiting update at a time for gpt-1.3b with the state in host
-        # memory: 200 MB of fp32 gradient per layer against a 512 MiB limit, with a tied
-        # head's 206 MB reserved. That step took 1.19 s where 0.60 s had been measured before
-        # the reservation; how much of that this stall was is not yet measured
-        # (bench/gpu/2026-11-26-h100-c/README.md).
+        # On a GPU with gpt-1.3b's state in host memory, the limit (512 MiB) less its tied
+        # head's reserved 131 MB let about 1.7 layers' updates wait, 2.3 before that
+        # reservation; that step slowed from 0.60 to 1.19 s, how much of it from this is not
+        # yet measured (bench/gpu/2026-11-26-h100-c/README.md).
         self.pending_grad_limit = pending_grad_limit
         self._single = single_threaded_worker
         self._worker: threading.Thread | None = None

@@ -114,17 +114,8 @@ def test_updates_equal_torch_adamw(tmp_path: Path, device: torch.device) -> None
         assert got == pytest.approx(want, rel=1e-5, abs=1e-7), overlap
 
 
-@pytest.mark.parametrize("limit", [0, None])  # none may wait / the default budget
-def test_backward_waits_when_pending_gradients_pass_their_limit(
-        limit: int | None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Gradients waiting for a background update hold host memory, so a backward that would
-    queue more than ``pending_grad_limit`` bytes first waits for the oldest update."""
-    monkeypatch.setattr(ShardedOptimizer, "apply", _slowed(0.05))
-    cfg = outcore.Config(dtype="fp32", optimizer={"lr": 1e-2},
-                         offload={"optimizer": "nvme", "nvme_path": str(tmp_path)})
-    engine = outcore.initialize(_model(), cfg)
-    if limit is not None:
-        engine.sharded_optimizer.pipeline.pending_grad_limit = limit
+def _queued_at_each_submit(engine: outcore.Engine, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """One step; after each submission during backward, how many updates were unfinished."""
     queued: list[int] = []
     submit = ShardedOptimizer.submit
 
@@ -136,6 +127,21 @@ def test_backward_waits_when_pending_gradients_pass_their_limit(
     x = torch.randn(8, 64, generator=torch.Generator().manual_seed(1)).to(engine.device)
     engine.backward(engine(x).pow(2).mean())
     engine.step()
+    return queued
+
+
+@pytest.mark.parametrize("limit", [0, None])  # none may wait / the default budget
+def test_backward_waits_when_pending_gradients_pass_their_limit(
+        limit: int | None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Gradients waiting for a background update hold host memory, so a backward that would
+    queue more than ``pending_grad_limit`` bytes first waits for the oldest update."""
+    monkeypatch.setattr(ShardedOptimizer, "apply", _slowed(0.05))
+    cfg = outcore.Config(dtype="fp32", optimizer={"lr": 1e-2},
+                         offload={"optimizer": "nvme", "nvme_path": str(tmp_path)})
+    engine = outcore.initialize(_model(), cfg)
+    if limit is not None:
+        engine.sharded_optimizer.pipeline.pending_grad_limit = limit
+    queued = _queued_at_each_submit(engine, monkeypatch)
     assert len(queued) == 3 and engine.schedule_stats()["updates_during_backward"] == 6
     # with no room every submission first waits for the one before; with room they pile up
     assert max(queued) == (1 if limit == 0 else 3), queued
@@ -159,17 +165,7 @@ def test_backward_is_paced_only_where_updates_free_gradients(
     limit = engine.sharded_optimizer.pipeline.pending_grad_limit
     assert limit == (None if home == "cpu" else 2 * outcore.Config().offload.host_buffer_bytes)
     if home == "cpu" and engine.plan.overlaps_optimizer:  # a GPU
-        queued: list[int] = []
-        submit = ShardedOptimizer.submit
-
-        def counted(self: ShardedOptimizer, sps, unseen: int = 0) -> None:
-            submit(self, sps, unseen)
-            queued.append(sum(not job.done.done() for job in self.pipeline.pending))
-
-        monkeypatch.setattr(ShardedOptimizer, "submit", counted)
-        x = torch.randn(8, 64, generator=torch.Generator().manual_seed(1)).to(engine.device)
-        engine.backward(engine(x).pow(2).mean())
-        engine.step()
+        queued = _queued_at_each_submit(engine, monkeypatch)
         assert max(queued) == 3, queued  # none waited for the one before
     engine.close()
 

@@ -32,7 +32,7 @@ case "${1:-}" in
     ;;
   run)
     shift
-    OUT=${OUT:-bench/out/ab-run}
+    OUT=$(realpath -m "${OUT:-bench/out/ab-run}")  # each run starts in its own copy
     PY=${PYTHON:-python3}
     PROBE=${PROBE:-$ROOT/bench/gpu/2026-11-26-h100/run1-gpt-1.3b.json}
     mkdir -p "$OUT/ab"
@@ -42,7 +42,11 @@ case "${1:-}" in
       (cd "$2" && PYTHONPATH=$PWD timeout "${AB_S:-100}" $PY bench/gpu.py "${@:3}" \
         --probe-from "$PROBE" --nvme-path /tmp/outcore-ab --out "$OUT/ab/$1.json" \
         >/dev/null 2>"$OUT/ab/$1.err")
-      echo "$1 exit $?: $($PY - "$OUT/ab/$1.json" <<'PY'
+      local rc=$?
+      # the row's own log (a failed row's error is more than the line bench/gpu.py prints)
+      cp -r "$(ls -dt "$2"/bench/out/logs/gpu-* 2>/dev/null | head -1)" "$OUT/ab/$1-logs" \
+        2>/dev/null
+      echo "$1 exit $rc: $($PY - "$OUT/ab/$1.json" <<'PY'
 import json
 import sys
 try:
@@ -59,11 +63,17 @@ PY
     # this machine's own page-locked copy rates: a slower link moves a row as much as code
     (cd bench && $PY -c "import gpu; print('link', gpu.link_rates() or 'no CUDA')") 2>&1 \
       | tee -a "$OUT/summary.txt"
+    # packed after every run: a call stopped at its limit still brings back what ran, in
+    # the few files the device tool returns
     one tree "$ROOT" "$@"
+    tar czf "$OUT/ab.tgz" -C "$OUT" ab
     if [ -f "$AB/order.txt" ]; then
-      while read -r sha; do one "$sha" "$AB/$sha" "$@"; done <"$AB/order.txt"
+      while read -r sha; do
+        one "$sha" "$AB/$sha" "$@"
+        tar czf "$OUT/ab.tgz" -C "$OUT" ab
+      done <"$AB/order.txt"
     fi
-    tar czf "$OUT/ab.tgz" -C "$OUT" ab && rm -rf "$OUT/ab"
+    rm -rf "$OUT/ab"
     ;;
   *)
     echo "usage: ab.sh prepare COMMIT... | ab.sh run BENCH_GPU_ARGS..." >&2

@@ -139,7 +139,10 @@ def state_bytes(num_params: int, world_size: int, settings: Config, device: str,
     else:  # a frozen parameter's shard is its fp32 values, beside the trainable masters
         use[ex.inputs.optimizer.value] += (per_rank - per_train) * 4
     use[ex.inputs.optimizer.value] += per_train * _state_bytes(settings)
-    if not ex.overlaps_optimizer or ex.speculates:  # every gradient is held until the step
+    # every gradient is held until the step, or kept from step to step with the state in
+    # memory (zero/param.py's [Note: gradient buffers]); only updates during backward with
+    # the state on NVMe free each one, unless they are tentative
+    if ex.keeps_grad_buffers or not ex.overlaps_optimizer or ex.speculates:
         use[ex.grad_tier.value] += per_train * GRAD_BYTES
     return use
 
@@ -156,9 +159,10 @@ def plan(num_params: int, world_size: int = 1, *, nvme_path: str | None = None,
     (``"cuda"`` where torch sees a GPU, else ``"cpu"``): parameter shards cost the resolved
     dtype's bytes unless they are the fp32 masters (``compute_is_master``), and a whole
     step's fp32 gradients need room beside the optimizer state unless the optimizer runs
-    during backward (``overlaps_optimizer``): then each group's gradient is freed after its
-    update and needs no room beyond the host buffer budget (not when the updates are
-    tentative, ``speculates``: those keep their gradients for ``step()``). The room a
+    during backward (``overlaps_optimizer``) with its state on NVMe: then each group's
+    gradient is freed after its update and needs no room beyond the host buffer budget (not
+    when the updates are tentative, ``speculates``: those keep their gradients for
+    ``step()``). With the state in memory the buffers are kept (``keeps_grad_buffers``). The room a
     speculative step takes on disk is not priced: it is reserved only where the disk has it
     to spare (optim/speculation.py). ``trainable``: how many
     parameters train (default: all; see ``state_bytes``).

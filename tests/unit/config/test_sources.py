@@ -125,6 +125,19 @@ def test_overlapped_updates_free_gradients_so_larger_models_fit(tmp_path) -> Non
     assert (chosen.params, chosen.optimizer) == ("nvme", "nvme")
 
 
+def test_gradients_kept_beside_a_state_in_memory_are_priced_on_a_gpu() -> None:
+    """On a GPU the updates run during backward with the state in host memory too, but each
+    gradient's buffer is kept from step to step there (param.py's [Note: gradient buffers]),
+    so the 4 bytes a parameter are priced; with the state on NVMe they are freed."""
+    from outcore.sizing.placement import state_bytes
+
+    n, bf16 = 10**9, outcore.Config.from_dict({"dtype": "bf16"})
+    in_memory = state_bytes(n, 1, bf16, "cuda", "cpu", "cpu")
+    assert in_memory["host"] == 2 * n + 12 * n + 4 * n  # shards, master and moments, gradient
+    on_nvme = state_bytes(n, 1, bf16, "cuda", "cpu", "nvme")
+    assert on_nvme["nvme"] == 12 * n and on_nvme["host"] == 2 * n
+
+
 def test_auto_placement_fails_clearly_when_nothing_fits(tmp_path) -> None:
     with pytest.raises(outcore.ConfigError, match="does not fit this machine"):
         plan(10**12, device_free=8 * GiB, host_free=16 * GiB, disk_free=GiB,

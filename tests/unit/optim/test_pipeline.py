@@ -130,7 +130,7 @@ def _queued_at_each_submit(engine: outcore.Engine, monkeypatch: pytest.MonkeyPat
     return queued
 
 
-@pytest.mark.parametrize("limit", [0, None])  # none may wait / the default budget
+@pytest.mark.parametrize("limit", [0, None])  # none may wait / the default limit kept
 def test_backward_waits_when_pending_gradients_pass_their_limit(
         limit: int | None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Gradients waiting for a background update hold host memory, so a backward that would

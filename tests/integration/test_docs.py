@@ -29,7 +29,7 @@ QUICK_START = [
     "python3 -m venv .venv && .venv/bin/pip install -q -c constraints.txt -e . "
     "&& .venv/bin/outcore train",
     "python3 -m venv .venv && .venv/bin/pip install -q -c constraints.txt -e '.[test]' "
-    "&& .venv/bin/python -m pytest -q",
+    "&& .venv/bin/python -m pytest -q -n 2 --dist loadfile",
 ]
 
 # A note is defined where a line starts with "[Note: title]" (after indentation and an

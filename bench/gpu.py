@@ -114,6 +114,8 @@ def worker(spec: dict) -> None:
     sys.path.insert(0, str(REPO))
     if spec["row"] == "probe":
         res = {**train_worker.run_probe(spec), **link_rates(spec.get("link_bytes", 1 << 30))}
+    elif spec["row"] == "link":
+        res = link_rates(spec["link_bytes"])
     elif spec["row"] in PLAIN:
         batch, seq = spec["points"][0]
         one = train_worker.run_plain({**spec, "batch": batch, "seq": seq})
@@ -139,12 +141,14 @@ def flops_per_token(m: dict, seq: int) -> float:
 
 
 # Bytes per parameter in (device, host, nvme) per row, bf16 compute: 2 per 16-bit parameter
-# (and its transient gradient), 12 of fp32 master and moments, 4 per fp32 gradient held for
-# the step (none with the state on the host: the optimizer overlaps backward on CUDA and
-# frees each gradient after its update; 1 allows for those in flight). plain: bf16 moments.
+# (and its transient gradient), 12 of fp32 master and moments, 4 per fp32 gradient: held for
+# the step, or kept from step to step where the state is in memory (page-locked on the host;
+# zero/param.py's [Note: gradient buffers]; the 6B row's host held them, run2-free.txt of
+# the third H100 session). With the state on NVMe each is freed after its update (1 allows
+# for those in flight). plain: bf16 moments.
 PER_PARAM = {"plain": (8, 0, 0), "plain-master": (20, 0, 0), "none": (20, 0, 0),
-             "opt-cpu": (4, 13, 0), "cpu+opt": (0, 15, 0), "nvme+opt": (0, 0, 14),
-             "nvme+opt-cpu": (0, 13, 0)}  # bf16 copies cast from the masters: CastShard
+             "opt-cpu": (4, 16, 0), "cpu+opt": (0, 18, 0), "nvme+opt": (0, 0, 14),
+             "nvme+opt-cpu": (0, 16, 0)}  # bf16 copies cast from the masters: CastShard
 
 
 def predicted_bytes(row: str, m: dict, batch: int, seq: int) -> dict:
@@ -210,9 +214,25 @@ def probe(args, nvme_root: Path, logs: Path) -> dict:
     return res
 
 
+def own_link(pr: dict, args, logs: Path) -> dict:
+    """``pr`` (a probe taken from an earlier run) with this machine's host-device copy rates:
+    two machines of one kind can differ there, and the link prices every row that moves
+    parameters or gradients across it (``--probe-from`` skips the rest of the probe)."""
+    spec = {"row": "link", "link_bytes": (16 << 20) if args.tiny else (1 << 30)}
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec)]
+    res, err = train.run_child(cmd, logs / "link.log", 120)
+    if err:
+        say(f"link: not measured ({err.splitlines()[0]}); the earlier probe's rates are kept")
+        return pr
+    rates = {k: v for k, v in res.items() if k.endswith("_GBps")}
+    if rates:
+        say("link: " + ", ".join(f"{k} {v:.1f}" for k, v in rates.items()) + " (this machine)")
+    return {**pr, **rates, "link_from": "this run" if rates else "the earlier probe"}
+
+
 def collect(args, nvme_root: Path, logs: Path) -> dict:
-    pr = (json.loads(Path(args.probe_from).read_text())["probe"] if args.probe_from
-          else probe(args, nvme_root, logs))
+    pr = (own_link(json.loads(Path(args.probe_from).read_text())["probe"], args, logs)
+          if args.probe_from else probe(args, nvme_root, logs))
     dtype = pr["auto_dtype"] if args.dtype == "auto" else args.dtype
     models = [m for m in args.models.split(",") if m]
     rows_out, shapes = [], {}

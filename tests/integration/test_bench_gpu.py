@@ -87,6 +87,27 @@ def test_merged_runs_give_one_json(tmp_path: Path) -> None:
     assert [p["measured"] for p in merged["sweep"]["points"]] == [0.8]
 
 
+def test_a_probe_from_an_earlier_run_gets_this_machines_link(tmp_path: Path) -> None:
+    """``--probe-from`` keeps the earlier probe but measures the host-device link again: two
+    H100 machines of one kind can differ there (bench/gpu/2026-11-26-h100-c/README.md)."""
+    import argparse
+
+    import torch
+
+    if str(REPO / "bench") not in sys.path:
+        sys.path.append(str(REPO / "bench"))
+    import gpu
+
+    earlier = {"h2d_GBps": 55.0, "d2h_GBps": 55.0, "matmul_bf16_TFLOPs": 730.0}
+    pr = gpu.own_link(earlier, argparse.Namespace(tiny=True), tmp_path)
+    assert pr["matmul_bf16_TFLOPs"] == 730.0  # the rest of the probe is kept
+    if torch.cuda.is_available():  # link_rates measures wherever torch sees a GPU
+        assert pr["link_from"] == "this run" and pr["h2d_GBps"] != 55.0
+    else:  # no link to measure: the earlier rates stand, and the JSON says whose they are
+        assert pr["link_from"] == "the earlier probe" and pr["h2d_GBps"] == 55.0
+    assert (tmp_path / "link.log").is_file()
+
+
 def test_gpu_step_profile_runs_every_variant_tiny(tmp_path: Path) -> None:
     # bench/gpu/profile_step.py: prepared here so a GPU session spends its minutes on the run
     proc = subprocess.run(

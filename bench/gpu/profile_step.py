@@ -4,7 +4,8 @@ On the H100 (bench/gpu/2026-11-26-h100/README.md) outcore without offload took 0
 step where plain PyTorch took 0.139 (gpt-1.3b, 4 x 2048 tokens), the backward 0.058 s longer.
 This script tells the parts apart in one device call. Each variant runs in its own process:
 its warm-up steps, then ``--steps`` steps under ``torch.profiler`` (CPU and CUDA activities,
-every thread). Per variant it writes ``profile-<variant>.txt`` (the top operators by device
+every thread). Per variant it writes ``profile-<variant>.txt`` (``+`` written ``-``: the device
+tool brings back only names of letters, digits, ``.``, ``_`` and ``-``; the top operators by device
 and by CPU self time) and one summary JSON line: step time, kernel time per step, kernel
 launches per step, and the time inside outcore's ranges (``outcore::*``).
 
@@ -120,12 +121,13 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     results = []
     for variant in args.variants.split(","):
+        name = variant.replace("+", "-")  # a file name the device tool brings back
         spec = {"variant": variant, "model": args.model, "batch": args.batch, "seq": args.seq,
                 "vocab": resolve_config(args.model).vocab, "warmup": args.warmup,
                 "steps": args.steps, "dtype": "bf16", "clip": 0.0, "prefetch_bytes": None,
-                "nvme_path": str(args.out), "table": str(args.out / f"profile-{variant}.txt")}
+                "nvme_path": str(args.out), "table": str(args.out / f"profile-{name}.txt")}
         cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec)]
-        res, err = train.run_child(cmd, args.out / f"profile-{variant}.log", args.timeout)
+        res, err = train.run_child(cmd, args.out / f"profile-{name}.log", args.timeout)
         results.append(res or {"variant": variant, "error": err.splitlines()[0]})
         print(json.dumps(results[-1]), flush=True)
     (args.out / "profile-summary.json").write_text(json.dumps(results, indent=1))

@@ -4,6 +4,7 @@ here; under ``--device cuda`` the same run is a smoke test of the GPU rows)."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -119,10 +120,12 @@ def test_gpu_step_profile_runs_every_variant_tiny(tmp_path: Path) -> None:
     assert set(summary) == {"plain", "plain-master", "none", "none-serial", "cpu+opt"}
     for variant, r in summary.items():
         assert r["step_s"] > 0 and r["cpu_ops_per_step"] > 0
-        table = (tmp_path / f"profile-{variant}.txt").read_text()
+        table = (tmp_path / f"profile-{variant.replace('+', '-')}.txt").read_text()
         assert "by device time" in table and "aten::" in table
     # outcore's own ranges are seen in its rows only
     assert "outcore::step" in summary["none"]["outcore_ranges_ms_per_step"]
     # the host-memory row runs its update on the host (the CPU device here)
     assert "outcore::optim_update" in summary["cpu+opt"]["outcore_ranges_ms_per_step"]
     assert summary["plain"]["outcore_ranges_ms_per_step"] == {}
+    # every file a name the device tool brings back (letters, digits, '.', '_', '-')
+    assert all(re.fullmatch(r"[\w.-]+", p.name) for p in tmp_path.iterdir())

@@ -162,10 +162,10 @@ def plan(num_params: int, world_size: int = 1, *, nvme_path: str | None = None,
     during backward (``overlaps_optimizer``) with its state on NVMe: then each group's
     gradient is freed after its update and needs no room beyond the host buffer budget (not
     when the updates are tentative, ``speculates``: those keep their gradients for
-    ``step()``). With the state in memory the buffers are kept (``keeps_grad_buffers``). The room a
-    speculative step takes on disk is not priced: it is reserved only where the disk has it
-    to spare (optim/speculation.py). ``trainable``: how many
-    parameters train (default: all; see ``state_bytes``).
+    ``step()``). With the state in memory the buffers are kept (``keeps_grad_buffers``). The
+    room a speculative step takes on disk is not priced: it is reserved only where the disk
+    has it to spare (optim/speculation.py). ``trainable``: how many parameters train
+    (default: all; see ``state_bytes``).
     ``usable``: the fraction of each tier's free bytes model states may take (default
     ``USABLE.states_only()``, see the note above).
     """

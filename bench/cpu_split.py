@@ -279,8 +279,9 @@ def main(argv: list[str] | None = None) -> int:
     if sampler is not None:
         print("  ".join(f"{name} {d / args.steps:.2f} s/step, disk busy {b / max(d, 1e-9):.0%}"
                         for name, (d, b) in phases.items()))
-    pipe = trace.by_phase(windows) if trace is not None else None
-    if trace is not None and pipe is not None:
+    pipe = None
+    if trace is not None:
+        pipe = trace.by_phase(windows)
         trace.uninstall()
         from pipeline_trace import KINDS
 

@@ -140,22 +140,28 @@ def flops_per_token(m: dict, seq: int) -> float:
     return 6 * m["params"] + 12 * m["layers"] * m["hidden"] * seq
 
 
-# Bytes per parameter in (device, host, nvme) per row, bf16 compute: 2 per 16-bit parameter
-# (and its transient gradient), 12 of fp32 master and moments, 4 per fp32 gradient: held for
-# the step, or kept from step to step where the state is in memory (page-locked on the host;
-# zero/param.py's [Note: gradient buffers]; the 6B row's host held them, run2-free.txt of
-# the third H100 session). With the state on NVMe each is freed after its update (1 allows
-# for those in flight). plain: bf16 moments.
-PER_PARAM = {"plain": (8, 0, 0), "plain-master": (20, 0, 0), "none": (20, 0, 0),
-             "opt-cpu": (4, 16, 0), "cpu+opt": (0, 18, 0), "nvme+opt": (0, 0, 14),
-             "nvme+opt-cpu": (0, 16, 0)}  # bf16 copies cast from the masters: CastShard
+# Plain PyTorch's bytes per parameter, all on the device: bf16 weights, gradients and moments
+# (8), or with fp32 masters and moments beside the bf16 weights and gradients (20).
+PLAIN_PER_PARAM = {"plain": 8, "plain-master": 20}
 
 
-def predicted_bytes(row: str, m: dict, batch: int, seq: int) -> dict:
-    """Bytes a row needs per tier: model states, plus on the device the activations
-    (34 bytes per token, layer and hidden unit; 6 per token and vocabulary entry for the
-    logits) and two gathered layers."""
-    dev, host, nvme = (k * m["params"] for k in PER_PARAM[row])
+def predicted_bytes(row: str, m: dict, batch: int, seq: int, dtype: str = "bf16") -> dict:
+    """Bytes a row needs per tier: model states (an outcore row's as ``Config.auto`` prices
+    them, sizing/placement.py's ``state_bytes``, plus the 16-bit gradients of parameters kept
+    on the device), plus on the device the activations (34 bytes per token, layer and hidden unit; 6
+    per token and vocabulary entry for the logits) and two gathered layers."""
+    n = m["params"]
+    if row in PLAIN_PER_PARAM:
+        dev, host, nvme = PLAIN_PER_PARAM[row] * n, 0, 0
+    else:
+        from outcore import Config
+        from outcore.sizing.placement import state_bytes
+
+        params, optimizer = train_worker.PLACEMENT[row][:2]
+        use = state_bytes(n, 1, Config(dtype=dtype), "cuda", params, optimizer)
+        # parameters kept on the device leave their 16-bit gradients there through backward
+        dev = use["device"] + (2 * n if params == "none" else 0)
+        host, nvme = use["host"], use["nvme"]
     tokens, h = batch * seq, m["hidden"]
     dev += 34 * tokens * h * m["layers"] + 6 * tokens * m["vocab"] + 2 * 2 * 12 * h * h
     return {"device": dev, "host": host, "nvme": nvme}
@@ -223,7 +229,7 @@ def own_link(pr: dict, args, logs: Path) -> dict:
     res, err = train.run_child(cmd, logs / "link.log", 120)
     if err:
         say(f"link: not measured ({err.splitlines()[0]}); the earlier probe's rates are kept")
-        return pr
+        return {**pr, "link_from": "the earlier probe"}
     rates = {k: v for k, v in res.items() if k.endswith("_GBps")}
     if rates:
         say("link: " + ", ".join(f"{k} {v:.1f}" for k, v in rates.items()) + " (this machine)")
@@ -250,7 +256,7 @@ def collect(args, nvme_root: Path, logs: Path) -> dict:
             points = [point]
             if sweep and name in ("none", args.sweep_row):
                 points += [p for p in args.sweep_points if p != point]
-            need = predicted_bytes(name, m, *max(points, key=lambda p: p[0] * p[1]))
+            need = predicted_bytes(name, m, *max(points, key=lambda p: p[0] * p[1]), dtype)
             why = "" if args.force else fits(need, capacities(pr, nvme_root))
             base = {"model": model, "row": name, "label": LABEL[name],
                     "placement": train_worker.PLACEMENT.get(name, ("-", "-", True))[:2],

@@ -214,10 +214,9 @@ class UpdatePipeline:
             self._worker = threading.Thread(target=self._serve, args=(self._queue,),
                                             name="outcore-optim", daemon=True)
             self._worker.start()
-        held = sum(n for _, n in self._submitted)
+        held, limit = sum(n for _, n in self._submitted), self.pending_grad_limit
         kept: list[tuple[UpdateJob, int]] = []
         for older, n in self._submitted:
-            limit = self.pending_grad_limit
             if n and limit is not None and held + grad_bytes + unseen > limit:
                 wait_for([older.done])  # its gradients are freed once it is done
                 held -= n

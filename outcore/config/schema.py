@@ -104,12 +104,14 @@ class ZeroConfig(_Section):
         "where the parameters are on NVMe and most of the model trains"
     )
     overlap_optimizer: bool = Field(
-        True, description="update parameters during backward when clipping and fp16 allow"
+        True, description="update parameters during backward when clipping and fp16 allow "
+        "(with the state on NVMe they do: see speculative_step)"
     )
     speculative_step: bool = Field(
-        True, description="with gradient clipping and optimizer state on NVMe, update during "
-        "backward as if no clipping were needed, and redo the step when it is; the state "
-        "on NVMe takes twice its space (optim/optimizer.py)"
+        True, description="with gradient clipping or fp16 and optimizer state on NVMe, update "
+        "during backward as if no clipping were needed and nothing overflowed; redo the step "
+        "when it clips, drop it when it overflows; the state on NVMe takes twice its space "
+        "(optim/speculation.py)"
     )
     overlap_step_with_forward: bool = Field(
         False, description="with overlap_optimizer and optimizer state on NVMe, step() returns "

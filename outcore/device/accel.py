@@ -160,7 +160,7 @@ class Accelerator:
         """A small host tensor on the device, queued on the *current* stream without blocking
         the host: page-locked first (torch's host cache keeps that block until the copy has
         read it), so no stream hop and no event, for values the next kernel on this stream
-        reads (optimizer.py's [Note: step counts cross in one copy]). A pageable ``host`` may
+        reads (staging.py's [Note: step counts cross in one copy]). A pageable ``host`` may
         be reused at once; an already page-locked one is copied from directly, so it must
         not be refilled before the stream has read it. On the CPU, ``host``."""
         if not self.is_cuda:

@@ -202,7 +202,8 @@ class Engine:
         if boundary is None:
             boundary = (self.micro_steps + 1) % self.cfg.gradient_accumulation_steps == 0
         on_reduced = (lambda g: self.sharded_optimizer.submit(
-            g.trainable, unseen=self.hooks.unseen_grad_bytes)) if (
+            g.trainable, unseen=self.hooks.unseen_grad_bytes,
+            grad_scale=1.0 / self.scaler.scale)) if (
             boundary and self.rt.plan.overlaps_optimizer
             and self.sharded_optimizer.submits) else None
         # [Note: a failed boundary backward] Updates already started on the worker are allowed
@@ -277,15 +278,19 @@ class Engine:
             self.sharded_optimizer.wait()
         self.micro_steps, self._at_boundary = 0, False
         grads = [sp.grad for sp in self.sharded_optimizer.params if sp.grad is not None]
+        clip = self.cfg.gradient_clipping
         if self.scaler.enabled:
             bad = torch.tensor([0.0 if all(bool(g.isfinite().all()) for g in grads) else 1.0])
             if self.rt.comm.all_reduce_max(bad).item() > 0:
                 self.scaler.update(overflow=True)
-                self.sharded_optimizer.zero_grad()
+                self.sharded_optimizer.skip()  # tentative updates too (speculation.py)
                 return False
-            for g in grads:
-                g.mul_(1.0 / self.scaler.scale)
-        clip = self.cfg.gradient_clipping
+            # a tentative update unscaled as it read (staging.py's [Note: the gradient an
+            # update reads]); its own gradient is read again only for the norm
+            sharded, reads_all = self.sharded_optimizer, clip > 0 or self.cfg.track_grad_norm
+            for sp in sharded.params:
+                if sp.grad is not None and (reads_all or not sharded.state[sp].tentative):
+                    sp.grad.mul_(1.0 / self.scaler.scale)
         # the norm reads every fp32 gradient once more (a full pass over them per step), so
         # only where it is used: clipping, or the user asked to see it
         norm = (self.sharded_optimizer.global_norm(grads)

@@ -47,7 +47,13 @@ from outcore.optim.speculation import (
     take_back,
     written,
 )
-from outcore.optim.staging import ALIGN_ELEMS, ShardSlice, StagingSlot
+from outcore.optim.staging import (
+    ALIGN_ELEMS,
+    ShardSlice,
+    StagingSlot,
+    fp32_grad,
+    step_counts,
+)
 from outcore.runtime import Runtime
 from outcore.zero.param import ShardedParam
 
@@ -61,10 +67,10 @@ class ShardedOptimizer:
     continues on earlier layers; torch kernels and file I/O release the GIL. ``step()`` waits
     for the queue, or with ``defer`` hands back the jobs still queued (engine/core.py's [Note: the
     step's tail runs into the next forward]), and updates whatever was not submitted. The
-    engine only submits when the update cannot depend on gradients still to come: no fp16
-    (an overflow anywhere must cancel the whole step), and no clipping (the global norm needs
-    every gradient) unless the update is tentative (speculation.py's [Note: a speculative
-    step]). A job's hyper-parameters are copied when it is submitted.
+    engine only submits when the update cannot depend on gradients still to come, no fp16 (an
+    overflow anywhere must cancel the whole step) and no clipping (the global norm needs every
+    gradient), unless the update is tentative (speculation.py's [Note: a speculative step]).
+    A job's hyper-parameters are copied when it is submitted.
     """
 
     def __init__(self, groups: list[tuple[dict[str, Any], list[ShardedParam]]],
@@ -116,7 +122,7 @@ class ShardedOptimizer:
         self._tentative = False  # some update of this round is tentative
         self._round = 0  # optimizer steps taken; see ParamState.round
         self.stats = {"updates_during_backward": 0, "updates_at_step": 0, "updates_after_step": 0,
-                      "tentative_kept": 0, "tentative_redone": 0}
+                      "tentative_kept": 0, "tentative_redone": 0, "tentative_dropped": 0}
 
     @property
     def params(self) -> Iterator[ShardedParam]:
@@ -134,8 +140,9 @@ class ShardedOptimizer:
             if id(sp) not in kept:
                 sp.drop_grad()
 
-    def submit(self, sps: list[ShardedParam], unseen: int = 0) -> None:
-        """Update ``sps`` in the background (note above); ``unseen``: hooks.unseen_grad_bytes."""
+    def submit(self, sps: list[ShardedParam], unseen: int = 0, grad_scale: float = 1.0) -> None:
+        """Update ``sps`` in the background (note above); ``unseen``: hooks.unseen_grad_bytes;
+        ``grad_scale``: the reciprocal of fp16's loss scale (1 without), for tentative ones."""
         todo = [sp for sp in sps if sp.has_grad and id(sp) in self._hp_index
                 and self.state[sp].round != self._round]
         if not todo:
@@ -149,7 +156,7 @@ class ShardedOptimizer:
         self.stats["updates_during_backward"] += len(todo)
         for i, members in sorted(self._by_group(todo).items()):
             job = UpdateJob(i, dict(self.param_groups[i]), members, background=True,
-                            tentative=tentative)
+                            tentative=tentative, grad_scale=grad_scale)
             grad_bytes = 0
             for sp in members:
                 assert sp.grad is not None  # ``todo`` holds only parameters with a gradient
@@ -187,6 +194,17 @@ class ShardedOptimizer:
         else:
             self._take_back()
 
+    def skip(self) -> None:
+        """An fp16 overflow skips the step: every update of this backward was tentative
+        (nothing else submits with loss scaling), so all are dropped with the training
+        copies they overwrote, every gradient goes, and speculation waits for a step that
+        fits again (speculation.py's [Note: a speculative step])."""
+        self._fits, self._tentative = False, False
+        self.wait()
+        self.stats["tentative_dropped"] += len(take_back(self.state, restore_copies=True))
+        for sp in self.params:
+            sp.drop_grad()
+
     def take_back_tentative(self) -> None:
         """Before a write of values between backward and ``step()`` (a user's, a load): the
         tentative updates were computed from the values it replaces, so they are taken back
@@ -214,9 +232,8 @@ class ShardedOptimizer:
             sp.drop_grad()
 
     def _take_back(self, restore_copies: bool = False) -> list[ShardedParam]:
-        """Forget this round's tentative updates; their parameters are updated at ``step()``
-        (which rewrites the training copies), or with ``restore_copies`` the training copies
-        in memory are cast again from the masters now. Returns the parameters taken back."""
+        """Forget this round's tentative updates (speculation.py's ``take_back``), to be redone
+        at ``step()``; returns the parameters taken back."""
         taken = take_back(self.state, restore_copies)
         self.stats["tentative_redone"] += len(taken)
         self._tentative = False
@@ -225,10 +242,9 @@ class ShardedOptimizer:
     def step(self, defer: bool = False, grad_scale: float = 1.0) -> list[UpdateJob]:
         """Update every parameter that got a gradient and was not submitted, then end the
         round; ``grad_scale`` (clipping's coefficient) multiplies each gradient as its update
-        reads it, in fp32, so a gradient held in 16 bits is never scaled in 16 bits. Submitted
-        updates are waited for, unless ``defer``: then the unfinished ones are returned,
-        re-ordered for the next forward (engine/core.py's [Note: the step's tail runs into the
-        next forward])."""
+        reads it (staging.py's [Note: the gradient an update reads]). Submitted updates are
+        waited for, unless ``defer``: then the unfinished ones are returned, re-ordered for the
+        next forward (engine/core.py's [Note: the step's tail runs into the next forward])."""
         self.rt.sample_working_set()  # gradients not yet consumed are alive now
         rest = [sp for sp in self.params if sp.has_grad and self.state[sp].round != self._round]
         if self.adafactor is not None:  # never submitted during backward (the plan)
@@ -412,14 +428,14 @@ class ShardedOptimizer:
     def apply(self, work: InFlight, hp: dict[str, Any]) -> None:
         if not work.params:
             return
-        grads = [self._fp32_grad(work, i, sl, work.job.grad_scale)
-                 for i, sl in enumerate(work.params)]
+        grads = [self._fp32_grad(work, i, sl) for i, sl in enumerate(work.params)]
         if self.kind in ("adamw", "adam"):
             # each slice gets its own copy of the parameter's step count: the kernel
             # increments it, and a parameter cut in several slices must advance only once.
             # A fused kernel wants the counts beside the masters (on the GPU, there too):
-            # see [Note: step counts cross in one copy].
-            steps = self._step_counts(work, work.master[0].device)
+            # see staging.py's [Note: step counts cross in one copy].
+            steps = step_counts([self.state[sl.sp].step for sl in work.params],
+                                work.master[0].device, self.rt.accel)
             adam(
                 work.master, grads, work.states["exp_avg"], work.states["exp_avg_sq"], [], steps,
                 fused=self._fused, foreach=False if self._fused else None, amsgrad=False,
@@ -439,37 +455,16 @@ class ShardedOptimizer:
                 maximize=False,
             )
 
-    def _step_counts(self, work: InFlight, at: torch.device) -> list[torch.Tensor]:
-        """One fp32 step count per slice, on ``at``, for the Adam kernel to increment.
-
-        [Note: step counts cross in one copy]
-        A count made on the device one by one (``torch.tensor(step, device=cuda)``) is a copy
-        from pageable memory that blocks the host until done: one stream synchronization per
-        parameter and step. On an H100 (gpt-1.3b, bench/gpu/2026-11-26-h100-b) the update
-        thread, overlapping backward, waited behind backward's queued kernels 293 times a step.
-        Here the counts cross in one page-locked copy that does not block (torch's host cache
-        keeps the block until the copy has read it); each slice increments a view of its own
-        element, so a parameter cut in several slices still advances once."""
-        counts = torch.tensor([float(self.state[sl.sp].step) for sl in work.params],
-                              dtype=torch.float32)
-        if at.type != "cpu":  # masters in host memory keep their counts there
-            counts = self.rt.accel.to_device_inline(counts)
-        return list(counts.unbind())
-
     @staticmethod
-    def _fp32_grad(work: InFlight, i: int, sl: ShardSlice, scale: float) -> torch.Tensor:
-        """Slice ``i``'s gradient in fp32, times ``scale``: the shard itself (scaled in place),
-        or its cast into the slot's reused buffer when it is held in the training dtype."""
+    def _fp32_grad(work: InFlight, i: int, sl: ShardSlice) -> torch.Tensor:
+        """Slice ``i``'s gradient as the update reads it (staging.py's [Note: the gradient an
+        update reads]), cast or unscaled into the slot's "grad" buffer where it has one."""
         assert sl.sp.grad is not None  # only parameters that got a gradient are updated
         grad = sl.of(sl.sp.grad)
-        if grad.dtype == torch.float32:
-            fp32 = grad
-        elif work.slot is None or "grad" not in work.slot.buffers:
-            fp32 = grad.float()
-        else:
-            pos = work.places[i]
-            fp32 = work.slot.buffers["grad"][pos : pos + grad.numel()].copy_(grad)
-        return fp32 if scale == 1.0 else fp32.mul_(scale)
+        bufs = work.slot.buffers if work.slot is not None else {}
+        buf = (bufs["grad"][work.places[i] : work.places[i] + grad.numel()]
+               if "grad" in bufs else None)
+        return fp32_grad(grad, buf, work.job.grad_scale, keep=work.job.tentative)
 
     def stage_out(self, work: InFlight) -> None:
         """Write back what lives on disk (aside, for a tentative job) and refresh each compute

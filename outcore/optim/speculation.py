@@ -1,25 +1,29 @@
 """Tentative updates: the optimizer's side of a speculative step.
 
 [Note: a speculative step]
-Clipping needs the norm of every gradient before any update, so without speculation the
-whole optimizer pass, and with the state on NVMe all of its reads and writes, waits for
-backward to end. Speculating, as SuperOffload does (DeepSpeed, ASPLOS 2026), each update
-starts during backward as if the norm will need no clipping, and writes its masters,
-moments and training copy aside (storage.py's [Note: tentative writes]), keeping its
-gradients. ``step()`` then has the norm: if it needs no clipping the tentative values are
-exactly what the step would have computed (the same kernel on the same gradients), so they
-are kept, and the step counts advance. Otherwise they are dropped, and the step updates
-every parameter from the untouched state with clipped gradients, as without speculation.
-A rollback costs the tentative pass's disk traffic, spent while backward ran; since a
-clipped step tends to follow a clipped one (early training), speculation runs only after a
-step that needed no clipping: not in the first step, and not after a clipped one until a
-step fits again. Until ``step()`` the stored values are the old ones, so a ``zero_grad()``
-in between takes the updates back, as torch's contract has it, and so does a write of
-values (the updates were computed from the values it replaces). The second extent per
-shard doubles the state's space on NVMe, reserved at the first speculative backward (a run
-whose steps all clip never reserves it); where that would take more than half of the
-disk's free space (checkpoints and other runs need some), or the disk refuses it, the run
-goes on without speculating.
+Clipping needs the norm of every gradient before any update, and fp16's loss scaling needs
+to know that no gradient overflowed anywhere, so without speculation the whole optimizer
+pass, and with the state on NVMe all of its reads and writes, waits for backward to end.
+Speculating, as SuperOffload does (DeepSpeed, ASPLOS 2026), each update starts during
+backward as if the norm will need no clipping and nothing overflowed, and writes its
+masters, moments and training copy aside (storage.py's [Note: tentative writes]), keeping
+its gradients (an fp16 one is unscaled into the slot's buffer, not in place: staging.py's
+[Note: the gradient an update reads]). ``step()`` then has the norm and the overflow check:
+if neither objects the tentative values are exactly what the step would have computed (the
+same kernel on the same gradients), so they are kept, and the step counts advance. If the
+norm clips they are dropped, and the step updates every parameter from the untouched state
+with clipped gradients, as without speculation; if a gradient overflowed they are dropped
+and the step is skipped (precision.py's [Note: skip, then shrink]). A rollback costs the
+tentative pass's disk traffic, spent while backward ran; since a clipped step tends to
+follow a clipped one (early training, or fp16's scale settling), speculation runs only
+after a step whose updates would have been kept: not in the first step, and not after a
+clipped or skipped one until a step fits again. Until ``step()`` the stored values are the
+old ones, so a ``zero_grad()`` in between takes the updates back, as torch's contract has
+it, and so does a write of values (the updates were computed from the values it replaces).
+The second extent per shard doubles the state's space on NVMe, reserved at the first
+speculative backward (a run whose steps never fit never reserves it); where that would take
+more than half of the disk's free space (checkpoints and other runs need some), or the disk
+refuses it, the run goes on without speculating.
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from outcore.device.accel import Accelerator
 from outcore.offload.buffers import aligned_empty
 from outcore.zero.param import ShardedParam
 
@@ -44,3 +45,42 @@ class StagingSlot:
         self.buffers = {k: aligned_empty(elems * 4).zero_().view(torch.float32) for k in kinds}
         self.cast = (aligned_empty(elems * cast.itemsize).zero_().view(cast)
                      if cast is not None else None)
+
+
+def fp32_grad(grad: torch.Tensor, buffer: torch.Tensor | None, scale: float,
+              keep: bool) -> torch.Tensor:
+    """A slice's gradient as its update reads it: in fp32, times ``scale``.
+
+    [Note: the gradient an update reads]
+    A gradient held in fp32 is used as it is, scaled in place when ``scale`` is not 1 (its
+    update frees it after). One held in the training dtype is cast into ``buffer``, the
+    slot's reused "grad" buffer, so a scale applies in fp32, never in 16 bits. With ``keep``
+    the gradient must stay as it was: a tentative update (speculation.py) leaves it for
+    ``step()``, which may need it again for the norm, the overflow check or a redo; a scaled
+    fp32 gradient then goes to ``buffer`` too. Every path multiplies in fp32 by the same
+    scalar, so a tentative update that is kept equals the one the step would have made.
+    """
+    if grad.dtype == torch.float32 and (scale == 1.0 or not keep):
+        return grad if scale == 1.0 else grad.mul_(scale)
+    if grad.dtype == torch.float32 and buffer is not None:
+        return torch.mul(grad, scale, out=buffer)
+    fp32 = buffer.copy_(grad) if buffer is not None else grad.to(torch.float32, copy=True)
+    return fp32 if scale == 1.0 else fp32.mul_(scale)
+
+
+def step_counts(steps: list[int], at: torch.device, accel: Accelerator) -> list[torch.Tensor]:
+    """One fp32 step count per slice (its parameter's ``steps``), on ``at``, for the Adam
+    kernel to increment.
+
+    [Note: step counts cross in one copy]
+    A count made on the device one by one (``torch.tensor(step, device=cuda)``) is a copy
+    from pageable memory that blocks the host until done: one stream synchronization per
+    parameter and step. On an H100 (gpt-1.3b, bench/gpu/2026-11-26-h100-b) the update
+    thread, overlapping backward, waited behind backward's queued kernels 293 times a step.
+    Here the counts cross in one page-locked copy that does not block (torch's host cache
+    keeps the block until the copy has read it); each slice increments a view of its own
+    element, so a parameter cut in several slices still advances once."""
+    counts = torch.tensor([float(step) for step in steps], dtype=torch.float32)
+    if at.type != "cpu":  # masters in host memory keep their counts there
+        counts = accel.to_device_inline(counts)
+    return list(counts.unbind())

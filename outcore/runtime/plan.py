@@ -229,17 +229,21 @@ def _decide(i: Inputs) -> Iterator[tuple[str, tuple[Any, str]]]:
     loss_scaling = i.dtype == "fp16"
     yield "loss_scaling", (loss_scaling, f"{i.dtype} compute")
 
-    speculates = (i.overlap_optimizer and i.speculative_step and i.gradient_clipping > 0
-                  and not loss_scaling and s is Tier.NVME and i.optimizer_type != "adafactor")
+    checks = [what for what, on in (("the norm needs no clipping", i.gradient_clipping > 0),
+                                    ("no gradient overflowed", loss_scaling)) if on]
+    speculates = (i.overlap_optimizer and i.speculative_step and bool(checks)
+                  and s is Tier.NVME and i.optimizer_type != "adafactor")
     yield "speculates", (speculates, (
-        "clipping with the state on NVMe: updates during backward are written aside and "
-        "kept if the norm needs no clipping, else redone (optim/optimizer.py)" if speculates
-        else "needs gradient clipping, zero.overlap_optimizer and zero.speculative_step, the "
-        "state on NVMe, no fp16 and no Adafactor"))
+        "updates during backward are written aside and kept if "
+        + " and ".join(checks) + ", else redone or, on an overflow, dropped "
+        "(optim/speculation.py)" if speculates
+        else "needs gradient clipping or fp16, zero.overlap_optimizer and "
+        "zero.speculative_step, the state on NVMe and no Adafactor"))
 
     hides = s is Tier.NVME or cuda
     overlap = (i.overlap_optimizer and (i.gradient_clipping == 0 or speculates)
-               and not loss_scaling and hides and i.optimizer_type != "adafactor")
+               and (not loss_scaling or speculates) and hides
+               and i.optimizer_type != "adafactor")
     yield "overlaps_optimizer", (overlap, _overlap_reason(i, loss_scaling, hides, speculates))
 
     defer = (overlap and i.overlap_step_with_forward and s is Tier.NVME and not speculates
@@ -262,9 +266,13 @@ def _decide(i: Inputs) -> Iterator[tuple[str, tuple[Any, str]]]:
     yield "staged_cast", (cast, "params on NVMe in another shard than the master: the update "
                           "writes the cast copy" if cast else "no separate shard on NVMe")
 
-    slot = bool(staged) and raw and i.dtype != "fp32"
-    yield "grad_slot", (slot, "16-bit raw gradients are cast per slice into a reused buffer"
-                        if slot else "gradients reach the update in fp32")
+    unscales = speculates and loss_scaling
+    slot = bool(staged) and ((raw and i.dtype != "fp32") or unscales)
+    yield "grad_slot", (slot, (
+        "a tentative update unscales each fp16-scaled gradient into a reused buffer (it keeps "
+        "the gradient itself for step())" if unscales else
+        "16-bit raw gradients are cast per slice into a reused buffer" if slot
+        else "gradients reach the update in fp32"))
 
     yield "staging_slots", (STAGING_SLOTS, "one sub-group read, one updated, one written back")
 
@@ -277,10 +285,11 @@ def _overlap_reason(i: Inputs, loss_scaling: bool, hides: bool, speculates: bool
     if speculates:
         return "tentative updates run while backward goes on (see speculates)"
     if i.gradient_clipping:
-        return ("clipping needs the global norm of every gradient before any update (the "
-                "state in memory has no room for tentative updates: see speculates)")
+        return ("clipping needs the global norm of every gradient before any update "
+                "(unless the updates are tentative: see speculates)")
     if loss_scaling:
-        return "an fp16 overflow anywhere must cancel the whole step"
+        return ("an fp16 overflow anywhere must cancel the whole step (unless the updates "
+                "are tentative: see speculates)")
     if not hides:
         return ("state in memory on a CPU device: nothing to hide, and the update would "
                 "compete with backward for the same cores")

@@ -347,7 +347,7 @@ class ShardedParam:
         the kept buffer of the note above). A second gradient (accumulation) first turns
         the shard into fp32, and where fp16 unscaling will scale gradients in place, a 16-bit
         gradient is cast on arrival as before (clipping scales a gradient in fp32 as its
-        update reads it: optimizer.py's ``_fp32_grad``).
+        update reads it: staging.py's [Note: the gradient an update reads]).
         """
         # the first gradient is taken or copied (cast) rather than added to zeros
         if self.grad is None and self._grad_buffer is not None:

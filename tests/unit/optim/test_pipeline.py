@@ -119,8 +119,8 @@ def _queued_at_each_submit(engine: outcore.Engine, monkeypatch: pytest.MonkeyPat
     queued: list[int] = []
     submit = ShardedOptimizer.submit
 
-    def counted(self: ShardedOptimizer, sps, unseen: int = 0) -> None:
-        submit(self, sps, unseen)
+    def counted(self: ShardedOptimizer, sps, unseen: int = 0, grad_scale: float = 1.0) -> None:
+        submit(self, sps, unseen, grad_scale)
         queued.append(sum(not job.done.done() for job in self.pipeline.pending))
 
     monkeypatch.setattr(ShardedOptimizer, "submit", counted)

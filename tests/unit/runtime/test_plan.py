@@ -41,8 +41,11 @@ TABLE = [
         staged_kinds=("master", *AW)),
         id="1 rank cpu fp32, optimizer on nvme"),
     pytest.param(Inputs(1, "cpu", "fp16", N, N, gradient_clipping=1.0), dict(
-        loss_scaling=True, overlaps_optimizer=False, holds_raw_grads=False, grad_slot=False),
-        id="fp16 with clipping"),
+        loss_scaling=True, speculates=True, overlaps_optimizer=True, holds_raw_grads=False,
+        grad_slot=True), id="fp16 with clipping"),
+    pytest.param(Inputs(1, "cpu", "fp16", N, N, speculative_step=False), dict(
+        loss_scaling=True, speculates=False, overlaps_optimizer=False, holds_raw_grads=False,
+        grad_slot=False), id="fp16 without the speculative step"),
     pytest.param(Inputs(1, "cpu", "bf16", H, H), dict(
         zero_copy=True, overlaps_optimizer=False, carries_head=True, streams=False),
         id="1 rank cpu, host offload"),

@@ -196,6 +196,7 @@ class Engine:
         """
         self._check_open()
         self._check_nothing_shown("engine.backward()")
+        self._reopen_boundary("backward()")  # its gradients add to the boundary's
         accumulation = self.cfg.gradient_accumulation_steps if scale_for_accumulation else 1
         factor = self.scaler.scale / accumulation
         scaled = loss.float() * factor if factor != 1.0 else loss
@@ -229,30 +230,9 @@ class Engine:
 
     @property
     def defers_updates(self) -> bool:
-        """Whether ``step()`` may return before the last updates finish.
-
-        [Note: the step's tail runs into the next forward]
-        Backward finishes with the first layers, so their updates (with the optimizer state
-        on NVMe: reads and writes of all their state) are what the step would still wait for, and
-        they are what the next forward needs first. Instead, the step re-orders the updates
-        not yet started so the first layers come first, and returns. Each group's next fetch
-        waits for the updates of its shards (``GatherGroup.await_update``); a prefetch passes a
-        group still being updated; ``gathered_parameters``, checkpoints and the next step
-        wait as well. So the next forward runs layer by layer behind the updates instead of
-        after all of them, and nothing ever reads a shard mid-update. Hyper-parameters are
-        taken when an update is submitted, so a learning-rate change after ``step()`` applies
-        to the next step, as with torch. An update that fails raises from the fetch (or the
-        wait) that needed it.
-        Not done where the step must see every update first: with the gradient norm tracked
-        (it sums gradients the updates free), and with shards that are the full tensors at
-        one rank (the forward would read them while they are written in place).
-        Off unless ``zero.overlap_step_with_forward`` asks. On a CPU host with few cores it makes
-        no difference beyond noise (measured side by side: bench/RESULTS.md, 'update pipeline', the
-        step's tail run into the next forward), because the forward running behind the updates
-        takes the cores their digests and page zeroing need; and it moves a failed update's error
-        from ``step()`` to a later call. Where the forward runs on an accelerator it would not
-        compete for the host's cores (not measured yet).
-        """
+        """Whether ``step()`` may return before the last updates finish: off unless
+        ``zero.overlap_step_with_forward`` asks (pipeline.py's [Note: the step's tail runs
+        into the next forward])."""
         return self.rt.plan.defers_updates
 
     @property
@@ -263,7 +243,7 @@ class Engine:
     @torch.no_grad()
     def step(self) -> bool:
         """Apply the optimizer at an accumulation boundary; True if parameters changed (the
-        last updates may still be running: see [Note: the step's tail runs into the next
+        last updates may still be running: pipeline.py's [Note: the step's tail runs into the next
         forward])."""
         self._check_open()
         self._check_nothing_shown("engine.step()")
@@ -317,12 +297,7 @@ class Engine:
         during backward]): those cannot be taken back. Tentative ones are
         (speculation.py's [Note: a speculative step])."""
         self._check_open()
-        if self.is_accumulation_boundary and self.sharded_optimizer.updated_this_round:
-            raise OutcoreError(
-                "zero_grad() between a backward and step(): this backward already applied "
-                "the updates (the optimizer runs during backward with its state on NVMe and "
-                "no clipping); call zero_grad() before backward, or set zero.overlap_optimizer:"
-                " false to keep updates for step()")
+        self._reopen_boundary("zero_grad()")
         self.sharded_optimizer.zero_grad(keep=self.sharded_optimizer.pending_jobs)
         self.micro_steps, self._at_boundary = 0, False
 
@@ -485,6 +460,21 @@ class Engine:
             return
         with contextlib.suppress(Exception):  # the exception in flight is the one to see
             self.close(keep_values=False)
+
+    def _reopen_boundary(self, what: str) -> None:
+        """Before ``what`` between a boundary backward and ``step()``: that backward's
+        tentative updates are taken back, for ``step()`` to redo (speculation.py's [Note: a
+        speculative step]); updates it applied for good cannot be, so ``what`` is refused
+        (optimizer.py's [Note: updating during backward])."""
+        if not self.is_accumulation_boundary:
+            return
+        self.sharded_optimizer.take_back_tentative()
+        if self.sharded_optimizer.updated_this_round:
+            raise OutcoreError(
+                f"{what} between a backward and step(): this backward already applied the "
+                "updates (the optimizer runs during backward with its state on NVMe, without "
+                "clipping or fp16); call step() first, or set zero.overlap_optimizer: false "
+                "to keep updates for step()")
 
     def _check_nothing_shown(self, what: str) -> None:
         if self.rt.shown:

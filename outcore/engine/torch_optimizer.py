@@ -103,6 +103,8 @@ class TorchOptimizer(torch.optim.Optimizer):
                                   f"{len(saved.get('params', []))} parameters; this engine's "
                                   f"holds {len(members)}")
         sharded.wait()
+        # tentative updates came from the moments this replaces: step() redoes them
+        sharded.take_back_tentative()
         world = (state_dict.get("outcore") or {}).get("world_size")
         saved_state = state_dict.get("state", {})
         for mine, members, saved in zip(self.param_groups, sharded.members, groups, strict=True):

@@ -65,7 +65,7 @@ class ShardedOptimizer:
     ``submit(params)`` queues an update of parameters whose gradients are final on a worker
     thread, so it runs (and, with state on NVMe, does its reads and writes) while backward
     continues on earlier layers; torch kernels and file I/O release the GIL. ``step()`` waits
-    for the queue, or with ``defer`` hands back the jobs still queued (engine/core.py's [Note: the
+    for the queue, or with ``defer`` hands back the jobs still queued (pipeline.py's [Note: the
     step's tail runs into the next forward]), and updates whatever was not submitted. The
     engine only submits when the update cannot depend on gradients still to come, no fp16 (an
     overflow anywhere must cancel the whole step) and no clipping (the global norm needs every
@@ -199,8 +199,8 @@ class ShardedOptimizer:
         (nothing else submits with loss scaling), so all are dropped with the training
         copies they overwrote, every gradient goes, and speculation waits for a step that
         fits again (speculation.py's [Note: a speculative step])."""
-        self._fits, self._tentative = False, False
         self.wait()
+        self._fits, self._tentative = False, False
         self.stats["tentative_dropped"] += len(take_back(self.state, restore_copies=True))
         for sp in self.params:
             sp.drop_grad()
@@ -244,7 +244,7 @@ class ShardedOptimizer:
         round; ``grad_scale`` (clipping's coefficient) multiplies each gradient as its update
         reads it (staging.py's [Note: the gradient an update reads]). Submitted updates are
         waited for, unless ``defer``: then the unfinished ones are returned, re-ordered for the
-        next forward (engine/core.py's [Note: the step's tail runs into the next forward])."""
+        next forward (pipeline.py's [Note: the step's tail runs into the next forward])."""
         self.rt.sample_working_set()  # gradients not yet consumed are alive now
         rest = [sp for sp in self.params if sp.has_grad and self.state[sp].round != self._round]
         if self.adafactor is not None:  # never submitted during backward (the plan)

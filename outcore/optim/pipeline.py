@@ -9,7 +9,7 @@ Jobs submitted during backward run on the pipeline's worker thread (optimizer.py
 updating during backward]); the step's remaining jobs run on the caller's thread through the
 same loop; with the step's tail deferred, ``after_step`` hands back the jobs still running,
 latest layers last, and ``unfinished_by_group`` tells each gathered group which updates it
-must wait for before reading its shards (engine/core.py's [Note: the step's tail runs into the
+must wait for before reading its shards (this file's [Note: the step's tail runs into the
 next forward]). Everything that starts, orders, waits for or stops an update is here; the
 optimizer supplies only the arithmetic and the bytes (``Kernel``), the groups only wait.
 """
@@ -46,7 +46,9 @@ class UpdateJob:
     # during backward])
     tentative: bool = False  # writes aside, keeps its gradients (speculation.py's [Note: a
     # speculative step])
-    grad_scale: float = 1.0  # clipping's coefficient, applied as the update reads a gradient
+    grad_scale: float = 1.0  # clipping's coefficient, or 1 / fp16's loss scale for a tentative
+    # job, applied as the update reads a gradient (staging.py's [Note: the gradient an update
+    # reads])
     done: Future[None] = field(default_factory=Future)
     unsettled: int = 0  # sub-groups whose writes have not been waited for
     error: BaseException | None = None
@@ -243,7 +245,30 @@ class UpdatePipeline:
 
     def after_step(self) -> list[UpdateJob]:
         """The step returns now: raise a finished job's error, and hand back the jobs still
-        running, the not yet started reversed so the first layers come first."""
+        running, the not yet started reversed so the first layers come first.
+
+        [Note: the step's tail runs into the next forward]
+        Backward finishes with the first layers, so their updates (with the optimizer state
+        on NVMe: reads and writes of all their state) are what the step would still wait for, and
+        they are what the next forward needs first. Instead, the step re-orders the updates
+        not yet started so the first layers come first, and returns. Each group's next fetch
+        waits for the updates of its shards (``GatherGroup.await_update``); a prefetch passes a
+        group still being updated; ``gathered_parameters``, checkpoints and the next step
+        wait as well. So the next forward runs layer by layer behind the updates instead of
+        after all of them, and nothing ever reads a shard mid-update. Hyper-parameters are
+        taken when an update is submitted, so a learning-rate change after ``step()`` applies
+        to the next step, as with torch. An update that fails raises from the fetch (or the
+        wait) that needed it.
+        Not done where the step must see every update first: with the gradient norm tracked
+        (it sums gradients the updates free), and with shards that are the full tensors at
+        one rank (the forward would read them while they are written in place).
+        Off unless ``zero.overlap_step_with_forward`` asks. On a CPU host with few cores it makes
+        no difference beyond noise (measured side by side: bench/RESULTS.md, 'update pipeline', the
+        step's tail run into the next forward), because the forward running behind the updates
+        takes the cores their digests and page zeroing need; and it moves a failed update's error
+        from ``step()`` to a later call. Where the forward runs on an accelerator it would not
+        compete for the host's cores (not measured yet).
+        """
         if not self._submitted:
             self._retire_worker()
             return []

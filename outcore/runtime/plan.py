@@ -90,7 +90,8 @@ class ExecutionPlan:
     loss_scaling: bool
     """fp16's dynamic loss scaling is on."""
     speculates: bool
-    """With clipping, updates during backward are tentative until ``step()`` has the norm."""
+    """With clipping or fp16, updates during backward are tentative until ``step()`` has the
+    norm and the overflow check."""
     overlaps_optimizer: bool
     """Parameter updates start during the boundary backward, group by group."""
     defers_updates: bool
@@ -102,7 +103,8 @@ class ExecutionPlan:
     staged_cast: bool
     """A streamed sub-group also stages the training-dtype copy it writes back."""
     grad_slot: bool
-    """A streamed sub-group stages a cast of 16-bit gradients to fp32."""
+    """A streamed sub-group stages its gradients in fp32: a cast of 16-bit ones, or fp16's
+    unscaled copy for a tentative update."""
     staging_slots: int
     """Sub-groups in host memory at once (read, update, write back)."""
     reasons: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
@@ -251,8 +253,8 @@ def _decide(i: Inputs) -> Iterator[tuple[str, tuple[Any, str]]]:
     yield "defers_updates", (defer, (
         "zero.overlap_step_with_forward: the next forward runs behind the last updates"
         if defer else "off unless zero.overlap_step_with_forward, with the optimizer "
-        "overlapped, state on NVMe, no clipping, no gradient norm tracked and no zero-copy "
-        "shards"))
+        "overlapped, state on NVMe, no speculation (clipping or fp16), no gradient norm "
+        "tracked and no zero-copy shards"))
 
     kinds = optimizer_state_kinds(i.optimizer_type, i.momentum)
     yield "state_kinds", (kinds, f"{i.optimizer_type}"

@@ -109,7 +109,7 @@ class GatherGroup:
     # -- updates finishing after the step ----------------------------------------------------
     @property
     def updating(self) -> bool:
-        """Whether an optimizer update of its shards may still be running (engine/core.py's
+        """Whether an optimizer update of its shards may still be running (pipeline.py's
         [Note: the step's tail runs into the next forward]); a prefetch passes it by."""
         return any(not fut.done() for fut in self._updates)
 

@@ -184,3 +184,47 @@ def test_two_ranks_drop_tentative_updates_when_either_overflows(tmp_path: Path) 
         # run_world hands tensors back as numpy arrays
         assert all((spec[rank][1][k] == v).all() for k, v in plain[rank][1].items()), rank
         assert spec[rank][2]["tentative_dropped"] > 0, rank
+
+
+@pytest.mark.parametrize("between", ["backward", "load_state_dict"])
+def test_a_second_backward_or_a_state_load_before_step_redoes_the_updates(
+        tmp_path: Path, between: str) -> None:
+    """The tentative updates of a boundary backward were computed from its gradients and the
+    moments of the moment: a second backward before ``step()`` adds to those gradients, and
+    an optimizer ``load_state_dict`` replaces those moments, so either takes the updates back
+    and ``step()`` redoes them, exactly as without speculation."""
+    def run(speculate: bool) -> dict[str, torch.Tensor]:
+        cfg = _config(tmp_path / f"{speculate}", speculate, 0.0, "nvme")
+        with outcore.initialize(_model(), cfg) as engine:
+            _train(engine, [1e-3, 1e-3])
+            saved = engine.optimizer.state_dict()
+            _train(engine, [1e-3])
+            engine.backward(engine(_batch(7)).float().pow(2).mean() * 1e-3)
+            assert (engine.sharded_optimizer.stats["updates_during_backward"] > 0) is speculate
+            if between == "backward":
+                engine.backward(engine(_batch(8)).float().pow(2).mean() * 1e-3)
+            else:
+                engine.optimizer.load_state_dict(saved)
+            assert engine.step()
+            _train(engine, [1e-3])
+            return _values(engine)
+
+    plain, spec = run(False), run(True)
+    assert all(torch.equal(spec[k], v) for k, v in plain.items())
+
+
+def test_a_second_backward_after_updates_applied_for_good_is_refused(tmp_path: Path) -> None:
+    """Where the updates during backward are not tentative (no clipping, no fp16), a second
+    backward before ``step()`` could not reach them: it is refused with what to do, and the
+    step goes on."""
+    cfg = outcore.Config.from_dict({"dtype": "bf16", "offload": {
+        "optimizer": "nvme", "params": "nvme", "nvme_path": str(tmp_path)}})
+    with outcore.initialize(_model(), cfg) as engine:
+        assert engine.plan.overlaps_optimizer and not engine.plan.speculates
+        engine.backward(engine(_batch(0)).float().pow(2).mean())
+        with pytest.raises(outcore.OutcoreError, match="backward\\(\\) between a backward and "
+                           "step\\(\\): this backward already applied the updates"):
+            engine.backward(engine(_batch(1)).float().pow(2).mean())
+        assert engine.step()
+        engine.backward(engine(_batch(1)).float().pow(2).mean())  # after step(): fine
+        assert engine.step()

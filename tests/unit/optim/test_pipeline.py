@@ -208,7 +208,7 @@ def _deferred(swap: str, defer: bool) -> dict:
 @pytest.mark.parametrize("world", [1, 2])
 def test_the_step_returning_before_its_updates_changes_nothing(world: int,
                                                                tmp_path: Path) -> None:
-    """engine/core.py's [Note: the step's tail runs into the next forward]: the forward waits for
+    """pipeline.py's [Note: the step's tail runs into the next forward]: the forward waits for
     each group's own updates, readers after the step see them, and the learning rate set after
     ``step()`` does not reach updates still running. Results equal the step that waits."""
     on = run_world(_deferred, world, str(tmp_path), True)

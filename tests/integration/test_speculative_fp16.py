@@ -43,8 +43,9 @@ def _config(tmp_path: Path, speculate: bool, clip: float, params: str) -> outcor
         "offload": {"optimizer": "nvme", "params": params, "nvme_path": str(tmp_path)}})
 
 
-def _batch(step: int) -> torch.Tensor:
-    return torch.randn(16, 64, generator=torch.Generator().manual_seed(step))
+def _loss(engine: outcore.Engine, step: int) -> torch.Tensor:
+    x = torch.randn(16, 64, generator=torch.Generator().manual_seed(step))
+    return engine(x.to(engine.device)).float().pow(2).mean()
 
 
 def _values(engine: outcore.Engine) -> dict[str, torch.Tensor]:
@@ -54,7 +55,7 @@ def _values(engine: outcore.Engine) -> dict[str, torch.Tensor]:
 def _train(engine: outcore.Engine, multipliers: list[float]) -> dict[str, list]:
     out: dict[str, list] = {"losses": [], "stepped": [], "scales": [], "norms": []}
     for step, m in enumerate(multipliers):
-        loss = engine(_batch(step)).float().pow(2).mean() * m
+        loss = _loss(engine, step) * m
         engine.backward(loss)
         out["stepped"].append(engine.step())
         out["losses"].append(loss.item())
@@ -141,7 +142,7 @@ def test_a_zero_grad_before_step_takes_fp16_tentative_updates_back(tmp_path: Pat
             _train(engine, [1e-3])
             if drop_one:
                 before = _values(engine)
-                engine.backward(engine(_batch(7)).float().pow(2).mean() * 1e-3)
+                engine.backward(_loss(engine, 7) * 1e-3)
                 assert (engine.sharded_optimizer.stats["updates_during_backward"] > 0) is speculate
                 engine.zero_grad()
                 assert all(torch.equal(v, before[k]) for k, v in _values(engine).items())
@@ -163,7 +164,7 @@ def _two_ranks(swap: str, speculate: bool) -> tuple[dict[str, list], dict[str, t
         rank = torch.distributed.get_rank()
         for step, m in enumerate(MULTIPLIERS):
             m = 1e-3 if m == 1e6 and rank == 0 else m
-            loss = engine(_batch(2 * step + rank)).float().pow(2).mean() * m
+            loss = _loss(engine, 2 * step + rank) * m
             engine.backward(loss)
             out["stepped"].append(engine.step())
             out["losses"].append(loss.item())
@@ -199,10 +200,10 @@ def test_a_second_backward_or_a_state_load_before_step_redoes_the_updates(
             _train(engine, [1e-3, 1e-3])
             saved = engine.optimizer.state_dict()
             _train(engine, [1e-3])
-            engine.backward(engine(_batch(7)).float().pow(2).mean() * 1e-3)
+            engine.backward(_loss(engine, 7) * 1e-3)
             assert (engine.sharded_optimizer.stats["updates_during_backward"] > 0) is speculate
             if between == "backward":
-                engine.backward(engine(_batch(8)).float().pow(2).mean() * 1e-3)
+                engine.backward(_loss(engine, 8) * 1e-3)
             else:
                 engine.optimizer.load_state_dict(saved)
             assert engine.step()
@@ -221,10 +222,10 @@ def test_a_second_backward_after_updates_applied_for_good_is_refused(tmp_path: P
         "optimizer": "nvme", "params": "nvme", "nvme_path": str(tmp_path)}})
     with outcore.initialize(_model(), cfg) as engine:
         assert engine.plan.overlaps_optimizer and not engine.plan.speculates
-        engine.backward(engine(_batch(0)).float().pow(2).mean())
+        engine.backward(_loss(engine, 0))
         with pytest.raises(outcore.OutcoreError, match="backward\\(\\) between a backward and "
                            "step\\(\\): this backward already applied the updates"):
-            engine.backward(engine(_batch(1)).float().pow(2).mean())
+            engine.backward(_loss(engine, 1))
         assert engine.step()
-        engine.backward(engine(_batch(1)).float().pow(2).mean())  # after step(): fine
+        engine.backward(_loss(engine, 1))  # after step(): fine
         assert engine.step()

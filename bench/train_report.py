@@ -192,12 +192,12 @@ def plot(points: list[dict], pr: dict, path: Path, title: str, dtype: str) -> No
     ax.set_ylim(0, 1.1)
     ax.set_xlabel("tokens per step (batch × seq), one rank")
     ax.set_ylabel("efficiency")
-    ax.set_title(title, fontsize=10)
+    ax.set_title(title, fontsize=9, wrap=True)  # the machine line is long
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")  # nothing of the title cut off
     plt.close(fig)
 
 

@@ -109,6 +109,20 @@ def test_notes_index_lists_every_note(site: Path) -> None:
     assert len(listed) == len(notes), "the index lists entries that are not note definitions"
 
 
+def test_benchmarks_page_shows_an_efficiency_curve_per_cpu_kind(site: Path) -> None:
+    """The performance page shows the efficiency against tokens per step for each CPU kind
+    measured, as figures shipped with the site (a missing file would show nothing)."""
+    page = site / "benchmarks" / "index.html"
+    shown = {}
+    for tag in re.findall(r"<img[^>]*>", page.read_text(encoding="utf-8")):
+        src, alt = re.search(r'src="([^"]+)"', tag), re.search(r'alt="([^"]*)"', tag)
+        assert src and alt and alt.group(1), f"an image without a source or a description: {tag}"
+        assert (page.parent / src.group(1)).resolve().is_file(), f"{src.group(1)} not in the site"
+        shown[html.unescape(alt.group(1))] = src.group(1)
+    for kind in ("Intel AMX", "AMD EPYC"):
+        assert any(kind in alt and "Efficiency" in alt for alt in shown), (kind, shown)
+
+
 def test_readme_is_a_short_front_page_with_the_quick_start_unchanged() -> None:
     text = (ROOT / "README.md").read_text(encoding="utf-8")
     assert len(text.splitlines()) <= 150

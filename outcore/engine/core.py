@@ -153,7 +153,7 @@ class Engine:
             cast = lambda inputs: build.to_compute(inputs, device, dtype)  # noqa: E731
         # model(...) and generate() called directly: entry.py's notes
         self.entries = EntryHooks(entry_modules(module), lambda: self.hooks.active,
-                                  self.hooks.forward_context,
+                                  self._forward_context,
                                   synced_generate=self.rt.world_size > 1, cast=cast,
                                   on_zero_grad=self.zero_grad)
         self.micro_steps = 0
@@ -302,9 +302,9 @@ class Engine:
         self.micro_steps, self._at_boundary = 0, False
 
     def synchronize(self) -> None:
-        """Wait for every update the last ``step()`` left running (see [Note: the step's tail
-        runs into the next forward]); the engine's own readers never need this, but a timer
-        or a memory measurement around ``step()`` alone does."""
+        """Wait for every update the last ``step()`` or backward left running (pipeline.py's
+        [Note: the step's tail runs into the next forward]); the engine's own readers never
+        need this, but a timer or a memory measurement around ``step()`` alone does."""
         self._check_open()
         self.sharded_optimizer.wait()
 
@@ -461,6 +461,17 @@ class Engine:
         with contextlib.suppress(Exception):  # the exception in flight is the one to see
             self.close(keep_values=False)
 
+    def _forward_context(self) -> contextlib.AbstractContextManager[None]:
+        """Opens a forward. Between a boundary backward and ``step()`` it waits for that
+        backward's updates, which may be writing the training copies it reads; one to be
+        backpropagated takes the tentative ones back too, for ``step()`` to redo from the
+        summed gradients (speculation.py's [Note: a speculative step])."""
+        if self.is_accumulation_boundary:
+            if torch.is_grad_enabled():
+                self.sharded_optimizer.take_back_tentative()
+            self.sharded_optimizer.wait()
+        return self.hooks.forward_context()
+
     def _reopen_boundary(self, what: str) -> None:
         """Before ``what`` between a boundary backward and ``step()``: that backward's
         tentative updates are taken back, for ``step()`` to redo (speculation.py's [Note: a
@@ -473,8 +484,8 @@ class Engine:
             raise OutcoreError(
                 f"{what} between a backward and step(): this backward already applied the "
                 "updates (the optimizer runs during backward with its state on NVMe, without "
-                "clipping or fp16); call step() first, or set zero.overlap_optimizer: false "
-                "to keep updates for step()")
+                "clipping or fp16); call step() first (a backward that more micro-batches follow "
+                "takes boundary=False), or set zero.overlap_optimizer: false")
 
     def _check_nothing_shown(self, what: str) -> None:
         if self.rt.shown:

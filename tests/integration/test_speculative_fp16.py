@@ -34,12 +34,13 @@ def _model() -> nn.Module:
                          nn.Linear(80, 8))
 
 
-def _config(tmp_path: Path, speculate: bool, clip: float, params: str) -> outcore.Config:
+def _config(tmp_path: Path, speculate: bool, clip: float, params: str,
+            dtype: str = "fp16", **zero: int) -> outcore.Config:
     return outcore.Config.from_dict({
-        "dtype": "fp16", "gradient_clipping": clip, "track_grad_norm": clip > 0,
+        "dtype": dtype, "gradient_clipping": clip, "track_grad_norm": clip > 0,
         "loss_scale": {"initial_scale_power": SCALE_POWER},
         "optimizer": {"type": "adamw", "lr": 1e-2, "weight_decay": 0.1},
-        "zero": {"speculative_step": speculate},
+        "zero": {"speculative_step": speculate, **zero},
         "offload": {"optimizer": "nvme", "params": params, "nvme_path": str(tmp_path)}})
 
 
@@ -187,15 +188,22 @@ def test_two_ranks_drop_tentative_updates_when_either_overflows(tmp_path: Path) 
         assert spec[rank][2]["tentative_dropped"] > 0, rank
 
 
+@pytest.mark.filterwarnings("ignore:zero.prefetch_bytes=1 is smaller")
+@pytest.mark.parametrize("dtype, clip", [("fp16", 0.0), ("bf16", CLIP)])
+@pytest.mark.parametrize("params", ["nvme", "cpu"])
 @pytest.mark.parametrize("between", ["backward", "load_state_dict"])
 def test_a_second_backward_or_a_state_load_before_step_redoes_the_updates(
-        tmp_path: Path, between: str) -> None:
+        tmp_path: Path, between: str, params: str, dtype: str, clip: float) -> None:
     """The tentative updates of a boundary backward were computed from its gradients and the
-    moments of the moment: a second backward before ``step()`` adds to those gradients, and
-    an optimizer ``load_state_dict`` replaces those moments, so either takes the updates back
-    and ``step()`` redoes them, exactly as without speculation."""
+    moments of the moment: a second forward and backward before ``step()`` add to those
+    gradients (and, with the parameters in memory, must compute on the weights before the
+    updates, which overwrote the training copies), and an optimizer ``load_state_dict``
+    replaces those moments; either takes the updates back and ``step()`` redoes them,
+    exactly as without speculation (fp16, and bf16 with clipping). No layer stays gathered
+    between forwards, so the second forward reads the shards the updates wrote."""
     def run(speculate: bool) -> dict[str, torch.Tensor]:
-        cfg = _config(tmp_path / f"{speculate}", speculate, 0.0, "nvme")
+        cfg = _config(tmp_path / f"{speculate}", speculate, clip, params, dtype,
+                      prefetch_bytes=1, persistence_threshold_bytes=0)
         with outcore.initialize(_model(), cfg) as engine:
             _train(engine, [1e-3, 1e-3])
             saved = engine.optimizer.state_dict()
@@ -203,6 +211,7 @@ def test_a_second_backward_or_a_state_load_before_step_redoes_the_updates(
             engine.backward(_loss(engine, 7) * 1e-3)
             assert (engine.sharded_optimizer.stats["updates_during_backward"] > 0) is speculate
             if between == "backward":
+                engine.synchronize()  # the updates have written the copies in memory
                 engine.backward(_loss(engine, 8) * 1e-3)
             else:
                 engine.optimizer.load_state_dict(saved)

@@ -133,29 +133,6 @@ def test_fp16_runs_speculate_with_the_state_on_nvme(tmp_path: Path, state: str, 
         assert "unless the updates are tentative" in plan.reasons["overlaps_optimizer"]
 
 
-def test_a_zero_grad_before_step_takes_fp16_tentative_updates_back(tmp_path: Path) -> None:
-    """Between backward and ``step()`` the updates are tentative with fp16 as with clipping:
-    a ``zero_grad()`` forgets them, and training goes on as if that backward never ran; the
-    kept gradients were never unscaled in place, so the next steps see the same values."""
-    def run(speculate: bool, drop_one: bool) -> dict[str, torch.Tensor]:
-        cfg = _config(tmp_path / f"{speculate}{drop_one}", speculate, 0.0, "cpu")
-        with outcore.initialize(_model(), cfg) as engine:
-            _train(engine, [1e-3])
-            if drop_one:
-                before = _values(engine)
-                engine.backward(_loss(engine, 7) * 1e-3)
-                assert (engine.sharded_optimizer.stats["updates_during_backward"] > 0) is speculate
-                engine.zero_grad()
-                assert all(torch.equal(v, before[k]) for k, v in _values(engine).items())
-            _train(engine, [1e-3, 1e-3])
-            return _values(engine)
-
-    reference = run(False, False)
-    for speculate in (False, True):
-        got = run(speculate, True)
-        assert all(torch.equal(got[k], v) for k, v in reference.items()), speculate
-
-
 def _two_ranks(swap: str, speculate: bool) -> tuple[dict[str, list], dict[str, torch.Tensor],
                                                      dict[str, int]]:
     """Rank 1 alone overflows at the third step; rank 0's gradients there are fine."""

@@ -199,11 +199,10 @@ class ShardedOptimizer:
         (nothing else submits with loss scaling), so all are dropped with the training
         copies they overwrote, every gradient goes, and speculation waits for a step that
         fits again (speculation.py's [Note: a speculative step])."""
+        self._fits = False
         self.wait()
-        self._fits, self._tentative = False, False
-        self.stats["tentative_dropped"] += len(take_back(self.state, restore_copies=True))
-        for sp in self.params:
-            sp.drop_grad()
+        self._take_back(restore_copies=True, counted="tentative_dropped")
+        self.zero_grad()
 
     def take_back_tentative(self) -> None:
         """Before a write of values between backward and ``step()`` (a user's, a load): the
@@ -231,11 +230,13 @@ class ShardedOptimizer:
         for sp in self.abandon():
             sp.drop_grad()
 
-    def _take_back(self, restore_copies: bool = False) -> list[ShardedParam]:
+    def _take_back(self, restore_copies: bool = False,
+                   counted: str = "tentative_redone") -> list[ShardedParam]:
         """Forget this round's tentative updates (speculation.py's ``take_back``), to be redone
-        at ``step()``; returns the parameters taken back."""
+        at ``step()`` (or dropped with a skipped one: ``counted``); returns the parameters
+        taken back."""
         taken = take_back(self.state, restore_copies)
-        self.stats["tentative_redone"] += len(taken)
+        self.stats[counted] += len(taken)
         self._tentative = False
         return taken
 

@@ -168,7 +168,7 @@ def test_two_ranks_drop_tentative_updates_when_either_overflows(tmp_path: Path) 
 @pytest.mark.filterwarnings("ignore:zero.prefetch_bytes=1 is smaller")
 @pytest.mark.parametrize("dtype, clip", [("fp16", 0.0), ("bf16", CLIP)])
 @pytest.mark.parametrize("params", ["nvme", "cpu"])
-@pytest.mark.parametrize("between", ["backward", "load_state_dict"])
+@pytest.mark.parametrize("between", ["backward", "model(x)", "load_state_dict"])
 def test_a_second_backward_or_a_state_load_before_step_redoes_the_updates(
         tmp_path: Path, between: str, params: str, dtype: str, clip: float) -> None:
     """The tentative updates of a boundary backward were computed from its gradients and the
@@ -187,9 +187,14 @@ def test_a_second_backward_or_a_state_load_before_step_redoes_the_updates(
             _train(engine, [1e-3])
             engine.backward(_loss(engine, 7) * 1e-3)
             assert (engine.sharded_optimizer.stats["updates_during_backward"] > 0) is speculate
-            if between == "backward":
+            if between in ("backward", "model(x)"):
                 engine.synchronize()  # the updates have written the copies in memory
-                engine.backward(_loss(engine, 8) * 1e-3)
+                if between == "backward":
+                    loss = _loss(engine, 8)
+                else:  # the plain model called directly, as a loop written for it does
+                    x = torch.randn(16, 64, generator=torch.Generator().manual_seed(8))
+                    loss = engine.module(x).float().pow(2).mean()
+                engine.backward(loss * 1e-3)
             else:
                 engine.optimizer.load_state_dict(saved)
             assert engine.step()

@@ -213,8 +213,9 @@ class Engine:
         # of this backward is dropped, so a retry of the step sees a consistent engine.
         with self.hooks.backward(on_reduced, before_abort=self.sharded_optimizer.abandon_backward):
             scaled.backward()
-        self.micro_steps += 1
-        self._at_boundary = boundary
+        self.micro_steps, self._at_boundary = self.micro_steps + 1, boundary
+        if boundary and self.rt.plan.overlaps_optimizer:  # optim/hyperparams.py's note
+            self.sharded_optimizer.hyperparams.backward_ended(self.param_groups)
 
     @property
     def plan(self) -> ExecutionPlan:
@@ -277,8 +278,9 @@ class Engine:
                 if clip > 0 or self.cfg.track_grad_norm else None)
         self.last_grad_norm = norm
         coef = clip / (norm + 1e-6) if norm is not None and clip > 0 else 1.0
+        moved = self.sharded_optimizer.hyperparams_moved()  # optim/hyperparams.py's note
         if self.rt.plan.speculates:  # speculation.py's [Note: a speculative step]
-            self.sharded_optimizer.conclude(fits=coef >= 1.0)
+            self.sharded_optimizer.conclude(fits=coef >= 1.0 and not moved)
         pending = self.sharded_optimizer.step(defer=defer,
                                               grad_scale=coef if coef < 1.0 else 1.0)
         self.scaler.update(overflow=False)
@@ -462,10 +464,9 @@ class Engine:
             self.close(keep_values=False)
 
     def _forward_context(self) -> contextlib.AbstractContextManager[None]:
-        """Opens a forward. Between a boundary backward and ``step()`` it waits for that
-        backward's updates, which may be writing the training copies it reads; one to be
-        backpropagated takes the tentative ones back too, for ``step()`` to redo from the
-        summed gradients (speculation.py's [Note: a speculative step])."""
+        """Opens a forward. After a boundary backward it waits for that backward's updates
+        (they may write the copies it reads); one to be backpropagated takes tentative ones
+        back, for ``step()`` to redo from the summed gradients (speculation.py's note)."""
         if self.is_accumulation_boundary:
             if torch.is_grad_enabled():
                 self.sharded_optimizer.take_back_tentative()
@@ -473,10 +474,9 @@ class Engine:
         return self.hooks.forward_context()
 
     def _reopen_boundary(self, what: str) -> None:
-        """Before ``what`` between a boundary backward and ``step()``: that backward's
-        tentative updates are taken back, for ``step()`` to redo (speculation.py's [Note: a
-        speculative step]); updates it applied for good cannot be, so ``what`` is refused
-        (optimizer.py's [Note: updating during backward])."""
+        """Before ``what`` between a boundary backward and ``step()``: its tentative updates
+        are taken back, for ``step()`` to redo (speculation.py's note); updates applied for
+        good cannot be, so ``what`` is refused (optimizer.py's [Note: updating during backward])."""
         if not self.is_accumulation_boundary:
             return
         self.sharded_optimizer.take_back_tentative()

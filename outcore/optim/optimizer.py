@@ -24,7 +24,6 @@ parameters whose ``.grad`` is None.
 
 from __future__ import annotations
 
-import math
 import shutil
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -39,6 +38,7 @@ from outcore.offload.ledger import Kind
 from outcore.offload.storage import CastShard, StoredShard
 from outcore.offload.tier import Tier
 from outcore.optim import adafactor
+from outcore.optim.hyperparams import HyperParamWatch
 from outcore.optim.pipeline import InFlight, UpdateJob, UpdatePipeline
 from outcore.optim.speculation import (
     ParamState,
@@ -52,6 +52,7 @@ from outcore.optim.staging import (
     ShardSlice,
     StagingSlot,
     fp32_grad,
+    global_norm,
     step_counts,
 )
 from outcore.runtime import Runtime
@@ -121,6 +122,7 @@ class ShardedOptimizer:
         self._asides: bool | None = None
         self._tentative = False  # some update of this round is tentative
         self._round = 0  # optimizer steps taken; see ParamState.round
+        self.hyperparams = HyperParamWatch()  # hyperparams.py's note
         self.stats = {"updates_during_backward": 0, "updates_at_step": 0, "updates_after_step": 0,
                       "tentative_kept": 0, "tentative_redone": 0, "tentative_dropped": 0}
 
@@ -170,7 +172,10 @@ class ShardedOptimizer:
         """Whether a boundary backward may hand updates to ``submit`` now: always without
         speculation; with it, once the last step's gradients fitted the clipping norm (never
         in the first step) and while the room for tentative writes is there
-        (speculation.py's [Note: a speculative step])."""
+        (speculation.py's [Note: a speculative step]); never once hyper-parameters moved
+        between backward and ``step()`` (hyperparams.py's note)."""
+        if self.hyperparams.late:
+            return False
         if not self._speculates:
             return True
         if not self._fits:
@@ -293,16 +298,15 @@ class ShardedOptimizer:
 
     def global_norm(self, grads: list[torch.Tensor]) -> float:
         """L2 norm over every rank's gradient shards: ``grads`` and those background updates
-        consumed and freed (padding is zero, so it adds nothing)."""
-        local = torch.tensor([self._dropped_sq], dtype=torch.float64)
-        self._dropped_sq = 0.0
-        by_device: dict[torch.device, list[torch.Tensor]] = {}
-        for g in grads:  # shards on the device and in host memory are summed apart
-            by_device.setdefault(g.device, []).append(g)
-        for same in by_device.values():
-            norms = torch._foreach_norm(same, 2, dtype=torch.float32)  # some may be bf16
-            local += torch.stack(norms).double().pow(2).sum().cpu()
-        return math.sqrt(float(self.rt.comm.all_reduce_sum(local)))
+        consumed and freed."""
+        dropped, self._dropped_sq = self._dropped_sq, 0.0
+        return global_norm(grads, dropped, self.rt.comm)
+
+    def hyperparams_moved(self) -> bool:
+        """At ``step()``: whether ``param_groups`` moved since the boundary backward ended;
+        tentative updates are then for the step to redo (hyperparams.py's note)."""
+        return self.hyperparams.moved(self.param_groups, self._tentative, lambda: sum(
+            s.round == self._round and not s.tentative for s in self.state.values()))
 
     def step_of(self, sp: ShardedParam) -> int:
         """How many updates ``sp`` has had (AdamW's bias correction counts them)."""

@@ -3,13 +3,18 @@ host memory that the update pipeline (pipeline.py) reads them into and writes th
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from outcore.device.accel import Accelerator
 from outcore.offload.buffers import aligned_empty
 from outcore.zero.param import ShardedParam
+
+if TYPE_CHECKING:
+    from outcore.runtime.comm import Comm
 
 ALIGN_ELEMS = 2048  # 8 KiB of fp32, 4 KiB of bf16/fp16: slices start on 4 KiB boundaries
 
@@ -84,3 +89,17 @@ def step_counts(steps: list[int], at: torch.device, accel: Accelerator) -> list[
     if at.type != "cpu":  # masters in host memory keep their counts there
         counts = accel.to_device_inline(counts)
     return list(counts.unbind())
+
+
+def global_norm(grads: list[torch.Tensor], dropped_sq: float, comm: Comm) -> float:
+    """L2 norm over every rank's gradient shards: ``grads``, plus ``dropped_sq``, the squared
+    norm of those background updates consumed and freed (padding is zero, so it adds
+    nothing)."""
+    local = torch.tensor([dropped_sq], dtype=torch.float64)
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for g in grads:  # shards on the device and in host memory are summed apart
+        by_device.setdefault(g.device, []).append(g)
+    for same in by_device.values():
+        norms = torch._foreach_norm(same, 2, dtype=torch.float32)  # some may be bf16
+        local += torch.stack(norms).double().pow(2).sum().cpu()
+    return math.sqrt(float(comm.all_reduce_sum(local)))

@@ -266,19 +266,18 @@ class Engine:
                 self.scaler.update(overflow=True)
                 self.sharded_optimizer.skip()  # tentative updates too (speculation.py)
                 return False
-            # a tentative update unscaled as it read (staging.py's [Note: the gradient an
-            # update reads]); its own gradient is read again only for the norm
-            sharded, reads_all = self.sharded_optimizer, clip > 0 or self.cfg.track_grad_norm
-            for sp in sharded.params:
-                if sp.grad is not None and (reads_all or not sharded.state[sp].tentative):
-                    sp.grad.mul_(1.0 / self.scaler.scale)
+        moved = self.sharded_optimizer.hyperparams_moved()  # optim/hyperparams.py's note
+        if self.scaler.enabled:
+            sharded = self.sharded_optimizer
+            self.scaler.unscale(((sp.grad, sharded.state[sp].tentative) for sp in sharded.params
+                                 if sp.grad is not None),
+                                every=clip > 0 or self.cfg.track_grad_norm or moved)
         # the norm reads every fp32 gradient once more (a full pass over them per step), so
         # only where it is used: clipping, or the user asked to see it
         norm = (self.sharded_optimizer.global_norm(grads)
                 if clip > 0 or self.cfg.track_grad_norm else None)
         self.last_grad_norm = norm
         coef = clip / (norm + 1e-6) if norm is not None and clip > 0 else 1.0
-        moved = self.sharded_optimizer.hyperparams_moved()  # optim/hyperparams.py's note
         if self.rt.plan.speculates:  # speculation.py's [Note: a speculative step]
             self.sharded_optimizer.conclude(fits=coef >= 1.0 and not moved)
         pending = self.sharded_optimizer.step(defer=defer,

@@ -12,15 +12,20 @@ moved, tentative updates (speculation.py's [Note: a speculative step]) are redon
 new values; updates that were applied for good cannot be, and a warning says that this
 step used the earlier values for them. From then on every update waits for ``step()``:
 exact, at the cost of the overlap, since a loop that set them late once sets them there
-every step. The warning names the key and both values, and says that setting them before
-backward (or after ``step()``, as torch's LR schedulers do) keeps the overlap.
+every step; the room for tentative writes goes back to the disk. The warning names the key
+and both values, and says that setting them before backward (or after ``step()``, as
+torch's LR schedulers do) keeps the overlap.
 
 The first step cannot know where the loop sets them, and waiting in it would hold every
 gradient until ``step()``: the memory the overlap saves, as large as the model's 16-bit
 weights or twice that. So it overlaps. With clipping or fp16 it waits anyway (speculation
-starts with the second step) and is exact; without either, a loop that sets the learning
-rate late has its first step's overlapped updates at the earlier value, and the warning
-says so.
+starts with the second step) and is exact. Without either, the first step in which a value
+moves after backward keeps its overlapped updates at the earlier value (the run's first
+step, for a loop that sets the learning rate after every backward), and the warning says so.
+
+fp16's tentative updates unscale their gradients as they read them and leave them scaled;
+a redo reads them again, so ``step()`` unscales every gradient when a value moved
+(precision.py's ``LossScaler.unscale``).
 """
 
 from __future__ import annotations
@@ -43,6 +48,26 @@ def _plain(value: Any) -> Any:
     if isinstance(value, (tuple, list)):
         return tuple(_plain(v) for v in value)
     return value
+
+
+def _copy(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    return tuple(_copy(v) for v in value) if isinstance(value, tuple) else value
+
+
+def frozen(group: dict[str, Any]) -> dict[str, Any]:
+    """A copy of ``group`` for an update submitted now, which later changes do not reach:
+    torch's LR schedulers change a tensor ``lr`` in place (``fill_``), and a queued update
+    must use the value it was submitted with, as the note's comparison assumes."""
+    return {k: _copy(v) for k, v in group.items()}
+
+
+def _shown(value: Any) -> str:
+    """A value as the warning names it: a float32 tensor's 0.003 as 0.003, not its 17 digits."""
+    if isinstance(value, float):
+        return format(value, ".6g")
+    return f"({', '.join(map(_shown, value))})" if isinstance(value, tuple) else repr(value)
 
 
 def snapshot(groups: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -84,11 +109,11 @@ class HyperParamWatch:
                          "the earlier values.")
         else:
             this_step = "This step used the new values."
-        if not self.late:
-            log.warning(
-                "outcore: param_groups[%d][%r] changed between backward and step() (%r -> %r). "
-                "%s From now on every update waits for step(), which gives up overlapping the "
-                "optimizer with backward; set hyper-parameters before backward or after step() "
-                "(as torch's LR schedulers do) to keep it.", i, key, was, now, this_step)
+        log.warning(
+            "outcore: param_groups[%d][%r] changed between backward and step() (%s -> %s). "
+            "%s From now on every update waits for step(), which gives up overlapping the "
+            "optimizer with backward; set hyper-parameters before backward or after step() "
+            "(as torch's LR schedulers do) to keep it.", i, key, _shown(was), _shown(now),
+            this_step)
         self.late = True
         return True

@@ -38,11 +38,12 @@ from outcore.offload.ledger import Kind
 from outcore.offload.storage import CastShard, StoredShard
 from outcore.offload.tier import Tier
 from outcore.optim import adafactor
-from outcore.optim.hyperparams import HyperParamWatch
+from outcore.optim.hyperparams import HyperParamWatch, frozen
 from outcore.optim.pipeline import InFlight, UpdateJob, UpdatePipeline
 from outcore.optim.speculation import (
     ParamState,
     keep_tentative,
+    release_asides,
     reserve_asides,
     take_back,
     written,
@@ -71,7 +72,7 @@ class ShardedOptimizer:
     engine only submits when the update cannot depend on gradients still to come, no fp16 (an
     overflow anywhere must cancel the whole step) and no clipping (the global norm needs every
     gradient), unless the update is tentative (speculation.py's [Note: a speculative step]).
-    A job's hyper-parameters are copied when it is submitted.
+    A job's hyper-parameters are copied, tensors too, when it is submitted (hyperparams.py).
     """
 
     def __init__(self, groups: list[tuple[dict[str, Any], list[ShardedParam]]],
@@ -157,7 +158,7 @@ class ShardedOptimizer:
             self.state[sp].tentative = tentative
         self.stats["updates_during_backward"] += len(todo)
         for i, members in sorted(self._by_group(todo).items()):
-            job = UpdateJob(i, dict(self.param_groups[i]), members, background=True,
+            job = UpdateJob(i, frozen(self.param_groups[i]), members, background=True,
                             tentative=tentative, grad_scale=grad_scale)
             grad_bytes = 0
             for sp in members:
@@ -174,7 +175,10 @@ class ShardedOptimizer:
         in the first step) and while the room for tentative writes is there
         (speculation.py's [Note: a speculative step]); never once hyper-parameters moved
         between backward and ``step()`` (hyperparams.py's note)."""
-        if self.hyperparams.late:
+        if self.hyperparams.late:  # for the rest of the run: the room for tentative writes
+            if self._asides:       # goes back to the disk
+                self._asides = False
+                release_asides(self.params, self.state)
             return False
         if not self._speculates:
             return True
@@ -297,14 +301,12 @@ class ShardedOptimizer:
         self.pipeline.wait()
 
     def global_norm(self, grads: list[torch.Tensor]) -> float:
-        """L2 norm over every rank's gradient shards: ``grads`` and those background updates
-        consumed and freed."""
+        """L2 norm over every rank's gradient shards, those background updates freed too."""
         dropped, self._dropped_sq = self._dropped_sq, 0.0
         return global_norm(grads, dropped, self.rt.comm)
 
     def hyperparams_moved(self) -> bool:
-        """At ``step()``: whether ``param_groups`` moved since the boundary backward ended;
-        tentative updates are then for the step to redo (hyperparams.py's note)."""
+        """At ``step()``: whether ``param_groups`` moved since the boundary backward ended."""
         return self.hyperparams.moved(self.param_groups, self._tentative, lambda: sum(
             s.round == self._round and not s.tentative for s in self.state.values()))
 
@@ -332,9 +334,7 @@ class ShardedOptimizer:
         room for tentative writes. Tentative updates no step concluded are forgotten with it:
         the masters never showed them, and the model leaves with its masters' values."""
         self.pipeline.close()  # lets the worker finish what it was given
-        for sp in self.params:
-            for stored in written(sp, self.state[sp]):
-                stored.release_aside()
+        release_asides(self.params, self.state)
         if self._slot_list:  # no update runs any more: give the staging buffers back
             self._slot_list = []
             self._staging.release()

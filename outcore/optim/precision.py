@@ -9,6 +9,10 @@ doubles again. The overflow test is global: one rank's inf skips the step on eve
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
+import torch
+
 from outcore.config import LossScaleConfig
 
 
@@ -34,6 +38,16 @@ class LossScaler:
         self.good_steps += 1
         if self.good_steps % self.growth_interval == 0:
             self.scale *= 2.0
+
+    def unscale(self, grads: Iterable[tuple[torch.Tensor, bool]], every: bool) -> None:
+        """Divide the ``(gradient, tentative)`` pairs' gradients by the scale, in place. A
+        tentative update (speculation.py) unscaled its gradient as it read it, into its slot's
+        buffer, and left the gradient scaled (staging.py's [Note: the gradient an update
+        reads]): those are divided only where ``every``, because the norm or a redo of the
+        update reads them again (a clip, or a hyper-parameter that moved: hyperparams.py)."""
+        for grad, tentative in grads:
+            if every or not tentative:
+                grad.mul_(1.0 / self.scale)
 
     def state_dict(self) -> dict[str, float]:
         return {"scale": self.scale, "good_steps": self.good_steps,

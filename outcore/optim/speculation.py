@@ -29,6 +29,7 @@ refuses it, the run goes on without speculating.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from outcore.errors import StorageError
@@ -62,6 +63,14 @@ def written(sp: ShardedParam, state: ParamState) -> list[StoredShard]:
     it still has: a closed model's are gone)."""
     shards = [sp.master_shard, *state.moments.values(), sp.compute_shard]
     return [stored for stored in shards if stored is not None]
+
+
+def release_asides(params: Iterable[ShardedParam], state: dict[ShardedParam, ParamState]) -> None:
+    """Give back the room for tentative writes: at close, or once nothing speculates any more
+    in this run (optim/hyperparams.py: hyper-parameters that move after backward)."""
+    for sp in params:
+        for stored in written(sp, state[sp]):
+            stored.release_aside()
 
 
 def reserve_asides(shards: list[StoredShard], disk_free: int) -> bool:

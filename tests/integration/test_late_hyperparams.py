@@ -7,6 +7,7 @@ bit with ``zero.overlap_optimizer: false``, where every update reads them in ``s
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,8 @@ import torch
 from torch import nn
 
 import outcore
+from outcore.device.compute_dtype import EmulatedDtypeWarning
+from outcore.optim.optimizer import ShardedOptimizer
 from tests.distributed import run_world
 
 LRS = [3e-3, 1e-2, 5e-3, 2e-3, 1e-3]  # the schedule; the config's own lr is 2e-2
@@ -39,21 +42,21 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(16, 24), nn.Tanh(), nn.Linear(24, 4))
 
 
-def _config(swap: str, overlap: bool, clip: float, params: str) -> dict:
-    return {"dtype": "fp32", "gradient_clipping": clip,
+def _config(swap: str, overlap: bool, clip: float, params: str, dtype: str = "fp32") -> dict:
+    return {"dtype": dtype, "gradient_clipping": clip, "loss_scale": {"initial_scale_power": 4},
             "optimizer": {"type": "adamw", "lr": 2e-2, "weight_decay": 0.1},
             "zero": {"overlap_optimizer": overlap},
             "offload": {"optimizer": "nvme", "params": params, "nvme_path": swap}}
 
 
 def _train(swap: str, overlap: bool, clip: float, params: str,
-           events: dict[tuple[int, str], float]) -> dict:
+           events: dict[tuple[int, str], float], dtype: str = "fp32") -> dict:
     """Five steps; ``events`` sets ``lr`` at (step, "before" the forward, "late": between
     backward and step(), or "after" step())."""
     handler = _Messages()
     logging.getLogger("outcore").addHandler(handler)
     try:
-        with outcore.initialize(_model(), _config(swap, overlap, clip, params)) as engine:
+        with outcore.initialize(_model(), _config(swap, overlap, clip, params, dtype)) as engine:
             assert engine.plan.overlaps_optimizer is overlap
             losses = []
             for step in range(len(LRS)):
@@ -61,7 +64,7 @@ def _train(swap: str, overlap: bool, clip: float, params: str,
                     if when == "late":
                         x = torch.randn(8, 16, generator=torch.Generator().manual_seed(
                             100 * step + engine.rank)).to(engine.device)
-                        loss = engine(x).pow(2).mean()
+                        loss = engine(x).float().pow(2).mean()
                         engine.backward(loss)
                         losses.append(loss.item())
                     if (step, when) in events:
@@ -71,9 +74,11 @@ def _train(swap: str, overlap: bool, clip: float, params: str,
                         engine.step()
             stats = dict(engine.sharded_optimizer.stats)
             values = _values(engine)
+            room = engine.memory_report()["by_kind"].get("nvme.tentative", 0)
     finally:
         logging.getLogger("outcore").removeHandler(handler)
-    return {"losses": losses, "values": values, "stats": stats, "messages": handler.messages}
+    return {"losses": losses, "values": values, "stats": stats, "messages": handler.messages,
+            "room_aside": room}
 
 
 def _late_every_step(swap: str, clip: float, params: str) -> tuple[dict, dict]:
@@ -143,6 +148,8 @@ def test_a_one_off_late_change_is_redone_or_named(tmp_path: Path, clip: float,
         assert stats["updates_during_backward"] == 4 * PARAMS
     # the first step (no speculation in it) and step 3's redo with clipping; then step 4
     assert stats["updates_at_step"] == (3 if clip else 1) * PARAMS
+    # nothing speculates any more, so the room for tentative writes went back to the disk
+    assert on["room_aside"] == 0 and (off["room_aside"] == 0)
 
 
 def test_a_scheduler_stepped_after_step_keeps_the_overlap(tmp_path: Path) -> None:
@@ -189,10 +196,9 @@ def test_two_ranks_agree_on_a_late_lr(tmp_path: Path) -> None:
 
 
 def test_nothing_to_say_where_no_update_overlaps(tmp_path: Path) -> None:
-    """With the optimizer state in memory on a CPU no update overlaps backward (the plan), so
-    a late lr is simply what step() reads: no warning."""
-    cfg = _config(str(tmp_path), True, 0.0, "nvme")
-    cfg["offload"]["optimizer"] = "cpu"
+    """Where no update overlaps backward (here ``zero.overlap_optimizer: false``; also the
+    state in memory on a CPU), a late lr is simply what step() reads: no warning."""
+    cfg = _config(str(tmp_path), False, 0.0, "nvme")
     handler = _Messages()
     logging.getLogger("outcore").addHandler(handler)
     try:
@@ -206,3 +212,60 @@ def test_nothing_to_say_where_no_update_overlaps(tmp_path: Path) -> None:
     finally:
         logging.getLogger("outcore").removeHandler(handler)
     assert handler.messages == []
+
+
+@pytest.mark.filterwarnings("ignore", category=EmulatedDtypeWarning)
+def test_fp16_redoes_a_late_change_from_unscaled_gradients(tmp_path: Path) -> None:
+    """fp16 without clipping speculates, and its tentative updates leave the gradients scaled
+    (staging.py's [Note: the gradient an update reads]); a redo for a late lr must read them
+    unscaled, not 16 times too large."""
+    events = {(s, "before"): LRS[s] for s in (0, 1, 2, 4)}
+    on = _train(str(tmp_path / "on"), True, 0.0, "nvme", {**events, (3, "late"): LRS[3]},
+                dtype="fp16")
+    off = _train(str(tmp_path / "off"), False, 0.0, "nvme", {**events, (3, "late"): LRS[3]},
+                 dtype="fp16")
+    _assert_same(on, off)
+    _one_warning(on, "0.005 -> 0.002", "This step's updates made during backward are redone "
+                 "with the new values.")
+    assert on["stats"]["tentative_redone"] == PARAMS
+
+
+def test_a_tensor_lr_changed_in_place_reaches_no_queued_update(tmp_path: Path,
+                                                               monkeypatch) -> None:
+    """torch's schedulers change a tensor lr in place (``fill_``). Updates still queued when
+    it changes keep the value they were submitted with, so the warning's "used the earlier
+    values" is true, and training equals the change applied after that step."""
+    apply = ShardedOptimizer.apply
+
+    def slow_apply(self, work, hp) -> None:  # updates lag: some are queued when lr changes
+        time.sleep(0.1)
+        apply(self, work, hp)
+
+    monkeypatch.setattr(ShardedOptimizer, "apply", slow_apply)
+    runs = {}
+    for overlap in (True, False):
+        handler = _Messages()
+        logging.getLogger("outcore").addHandler(handler)
+        try:
+            model = _model()
+            adamw = torch.optim.AdamW(model.parameters(), lr=torch.tensor(LRS[0]),
+                                      weight_decay=0.1)
+            cfg = _config(str(tmp_path / str(overlap)), overlap, 0.0, "nvme")
+            with outcore.initialize(model, cfg, optimizer=adamw) as engine:
+                for step in range(3):
+                    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step))
+                    engine.backward(engine(x.to(engine.device)).pow(2).mean())
+                    if overlap and step == 1:
+                        engine.optimizer.param_groups[0]["lr"].fill_(LRS[1])
+                    engine.optimizer.step()
+                    if not overlap and step == 1:
+                        engine.optimizer.param_groups[0]["lr"].fill_(LRS[1])
+                runs[overlap] = _values(engine)
+        finally:
+            logging.getLogger("outcore").removeHandler(handler)
+        if overlap:
+            _one_warning({"messages": handler.messages}, "0.003 -> 0.01",
+                         f"This step's updates of {PARAMS} parameters made during backward "
+                         "used the earlier values.")
+    for name, value in runs[False].items():
+        assert torch.equal(runs[True][name], value), name

@@ -1,23 +1,52 @@
-import mmap, os, sys, threading, time
-path = sys.argv[1]; size = 2 << 30
-fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT); os.ftruncate(fd, size)
-w = mmap.mmap(-1, 8 << 20); w.write(os.urandom(8 << 20))
-for off in range(0, size, 8 << 20): os.pwrite(fd, w, off)
+"""Read and write rates against request size and requests in flight (threads), O_DIRECT.
+
+    python qd.py PATH
+"""
+
+import mmap
+import os
+import sys
+import threading
+import time
+
+PATH, SIZE = sys.argv[1], 2 << 30
+fd = os.open(PATH, os.O_RDWR | os.O_CREAT | os.O_DIRECT)
+os.ftruncate(fd, SIZE)
+fill = mmap.mmap(-1, 8 << 20)
+fill.write(os.urandom(8 << 20))
+for offset in range(0, SIZE, 8 << 20):
+    os.pwrite(fd, fill, offset)
 os.fsync(fd)
-def run(nthr, blk, write=False):
-    offs = list(range(0, size, blk)); lock = threading.Lock()
-    def worker():
-        b = mmap.mmap(-1, blk); b.write(os.urandom(blk))
+
+
+def rate(threads: int, block: int, write: bool = False) -> float:
+    offsets, lock = list(range(0, SIZE, block)), threading.Lock()
+
+    def worker() -> None:
+        buffer = mmap.mmap(-1, block)
+        buffer.write(os.urandom(block))
         while True:
             with lock:
-                if not offs: return
-                off = offs.pop()
-            if write: os.pwrite(fd, b, off)
-            else: os.preadv(fd, [b], off)
-    ts = [threading.Thread(target=worker) for _ in range(nthr)]
-    t0 = time.perf_counter(); [t.start() for t in ts]; [t.join() for t in ts]
-    return size / 1e9 / (time.perf_counter() - t0)
-for blk in (1 << 20, 8 << 20, 32 << 20):
+                if not offsets:
+                    return
+                offset = offsets.pop()
+            if write:
+                os.pwrite(fd, buffer, offset)
+            else:
+                os.preadv(fd, [buffer], offset)
+
+    workers = [threading.Thread(target=worker) for _ in range(threads)]
+    start = time.perf_counter()
+    for t in workers:
+        t.start()
+    for t in workers:
+        t.join()
+    return SIZE / 1e9 / (time.perf_counter() - start)
+
+
+for block in (1 << 20, 8 << 20, 32 << 20):
     for n in (1, 2, 4, 8, 16):
-        print(f"{blk>>20:>2} MiB x {n:>2} threads: read {run(n, blk):.2f} GB/s, write {run(n, blk, True):.2f} GB/s", flush=True)
-os.close(fd); os.unlink(path)
+        print(f"{block >> 20:>2} MiB x {n:>2} threads: read {rate(n, block):.2f} GB/s, "
+              f"write {rate(n, block, True):.2f} GB/s", flush=True)
+os.close(fd)
+os.unlink(PATH)

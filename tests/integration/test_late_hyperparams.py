@@ -24,12 +24,22 @@ PARAMS = 4  # two weights and two biases
 
 
 class _Messages(logging.Handler):
+    """The outcore logger's warnings while it is in use (in a rank's process too, where
+    pytest's caplog does not reach)."""
+
     def __init__(self) -> None:
         super().__init__(logging.WARNING)
         self.messages: list[str] = []
 
     def emit(self, record: logging.LogRecord) -> None:
         self.messages.append(record.getMessage())
+
+    def __enter__(self) -> _Messages:
+        logging.getLogger("outcore").addHandler(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        logging.getLogger("outcore").removeHandler(self)
 
 
 def _values(engine: outcore.Engine) -> dict[str, torch.Tensor]:
@@ -53,30 +63,26 @@ def _train(swap: str, overlap: bool, clip: float, params: str,
            events: dict[tuple[int, str], float], dtype: str = "fp32") -> dict:
     """Five steps; ``events`` sets ``lr`` at (step, "before" the forward, "late": between
     backward and step(), or "after" step())."""
-    handler = _Messages()
-    logging.getLogger("outcore").addHandler(handler)
-    try:
-        with outcore.initialize(_model(), _config(swap, overlap, clip, params, dtype)) as engine:
-            assert engine.plan.overlaps_optimizer is overlap
-            losses = []
-            for step in range(len(LRS)):
-                for when in ("before", "late", "after"):
-                    if when == "late":
-                        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(
-                            100 * step + engine.rank)).to(engine.device)
-                        loss = engine(x).float().pow(2).mean()
-                        engine.backward(loss)
-                        losses.append(loss.item())
-                    if (step, when) in events:
-                        for group in engine.param_groups:
-                            group["lr"] = events[step, when]
-                    if when == "late":
-                        engine.step()
-            stats = dict(engine.sharded_optimizer.stats)
-            values = _values(engine)
-            room = engine.memory_report()["by_kind"].get("nvme.tentative", 0)
-    finally:
-        logging.getLogger("outcore").removeHandler(handler)
+    with (_Messages() as handler,
+          outcore.initialize(_model(), _config(swap, overlap, clip, params, dtype)) as engine):
+        assert engine.plan.overlaps_optimizer is overlap
+        losses = []
+        for step in range(len(LRS)):
+            for when in ("before", "late", "after"):
+                if when == "late":
+                    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(
+                        100 * step + engine.rank)).to(engine.device)
+                    loss = engine(x).float().pow(2).mean()
+                    engine.backward(loss)
+                    losses.append(loss.item())
+                if (step, when) in events:
+                    for group in engine.param_groups:
+                        group["lr"] = events[step, when]
+                if when == "late":
+                    engine.step()
+        stats = dict(engine.sharded_optimizer.stats)
+        values = _values(engine)
+        room = engine.memory_report()["by_kind"].get("nvme.tentative", 0)
     return {"losses": losses, "values": values, "stats": stats, "messages": handler.messages,
             "room_aside": room}
 
@@ -158,9 +164,7 @@ def test_a_scheduler_stepped_after_step_keeps_the_overlap(tmp_path: Path) -> Non
     equals updates at ``step()``."""
     runs = {}
     for overlap in (True, False):
-        handler = _Messages()
-        logging.getLogger("outcore").addHandler(handler)
-        try:
+        with _Messages() as handler:
             model = _model()
             adamw = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
             engine = outcore.initialize(model, _config(str(tmp_path / str(overlap)), overlap,
@@ -173,8 +177,6 @@ def test_a_scheduler_stepped_after_step_keeps_the_overlap(tmp_path: Path) -> Non
                     engine.optimizer.step()
                     sched.step()
                 runs[overlap] = (_values(engine), dict(engine.sharded_optimizer.stats))
-        finally:
-            logging.getLogger("outcore").removeHandler(handler)
         assert handler.messages == []
     for name, value in runs[False][0].items():
         assert torch.equal(runs[True][0][name], value), name
@@ -199,18 +201,13 @@ def test_nothing_to_say_where_no_update_overlaps(tmp_path: Path) -> None:
     """Where no update overlaps backward (here ``zero.overlap_optimizer: false``; also the
     state in memory on a CPU), a late lr is simply what step() reads: no warning."""
     cfg = _config(str(tmp_path), False, 0.0, "nvme")
-    handler = _Messages()
-    logging.getLogger("outcore").addHandler(handler)
-    try:
-        with outcore.initialize(_model(), cfg) as engine:
-            assert not engine.plan.overlaps_optimizer
-            for step, lr in enumerate(LRS):
-                x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step))
-                engine.backward(engine(x.to(engine.device)).pow(2).mean())
-                engine.param_groups[0]["lr"] = lr
-                engine.step()
-    finally:
-        logging.getLogger("outcore").removeHandler(handler)
+    with _Messages() as handler, outcore.initialize(_model(), cfg) as engine:
+        assert not engine.plan.overlaps_optimizer
+        for step, lr in enumerate(LRS):
+            x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step))
+            engine.backward(engine(x.to(engine.device)).pow(2).mean())
+            engine.param_groups[0]["lr"] = lr
+            engine.step()
     assert handler.messages == []
 
 
@@ -244,9 +241,7 @@ def test_a_tensor_lr_changed_in_place_reaches_no_queued_update(tmp_path: Path,
     monkeypatch.setattr(ShardedOptimizer, "apply", slow_apply)
     runs = {}
     for overlap in (True, False):
-        handler = _Messages()
-        logging.getLogger("outcore").addHandler(handler)
-        try:
+        with _Messages() as handler:
             model = _model()
             adamw = torch.optim.AdamW(model.parameters(), lr=torch.tensor(LRS[0]),
                                       weight_decay=0.1)
@@ -261,8 +256,6 @@ def test_a_tensor_lr_changed_in_place_reaches_no_queued_update(tmp_path: Path,
                     if not overlap and step == 1:
                         engine.optimizer.param_groups[0]["lr"].fill_(LRS[1])
                 runs[overlap] = _values(engine)
-        finally:
-            logging.getLogger("outcore").removeHandler(handler)
         if overlap:
             _one_warning({"messages": handler.messages}, "0.003 -> 0.01",
                          f"This step's updates of {PARAMS} parameters made during backward "

@@ -8,6 +8,7 @@ import ctypes
 import math
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
@@ -18,6 +19,9 @@ from torch import nn
 import outcore
 from outcore.offload.buffers import ALIGN, round_up
 from outcore.offload.host_memory import libc
+
+if TYPE_CHECKING:
+    import transformers
 
 REPO = Path(__file__).resolve().parents[1]
 """The repository's root."""
@@ -282,3 +286,59 @@ def hf_steps(engine, ids: torch.Tensor, steps: int) -> list[float]:
         engine.step()
         losses.append(loss.item())
     return losses
+
+
+# -- tiny Hugging Face models and Trainer arguments (test_hf_trainer.py and others) ---------
+LLAMA = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}
+LORA = "r=4,alpha=8,targets=q_proj,v_proj"
+GPT2_LORA = "r=4,alpha=8,targets=c_attn"
+
+
+def build(name: str, cfg: dict | None = None, lora: str | None = None) -> torch.nn.Module:
+    """A random-init tiny model from its config (no download), under ``outcore.init`` when
+    ``cfg`` is given, with LoRA adapters when ``lora`` is."""
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    from outcore.hf import apply_lora
+
+    def make() -> torch.nn.Module:
+        if name == "gpt2":
+            return GPT2LMHeadModel(GPT2Config(
+                n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=64, resid_pdrop=0.0,
+                embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0))
+        return LlamaForCausalLM(LlamaConfig(**LLAMA))
+
+    torch.manual_seed(0)
+    if cfg is None:
+        model = make()
+    else:
+        with outcore.init(cfg):
+            model = make()
+    if lora is not None:
+        torch.manual_seed(1)
+        model = apply_lora(model, lora)
+    return model
+
+
+def dataset(n: int = 22) -> list[dict]:
+    gen = torch.Generator().manual_seed(1)
+    return [{"input_ids": x, "labels": x} for x in torch.randint(0, 128, (n, 16), generator=gen)]
+
+
+def arguments(out: Path, **over) -> transformers.TrainingArguments:
+    """Accumulation over 2 micro-batches (22 samples: the epoch's last accumulation has one),
+    clipping on, a warm-up and decay schedule, weight decay."""
+    import transformers
+    kw = dict(output_dir=str(out), per_device_train_batch_size=2, gradient_accumulation_steps=2,
+              max_grad_norm=0.5, learning_rate=1e-2, lr_scheduler_type="linear", warmup_steps=2,
+              weight_decay=0.1, max_steps=8, logging_steps=1, save_strategy="no",
+              report_to=[], seed=0, disable_tqdm=True)
+    kw.update(over)
+    return transformers.TrainingArguments(**kw)
+
+
+def nvme(tmp: Path) -> dict:
+    """Everything on NVMe, the swap in ``tmp / "swap"``."""
+    return {"offload": {"params": "nvme", "optimizer": "nvme", "nvme_path": str(tmp / "swap")}}
+

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import outcore
-from tests.common import REPO
+from tests.common import GPT2_LORA, LLAMA, LORA, REPO, arguments, build, dataset, nvme
 from tests.distributed import run_world
 
 transformers = pytest.importorskip("transformers")
@@ -21,58 +21,9 @@ pytest.importorskip("accelerate")
 
 from outcore.hf import OutcoreTrainer, apply_lora  # noqa: E402
 
-LLAMA = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}
-LORA = "r=4,alpha=8,targets=q_proj,v_proj"
-GPT2_LORA = "r=4,alpha=8,targets=c_attn"
-
-
-def build(name: str, cfg: dict | None = None, lora: str | None = None) -> torch.nn.Module:
-    """A random-init tiny model from its config (no download), under ``outcore.init`` when
-    ``cfg`` is given, with LoRA adapters when ``lora`` is."""
-    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
-
-    def make() -> torch.nn.Module:
-        if name == "gpt2":
-            return GPT2LMHeadModel(GPT2Config(
-                n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=64, resid_pdrop=0.0,
-                embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0))
-        return LlamaForCausalLM(LlamaConfig(**LLAMA))
-
-    torch.manual_seed(0)
-    if cfg is None:
-        model = make()
-    else:
-        with outcore.init(cfg):
-            model = make()
-    if lora is not None:
-        torch.manual_seed(1)
-        model = apply_lora(model, lora)
-    return model
-
-
-def dataset(n: int = 22) -> list[dict]:
-    gen = torch.Generator().manual_seed(1)
-    return [{"input_ids": x, "labels": x} for x in torch.randint(0, 128, (n, 16), generator=gen)]
-
-
-def arguments(out: Path, **over) -> transformers.TrainingArguments:
-    """Accumulation over 2 micro-batches (22 samples: the epoch's last accumulation has one),
-    clipping on, a warm-up and decay schedule, weight decay."""
-    kw = dict(output_dir=str(out), per_device_train_batch_size=2, gradient_accumulation_steps=2,
-              max_grad_norm=0.5, learning_rate=1e-2, lr_scheduler_type="linear", warmup_steps=2,
-              weight_decay=0.1, max_steps=8, logging_steps=1, save_strategy="no",
-              report_to=[], seed=0, disable_tqdm=True)
-    kw.update(over)
-    return transformers.TrainingArguments(**kw)
-
 
 def logged(trainer, key: str) -> list[float]:
     return [h[key] for h in trainer.state.log_history if key in h]
-
-
-def nvme(tmp: Path) -> dict:
-    return {"offload": {"params": "nvme", "optimizer": "nvme", "nvme_path": str(tmp / "swap")}}
 
 
 @pytest.mark.parametrize(("name", "lora", "extra"), [
@@ -580,7 +531,7 @@ def test_a_trainer_never_closed_leaves_no_swap_behind(tmp_path: Path) -> None:
 import gc, sys
 sys.path.insert(0, {str(REPO)!r})
 from pathlib import Path
-from tests.integration.test_hf_trainer import arguments, build, dataset, nvme
+from tests.common import arguments, build, dataset, nvme
 from outcore.hf import OutcoreTrainer
 tmp = Path({str(tmp_path)!r})
 def run():

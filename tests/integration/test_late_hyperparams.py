@@ -17,10 +17,16 @@ from torch import nn
 import outcore
 from outcore.device.compute_dtype import EmulatedDtypeWarning
 from outcore.optim.optimizer import ShardedOptimizer
+from tests.common import arguments, build, dataset, nvme
 from tests.distributed import run_world
 
 LRS = [3e-3, 1e-2, 5e-3, 2e-3, 1e-3]  # the schedule; the config's own lr is 2e-2
 PARAMS = 4  # two weights and two biases
+# what the warning says this step did
+APPLIED = (f"This step's updates of {PARAMS} parameters made during backward used the earlier "
+           "values.")
+REDONE = "This step's updates made during backward are redone with the new values."
+NEW = "This step used the new values."
 
 
 class _Messages(logging.Handler):
@@ -103,10 +109,10 @@ def _assert_same(on: dict, off: dict) -> None:
         assert torch.equal(torch.as_tensor(on["values"][name]), torch.as_tensor(value)), name
 
 
-def _one_warning(on: dict, change: str, this_step: str) -> None:
+def _one_warning(messages: list[str], change: str, this_step: str) -> None:
     """One warning, naming the group, the key, both values and what this step did."""
-    late = [m for m in on["messages"] if "changed between backward and step()" in m]
-    assert len(late) == 1, on["messages"]
+    late = [m for m in messages if "changed between backward and step()" in m]
+    assert len(late) == 1, messages
     assert late[0].startswith("outcore: param_groups[0]['lr'] changed between backward and "
                               f"step() ({change}). {this_step}"), late[0]
     assert "From now on every update waits for step()" in late[0]
@@ -122,9 +128,7 @@ def test_an_lr_set_after_each_backward_reaches_the_updates(tmp_path: Path, clip:
     says."""
     on, off = _late_every_step(str(tmp_path), clip, params)
     _assert_same(on, off)
-    _one_warning(on, "0.02 -> 0.003", f"This step's updates of {PARAMS} parameters made during "
-                 "backward used the earlier values." if clip == 0 else "This step used the new "
-                 "values.")
+    _one_warning(on["messages"], "0.02 -> 0.003", APPLIED if clip == 0 else NEW)
     assert on["stats"]["updates_during_backward"] == (PARAMS if clip == 0 else 0)
 
 
@@ -144,13 +148,11 @@ def test_a_one_off_late_change_is_redone_or_named(tmp_path: Path, clip: float,
     _assert_same(on, off)
     stats = on["stats"]
     if clip:  # speculated in steps 1 to 3; step 3's taken back and redone
-        _one_warning(on, "0.005 -> 0.002", "This step's updates made during backward are "
-                     "redone with the new values.")
+        _one_warning(on["messages"], "0.005 -> 0.002", REDONE)
         assert stats["tentative_kept"] == 2 * PARAMS and stats["tentative_redone"] == PARAMS
         assert stats["updates_during_backward"] == 3 * PARAMS
     else:
-        _one_warning(on, "0.005 -> 0.002", f"This step's updates of {PARAMS} parameters made "
-                     "during backward used the earlier values.")
+        _one_warning(on["messages"], "0.005 -> 0.002", APPLIED)
         assert stats["updates_during_backward"] == 4 * PARAMS
     # the first step (no speculation in it) and step 3's redo with clipping; then step 4
     assert stats["updates_at_step"] == (3 if clip else 1) * PARAMS
@@ -184,17 +186,12 @@ def test_a_scheduler_stepped_after_step_keeps_the_overlap(tmp_path: Path) -> Non
     assert runs[True][1]["updates_at_step"] == 0
 
 
-def _two_ranks(swap: str) -> tuple[dict, dict]:
-    return _late_every_step(swap, 0.0, "nvme")
-
-
 def test_two_ranks_agree_on_a_late_lr(tmp_path: Path) -> None:
     """At two ranks (each with its own batch, the same lr schedule) both see the move and
     wait from then on; each equals its rank of the run whose updates all wait."""
-    for on, off in run_world(_two_ranks, 2, str(tmp_path)):
+    for on, off in run_world(_late_every_step, 2, str(tmp_path), 0.0, "nvme"):
         _assert_same(on, off)
-        _one_warning(on, "0.02 -> 0.003", f"This step's updates of {PARAMS} parameters made "
-                     "during backward used the earlier values.")
+        _one_warning(on["messages"], "0.02 -> 0.003", APPLIED)
 
 
 def test_nothing_to_say_where_no_update_overlaps(tmp_path: Path) -> None:
@@ -222,8 +219,7 @@ def test_fp16_redoes_a_late_change_from_unscaled_gradients(tmp_path: Path) -> No
     off = _train(str(tmp_path / "off"), False, 0.0, "nvme", {**events, (3, "late"): LRS[3]},
                  dtype="fp16")
     _assert_same(on, off)
-    _one_warning(on, "0.005 -> 0.002", "This step's updates made during backward are redone "
-                 "with the new values.")
+    _one_warning(on["messages"], "0.005 -> 0.002", REDONE)
     assert on["stats"]["tentative_redone"] == PARAMS
 
 
@@ -257,8 +253,28 @@ def test_a_tensor_lr_changed_in_place_reaches_no_queued_update(tmp_path: Path,
                         engine.optimizer.param_groups[0]["lr"].fill_(LRS[1])
                 runs[overlap] = _values(engine)
         if overlap:
-            _one_warning({"messages": handler.messages}, "0.003 -> 0.01",
-                         f"This step's updates of {PARAMS} parameters made during backward "
-                         "used the earlier values.")
+            _one_warning(handler.messages, "0.003 -> 0.01", APPLIED)
     for name, value in runs[False].items():
         assert torch.equal(runs[True][name], value), name
+
+
+@pytest.mark.parametrize("clip", [0.0, 1.0])
+def test_outcore_trainer_never_sets_the_lr_late(tmp_path: Path, clip: float) -> None:
+    """The Trainer steps its LR scheduler after ``step()`` (warm-up, then linear decay), so
+    no step finds the lr moved after backward: no warning, and without clipping every
+    update of every step overlaps backward."""
+    pytest.importorskip("transformers")
+    from outcore.hf import OutcoreTrainer
+
+    (tmp_path / "s").mkdir()
+    with _Messages() as handler:
+        trainer = OutcoreTrainer(model=build("gpt2"), train_dataset=dataset(),
+                                 args=arguments(tmp_path / "o", max_steps=4, max_grad_norm=clip),
+                                 outcore_config=nvme(tmp_path / "s"))
+        trainer.train()
+        stats = dict(trainer.outcore_engine.sharded_optimizer.stats)
+        trainer.close()
+    assert [m for m in handler.messages if "changed between backward" in m] == []
+    assert len({h["learning_rate"] for h in trainer.state.log_history if "learning_rate" in h}) > 2
+    if not clip:
+        assert stats["updates_during_backward"] > 0 and stats["updates_at_step"] == 0

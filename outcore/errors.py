@@ -9,6 +9,11 @@ is a bug in outcore or torch and keeps its traceback.
 
 from __future__ import annotations
 
+import os
+import sys
+
+import torch
+
 
 class OutcoreError(Exception):
     """Base class for errors caused by input or environment, not by outcore itself."""
@@ -43,3 +48,22 @@ class ParamAccessError(OutcoreError, RuntimeError):
 
 class EngineClosedError(OutcoreError, RuntimeError):
     """The engine was closed, or handed its model to a newer engine; use the new one."""
+
+
+class GradReadWarning(UserWarning):
+    """Code read ``p.grad`` of a parameter outcore shards between a backward and ``step()``,
+    where torch would show a gradient and outcore shows None (zero/surface.py's [Note: p.grad
+    stays None, and says so])."""
+
+
+_SKIPPED = tuple(os.path.dirname(os.path.abspath(f)) + os.sep for f in (__file__, torch.__file__))
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` that points a warning raised by this function's caller at the first
+    frame outside outcore and torch: the user's line, however deep the call came through
+    (``outcore.initialize``, ``torch.nn.utils.clip_grad_norm_``, a tensor property)."""
+    frame, level = sys._getframe(1), 1  # the caller's frame is level 1 for its warnings.warn
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_SKIPPED):
+        frame, level = frame.f_back, level + 1
+    return level

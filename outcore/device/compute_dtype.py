@@ -22,8 +22,6 @@ one warning that names the cheaper choice.
 
 from __future__ import annotations
 
-import os
-import sys
 import warnings
 from dataclasses import asdict, dataclass
 
@@ -31,6 +29,7 @@ import torch
 
 from outcore.device.accel import default_device
 from outcore.device.machine import cpu_features, cpu_model
+from outcore.errors import user_stacklevel
 
 DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16,
                                   "fp32": torch.float32}
@@ -130,19 +129,8 @@ def resolve(requested: str, device: torch.device) -> DtypeChoice:
                       f"{choice.name} natively, so torch emulates it and matrix products may "
                       f"run tens of times slower than in {better}. Use dtype 'auto' (here: "
                       f"{better}) unless you need {choice.name} numerics.",
-                      EmulatedDtypeWarning, stacklevel=_user_stacklevel())
+                      EmulatedDtypeWarning, stacklevel=user_stacklevel())
     return choice
-
-
-def _user_stacklevel() -> int:
-    """The ``stacklevel`` that points a warning raised in ``resolve`` at the first caller
-    outside outcore (``outcore.init``, ``initialize`` and the CLI reach it at different
-    depths)."""
-    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # outcore/
-    frame, level = sys._getframe(1), 1  # resolve's frame is level 1 for its warnings.warn
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 def planned(requested: str) -> DtypeChoice:

@@ -30,7 +30,7 @@ from torch import nn
 from outcore.config import Config, merge_mappings
 from outcore.device.compute_dtype import DtypeChoice
 from outcore.engine import lifetime
-from outcore.engine.torch_optimizer import TorchOptimizer
+from outcore.engine.torch_optimizer import TorchOptimizer, adopt
 from outcore.errors import (
     ConfigError,
     EngineClosedError,
@@ -116,11 +116,9 @@ class Engine:
                 self.rt.close()
             raise
         self.rt.engine = weakref.ref(self)
-        # the user's optimizer, never stepped: every facade's step() marks it stepped for
-        # schedulers bound to it (torch_optimizer.py), the Trainer's included
-        self.adopted_optimizer = optimizer
-        if optimizer is not None and optimizer.state:  # a loaded state dict: into the shards
-            self.optimizer.load_state_dict(optimizer.state_dict())
+        self.adopted_optimizer = optimizer  # its state goes to the shards, and its methods
+        if optimizer is not None:  # call the facade (torch_optimizer.py's second note)
+            adopt(optimizer, self.optimizer)
 
     def _build(self, module: nn.Module, cfg: Config,
                param_groups: list[tuple[dict, list[nn.Parameter]]] | None) -> None:
@@ -214,6 +212,7 @@ class Engine:
         with self.hooks.backward(on_reduced, before_abort=self.sharded_optimizer.abandon_backward):
             scaled.backward()
         self.micro_steps, self._at_boundary = self.micro_steps + 1, boundary
+        self.rt.gradients_held = True  # zero/surface.py's [Note: p.grad stays None, and says so]
         if boundary and self.rt.plan.overlaps_optimizer:  # optim/hyperparams.py's note
             self.sharded_optimizer.hyperparams.backward_ended(self.param_groups)
 
@@ -257,7 +256,7 @@ class Engine:
         defer = self.defers_updates
         if not defer:  # loss scaling and the norm below look at every gradient
             self.sharded_optimizer.wait()
-        self.micro_steps, self._at_boundary = 0, False
+        self.micro_steps, self._at_boundary, self.rt.gradients_held = 0, False, False
         grads = [sp.grad for sp in self.sharded_optimizer.params if sp.grad is not None]
         clip = self.cfg.gradient_clipping
         if self.scaler.enabled:
@@ -300,7 +299,7 @@ class Engine:
         self._check_open()
         self._reopen_boundary("zero_grad()")
         self.sharded_optimizer.zero_grad(keep=self.sharded_optimizer.pending_jobs)
-        self.micro_steps, self._at_boundary = 0, False
+        self.micro_steps, self._at_boundary, self.rt.gradients_held = 0, False, False
 
     def synchronize(self) -> None:
         """Wait for every update the last ``step()`` or backward left running (pipeline.py's

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from outcore.config import Config
+from outcore.engine.torch_optimizer import step_aside
 from outcore.errors import ConfigError, ParamAccessError
 from outcore.guard.memory import available_memory
 from outcore.runtime import Runtime
@@ -88,7 +89,9 @@ def detach(engine: Engine) -> None:
     """Take the engine off the model: optimizer, hooks and gathered tensors go, every
     parameter is SHARDED and in no group, buffers are as they were; the shards stay."""
     engine.sharded_optimizer.close()
+    step_aside(engine.adopted_optimizer)  # its own methods again (torch_optimizer.py)
     engine.rt.await_updates = engine.rt.before_write = lambda: None
+    engine.rt.gradients_held = False
     engine.entries.remove()
     engine.hooks.remove()
     for g in engine.groups:

@@ -12,16 +12,31 @@ param-group dicts (torch's constructor adopts the dicts it is given), so an edit
 ``state_dict()`` carries it as this rank's fp32 slices (``"outcore"`` records the world
 size), and ``load_state_dict()`` takes those back at the same world size, or a plain
 ``torch.optim`` state dict (full-shape moments, cut into this rank's slices) at any.
+
+[Note: the optimizer a user brought answers for the engine]
+A user who passes a torch optimizer (``initialize(model, cfg, optimizer=opt)``) keeps calling
+it: ``opt.zero_grad()``, ``opt.step()``, ``opt.state_dict()`` for a checkpoint. Its own
+methods would find no ``p.grad`` (gradients live in the shards) and an empty state, so the
+loop would not train and the checkpoint would hold no moments, without a word. While an
+engine holds it, those methods (``STANDS_IN``) are instance attributes that call this facade
+(``adopt``, after taking any state it holds into the shards); the class stays untouched,
+and a torch scheduler bound to it, made before or after, sees it stepped (the facade marks
+it, as the scheduler's own wrapper of ``step`` would).
+``close()``, or a newer engine taking the model, puts back what was there (``step_aside``).
+The moments stay the engine's: after ``close()`` the optimizer starts empty, as a new one
+would.
 """
 
 from __future__ import annotations
 
+import types
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from outcore.errors import ConfigError
+from outcore.errors import ConfigError, EngineClosedError
 from outcore.offload.storage import load_now
 
 if TYPE_CHECKING:
@@ -117,6 +132,47 @@ class TorchOptimizer(torch.optim.Optimizer):
     def __repr__(self) -> str:
         hp = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
         return f"{type(self).__name__}({self._engine.cfg.optimizer.type}, {hp})"
+
+
+STANDS_IN = ("step", "zero_grad", "state_dict", "load_state_dict", "add_param_group")
+_SAVED = "_outcore_saved_methods"  # what the adopted optimizer had as instance attributes
+
+
+def adopt(adopted: torch.optim.Optimizer, facade: TorchOptimizer) -> None:
+    """Load the state ``adopted`` holds (a loaded state dict) into the shards, then make its
+    ``STANDS_IN`` methods call ``facade`` (see the note)."""
+    step_aside(adopted)  # an engine that was not closed may still be standing in
+    if adopted.state:
+        facade.load_state_dict(adopted.state_dict())
+    saved = {name: adopted.__dict__[name] for name in STANDS_IN if name in adopted.__dict__}
+    ref = weakref.ref(facade)  # weakly, as everything reachable from the user's objects
+    for name in STANDS_IN:
+        setattr(adopted, name, types.MethodType(_calling(ref, name), adopted))
+    setattr(adopted, _SAVED, saved)
+
+
+def step_aside(adopted: torch.optim.Optimizer | None) -> None:
+    """Give ``adopted`` back the methods it had before ``adopt``."""
+    saved = None if adopted is None else adopted.__dict__.pop(_SAVED, None)
+    if adopted is None or saved is None:
+        return
+    for name in STANDS_IN:
+        adopted.__dict__.pop(name, None)
+    adopted.__dict__.update(saved)
+
+
+def _calling(ref: weakref.ref[TorchOptimizer], name: str) -> Callable[..., Any]:
+    def call(this: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        facade = ref()
+        if facade is None:
+            raise EngineClosedError(f"{type(this).__name__}.{name}(): the outcore Engine that "
+                                    "adopted this optimizer is gone")
+        return getattr(facade, name)(*args, **kwargs)
+
+    call.__name__ = call.__qualname__ = name
+    if name == "step":  # torch's schedulers need not wrap it: the facade's step() marks
+        call._wrapped_by_lr_sched = True  # type: ignore[attr-defined]  # `adopted` stepped
+    return call
 
 
 def moments_of(opt: ShardedOptimizer, sp: ShardedParam) -> dict[str, torch.Tensor] | None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import queue
 import threading
+import weakref
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_for
@@ -117,6 +118,12 @@ class JobQueue:
         self._current: Iterator[Item] = iter(())
         self._ended = False
 
+    def end_now(self) -> None:
+        """End the queue after the sub-groups already taken (the process is exiting: see
+        ``_end_at_exit``); the jobs left are never done."""
+        self._ended = True
+        self.jobs.put(None)  # wakes a worker waiting for work
+
     def next(self, block: bool) -> Item | None:
         """The next (job, sub-group, is the job's last); None if the queue ended or, unless
         ``block``, nothing is queued yet."""
@@ -152,6 +159,25 @@ class JobQueue:
         job.unsettled = len(chunks)
         for i, chunk in enumerate(chunks):
             yield job, chunk, i == len(chunks) - 1
+
+
+_EXIT_WAIT_S = 60.0  # the most an exiting process waits for the sub-groups in flight
+
+
+def _end_at_exit(jobs: JobQueue, worker: threading.Thread) -> None:
+    """[Note: a process that ends with updates running]
+    A script may end, or raise, between a backward that started updates and ``step()``, or
+    after a ``step()`` whose tail still runs, without ``close()``. The worker is a daemon
+    thread, so the interpreter would finalize with it inside an update (a torch kernel, a wait
+    for the disk); when that returns, the thread is ended by a forced unwind through C++
+    frames, which calls ``std::terminate``: the process aborts (status 134, "terminate
+    called without an active exception") instead of exiting with its own status. So, at
+    exit (``weakref.finalize`` runs this before the interpreter finalizes, and before the
+    I/O threads', made earlier, stop), the worker finishes the sub-groups it has taken and
+    stops; the updates still queued are dropped, as is everything else an engine that was
+    not closed holds when its process ends (its swap files are deleted)."""
+    jobs.end_now()
+    worker.join(_EXIT_WAIT_S)
 
 
 def settle(work: InFlight | None, error: BaseException | None = None) -> None:
@@ -198,6 +224,7 @@ class UpdatePipeline:
         self.pending_grad_limit = pending_grad_limit
         self._single = single_threaded_worker
         self._worker: threading.Thread | None = None
+        self._at_exit: weakref.finalize[[JobQueue, threading.Thread], UpdatePipeline] | None = None
         self._queue: JobQueue | None = None  # what the worker updates, in order
         self.broken: BaseException | None = None  # the worker died of this (a bug)
         self._submitted: list[tuple[UpdateJob, int]] = []  # with the gradient bytes each holds
@@ -216,6 +243,7 @@ class UpdatePipeline:
             self._worker = threading.Thread(target=self._serve, args=(self._queue,),
                                             name="outcore-optim", daemon=True)
             self._worker.start()
+            self._at_exit = weakref.finalize(self, _end_at_exit, self._queue, self._worker)
         held, limit = sum(n for _, n in self._submitted), self.pending_grad_limit
         kept: list[tuple[UpdateJob, int]] = []
         for older, n in self._submitted:
@@ -306,6 +334,8 @@ class UpdatePipeline:
             self._queue.jobs.put(None)
             self._worker.join()
             self._worker = self._queue = None
+            if self._at_exit is not None:
+                self._at_exit.detach()
 
     def _serve(self, jobs: JobQueue) -> None:
         """The worker thread: updates submitted jobs until the queue ends."""

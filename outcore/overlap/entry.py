@@ -134,9 +134,9 @@ class EntryHooks:
         root = weakref.ref(module)
 
         def zero_grad(this: nn.Module, set_to_none: bool = True) -> None:
-            type(this).zero_grad(this, set_to_none)
             if this is root():  # not a deep copy of the model, which has no engine
-                on_zero_grad()
+                on_zero_grad()  # first: torch's below reads p.grad, quietly once it is done
+            type(this).zero_grad(this, set_to_none)
 
         # an instance attribute shadowing the method on purpose: the class stays untouched
         module.zero_grad = types.MethodType(zero_grad, module)  # type: ignore[method-assign]

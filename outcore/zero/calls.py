@@ -41,6 +41,8 @@ DATA_GET: Callable[[torch.Tensor], torch.Tensor] = (
     torch.Tensor.data.__get__)  # type: ignore[attr-defined]  # see above
 DATA_SET: Callable[[torch.Tensor, torch.Tensor], None] = (
     torch.Tensor.data.__set__)  # type: ignore[attr-defined]  # see above
+GRAD_GET: Callable[[torch.Tensor], torch.Tensor | None] = (
+    torch.Tensor.grad.__get__)  # type: ignore[union-attr]  # a getset descriptor
 SETITEM = torch.Tensor.__setitem__
 DETACH = torch.Tensor.detach
 # calls that use only metadata, beyond registry.METADATA_CALLS; *_like and new_* allocate a

@@ -32,10 +32,25 @@ what a call means follows from the parameter's ``ParamState`` and the runtime's 
 
 ``p.detach()`` (and so ``state_dict()``) is a copy of the values, not a view: a state dict
 must stay valid after the parameter is released again.
+
+[Note: p.grad stays None, and says so]
+Gradients live in the engine's shards: a parameter's full gradient never exists after its
+module's backward, and with the optimizer state on NVMe it is applied and freed during
+backward. So ``p.grad`` stays None, and code written for torch that reads it between a
+backward and ``step()`` sees no gradient where torch would show one. Most such code is
+``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)``, which then clips nothing and
+returns 0, silently. outcore cannot run that code on the shards (at more ranks each holds a
+slice, and the overlapped updates have already used the gradients), so the first such read
+per engine warns (``GradReadWarning``), pointed at the user's line, naming the config that
+does the job: ``gradient_clipping`` (norm in ``engine.last_grad_norm``). Reads before the
+first backward or after ``step()``, where torch shows None too, and the engine's own reads
+(inside backward, or from the ``zero_grad`` it patches in) stay quiet.
 """
 
 from __future__ import annotations
 
+import warnings
+import weakref
 from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Any, SupportsIndex, cast
@@ -43,10 +58,10 @@ from typing import Any, SupportsIndex, cast
 import torch
 from torch import nn
 
-from outcore.errors import ConfigError
+from outcore.errors import ConfigError, GradReadWarning, user_stacklevel
 from outcore.runtime.phase import Phase
 from outcore.zero import access, registry
-from outcore.zero.calls import DETACH, Args, Kind, Kwargs, kind_of
+from outcore.zero.calls import DETACH, GRAD_GET, Args, Kind, Kwargs, kind_of
 from outcore.zero.state import HAS_VALUES, USER_OWNED
 
 
@@ -105,13 +120,39 @@ def dispatch(func: Any, args: Args, kwargs: Kwargs) -> Any:
     """Run ``func`` as the states of the parameters it touches allow (see the note)."""
     kind = kind_of(func)
     if kind is Kind.META:
-        return access.raw(func, args, kwargs)
+        out = access.raw(func, args, kwargs)
+        if out is None and func == GRAD_GET:  # method-wrappers: compare, not `is`
+            _notice_grad_read(args[0])
+        return out
     touched = access.touched(args, kwargs)
     if not touched:
         return access.raw(func, args, kwargs)
     if kind is Kind.READ and not kwargs.get("out") and all(_as_is(t) for t in touched):
         return access.raw(func, args, kwargs)  # the forward's path: values there, computing
     return access.handle(kind, func, args, kwargs, touched)
+
+
+_WARNED_GRAD_READ: weakref.WeakSet[Any] = weakref.WeakSet()  # runtimes, once each
+
+
+def _notice_grad_read(param: torch.Tensor) -> None:
+    """``param.grad`` was read and is None: warn once per runtime where torch would show a
+    gradient (see [Note: p.grad stays None, and says so])."""
+    sp = registry.managed(param)
+    if sp is None or not sp.trainable:
+        return
+    rt = sp.rt
+    if rt.phase is not Phase.IDLE or not rt.gradients_held or rt in _WARNED_GRAD_READ:
+        return
+    _WARNED_GRAD_READ.add(rt)
+    warnings.warn(
+        f"outcore: p.grad is None (read here for parameter {sp.label()}): outcore keeps "
+        "gradients in the engine's shards, so code that reads p.grad between backward and "
+        "step() sees none, "
+        "and torch.nn.utils.clip_grad_norm_ clips nothing and returns 0. To clip, set "
+        "gradient_clipping in the config (OutcoreTrainer: max_grad_norm); the global norm "
+        "is then engine.last_grad_norm (track_grad_norm: true gives it without clipping).",
+        GradReadWarning, stacklevel=user_stacklevel())
 
 
 def _as_is(t: access.Touch) -> bool:

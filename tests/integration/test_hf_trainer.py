@@ -21,6 +21,10 @@ pytest.importorskip("accelerate")
 
 from outcore.hf import OutcoreTrainer, apply_lora  # noqa: E402
 
+# the Trainer, accelerate and peft never read p.grad where outcore shows None in its place
+# (zero/surface.py's [Note: p.grad stays None, and says so]): a read would fail its test
+pytestmark = pytest.mark.filterwarnings("error::outcore.GradReadWarning")
+
 
 def logged(trainer, key: str) -> list[float]:
     return [h[key] for h in trainer.state.log_history if key in h]

@@ -263,6 +263,106 @@ def sched_for(opt: torch.optim.Optimizer):
     return sched.StepLR(opt, step_size=1, gamma=0.7)
 
 
+def _adopted(tmp: Path, offload: str = "nvme"):
+    """A model, an AdamW over it that outcore adopts, and the same pair in plain torch."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+    ref = copy.deepcopy(model).to(default_device())
+    opt, ref_opt = torch.optim.AdamW(model.parameters(), **HP), torch.optim.AdamW(
+        ref.parameters(), **HP)
+    cfg = {"dtype": "fp32", "offload": {"params": offload, "optimizer": offload,
+                                        "nvme_path": str(tmp)}}
+    return model, opt, ref, ref_opt, cfg
+
+
+def _loop(model: nn.Module, opt: torch.optim.Optimizer, scheduler, steps: range,
+          engine=None) -> list[float]:
+    """A plain torch loop: zero_grad, forward, backward, step, scheduler step; the engine's
+    backward where there is one."""
+    losses = []
+    for step in steps:
+        opt.zero_grad()
+        loss = model(_batch(step)).pow(2).mean()
+        engine.backward(loss) if engine is not None else loss.backward()
+        opt.step()
+        scheduler.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.filterwarnings("error")  # torch's scheduler warns if opt.step looks overridden
+@pytest.mark.parametrize("scheduler_made", ["before", "after"])
+@pytest.mark.parametrize("offload", ["none", "nvme"])
+def test_the_optimizer_a_user_brought_trains_when_they_call_it(tmp_path: Path, offload: str,
+                                                                scheduler_made: str) -> None:
+    """After ``initialize(model, cfg, optimizer=opt)`` the user's loop keeps calling ``opt``:
+    ``opt.zero_grad()`` and ``opt.step()`` are the engine's, and a scheduler made for ``opt``
+    before or after adoption drives the lr (torch_optimizer.py's second note). Before, the
+    AdamW's own step found no p.grad and the model never changed."""
+    model, opt, ref, ref_opt, cfg = _adopted(tmp_path, offload)
+    scheduler = sched_for(opt) if scheduler_made == "before" else None
+    engine = outcore.initialize(model, cfg, optimizer=opt)
+    scheduler = scheduler or sched_for(opt)
+    losses = _loop(model, opt, scheduler, range(4), engine)
+    ref_losses = _loop(ref, ref_opt, sched_for(ref_opt), range(4))
+    torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6)
+    assert engine.global_steps == 4
+    assert opt.param_groups[0]["lr"] == ref_opt.param_groups[0]["lr"] < HP["lr"]
+    with engine.gathered_parameters():
+        for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+            torch.testing.assert_close(p.data, q.detach(), rtol=1e-4, atol=1e-5)
+    mine, torch_own = opt.state_dict()["state"], ref_opt.state_dict()["state"]
+    assert mine.keys() == torch_own.keys()  # the moments, not the AdamW's empty state
+    for i in mine:
+        torch.testing.assert_close(mine[i]["exp_avg"].reshape(-1).cpu(),
+                                   torch_own[i]["exp_avg"].reshape(-1).cpu(), rtol=1e-4,
+                                   atol=1e-6)
+    with pytest.raises(outcore.ConfigError, match="param_groups="):
+        opt.add_param_group({"params": [nn.Parameter(torch.zeros(2))]})
+    engine.close()
+
+
+def test_the_optimizer_a_user_brought_is_theirs_again_after_close(tmp_path: Path) -> None:
+    """``close()`` gives the AdamW its own methods back (the scheduler's wrapper too), so it
+    steps the plain model that ``close()`` hands back; a second engine adopting it takes
+    over, and the first is out of the loop."""
+    model, opt, _, _, cfg = _adopted(tmp_path)
+    scheduler = sched_for(opt)
+    wrapped = opt.step
+    engine = outcore.initialize(model, cfg, optimizer=opt)
+    _loop(model, opt, scheduler, range(2), engine)
+    second = outcore.initialize(model, cfg, optimizer=opt)  # takes the model over
+    _loop(model, opt, scheduler, range(2, 4), second)
+    assert (engine.global_steps, second.global_steps) == (2, 2)
+    second.close()
+    assert opt.step == wrapped and "zero_grad" not in vars(opt)
+    before = model[0].weight.detach().clone()
+    _loop(model, opt, scheduler, range(4, 5))  # plain torch now
+    assert type(model[0].weight) is nn.Parameter
+    assert not torch.equal(model[0].weight.detach(), before)
+
+
+def test_the_optimizer_a_user_brought_saves_and_resumes_the_moments(tmp_path: Path) -> None:
+    """``opt.state_dict()`` holds the engine's moments and ``opt.load_state_dict`` takes them
+    back: resuming from them trains as the run that never stopped."""
+    model, opt, _, _, cfg = _adopted(tmp_path / "a")
+    scheduler = sched_for(opt)
+    engine = outcore.initialize(model, cfg, optimizer=opt)
+    _loop(model, opt, scheduler, range(2), engine)
+    weights, state = model.state_dict(), opt.state_dict()
+    assert state["state"] and state["param_groups"][0]["lr"] == opt.param_groups[0]["lr"]
+    steps = _loop(model, opt, scheduler, range(2, 4), engine)
+    model2, opt2, _, _, cfg2 = _adopted(tmp_path / "b")
+    engine2 = outcore.initialize(model2, cfg2, optimizer=opt2)
+    model2.load_state_dict(weights)
+    opt2.load_state_dict(state)
+    resumed = _loop(model2, opt2, sched_for(opt2), range(2, 4), engine2)
+    # the second loss follows one update from the loaded moments and lr
+    torch.testing.assert_close(resumed, steps, rtol=1e-5, atol=1e-6)
+    engine.close()
+    engine2.close()
+
+
 def test_an_optimizer_outcore_cannot_run_is_refused_in_words() -> None:
     model = nn.Linear(4, 4)
     with pytest.raises(outcore.ConfigError, match="RMSprop cannot run over outcore's shards"):

@@ -1,0 +1,90 @@
+"""``p.grad`` stays None on a sharded parameter, and code that reads it where torch would show a
+gradient hears so once (zero/surface.py's [Note: p.grad stays None, and says so])."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import outcore
+from outcore.device.accel import default_device
+
+
+def _engine(tmp: Path, **cfg) -> tuple[nn.Module, outcore.Engine]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+    return model, outcore.initialize(model, {"dtype": "fp32", **cfg})
+
+
+def _backward(engine: outcore.Engine) -> None:
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(0)).to(default_device())
+    engine.backward(engine(x).pow(2).mean())
+
+
+@pytest.mark.parametrize("offload", ["none", "nvme"])
+def test_clip_grad_norm_after_backward_warns_once_at_the_users_line(tmp_path: Path,
+                                                                     offload: str) -> None:
+    """build-nanogpt's loop clips with torch.nn.utils.clip_grad_norm_ after backward: it
+    finds no p.grad, clips nothing and returns 0. The first such read per engine says so,
+    pointed at the user's line, and names the config that clips."""
+    model, engine = _engine(tmp_path, offload={"params": offload, "optimizer": offload,
+                                               "nvme_path": str(tmp_path)})
+    _backward(engine)
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # once per engine
+        assert all(p.grad is None for p in model.parameters())
+    assert float(norm) == 0.0
+    mine = [w for w in got if issubclass(w.category, outcore.GradReadWarning)]
+    assert len(mine) == 1, [str(w.message) for w in got]
+    assert mine[0].filename == __file__
+    message = str(mine[0].message)
+    assert "p.grad is None (read here for parameter 0.weight)" in message
+    assert "clip_grad_norm_ clips nothing" in message and "gradient_clipping" in message
+    assert engine.step()
+    engine.close()
+
+
+def test_reads_where_torch_shows_none_too_stay_quiet(tmp_path: Path) -> None:
+    """Before the first backward, after step(), after zero_grad(), and the reads of
+    model.zero_grad() between accumulated backwards: torch's p.grad is None there too (or
+    the read is torch's own clean-up), so nothing is said."""
+    model, engine = _engine(tmp_path, gradient_accumulation_steps=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", outcore.GradReadWarning)
+        assert model[0].weight.grad is None  # nothing ran yet
+        _backward(engine)  # the first of two micro-batches
+        model.zero_grad()  # drops it; torch's own zero_grad reads every p.grad
+        assert [p.grad for p in model.parameters()] == [None] * 4
+        _backward(engine)
+        _backward(engine)
+        assert engine.step()
+        assert model[0].weight.grad is None  # after step(), as torch after zero_grad
+        _backward(engine)
+        engine.optimizer.zero_grad()
+        assert model[2].bias.grad is None
+    _backward(engine)  # a gradient held again: the read warns
+    with pytest.warns(outcore.GradReadWarning, match="parameter 2.bias"):
+        assert model[2].bias.grad is None
+    engine.close()
+
+
+def test_a_frozen_parameter_and_a_closed_engine_stay_quiet(tmp_path: Path) -> None:
+    """A parameter that does not train has no gradient in torch either; after close() the
+    model is plain torch, whose p.grad is its own."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+    model[0].requires_grad_(False)
+    engine = outcore.initialize(model, {"dtype": "fp32"})
+    _backward(engine)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", outcore.GradReadWarning)
+        assert model[0].weight.grad is None
+        engine.close()
+        model(torch.randn(2, 16)).sum().backward()
+        assert model[2].weight.grad is not None

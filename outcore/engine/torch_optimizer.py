@@ -120,7 +120,12 @@ class TorchOptimizer(torch.optim.Optimizer):
         sharded.wait()
         # tentative updates came from the moments this replaces: step() redoes them
         sharded.take_back_tentative()
-        world = (state_dict.get("outcore") or {}).get("world_size")
+        saved = state_dict.get("outcore") or {}
+        world = saved.get("world_size")
+        if world == self._engine.rt.world_size > 1 and saved.get("rank") != self._engine.rt.rank:
+            raise ConfigError(f"optimizer state_dict holds rank {saved.get('rank')}'s slices; "
+                              f"this is rank {self._engine.rt.rank}: each rank loads the "
+                              "state dict it saved (engine.save_checkpoint loads at any rank)")
         saved_state = state_dict.get("state", {})
         for mine, members, saved in zip(self.param_groups, sharded.members, groups, strict=True):
             for sp, key in zip(members, saved["params"], strict=True):
@@ -144,6 +149,7 @@ def adopt(adopted: torch.optim.Optimizer, facade: TorchOptimizer) -> None:
     step_aside(adopted)  # an engine that was not closed may still be standing in
     if adopted.state:
         facade.load_state_dict(adopted.state_dict())
+        adopted.state.clear()  # the shards hold it now; a copy would go stale and take memory
     saved = {name: adopted.__dict__[name] for name in STANDS_IN if name in adopted.__dict__}
     ref = weakref.ref(facade)  # weakly, as everything reachable from the user's objects
     for name in STANDS_IN:
@@ -167,7 +173,19 @@ def _calling(ref: weakref.ref[TorchOptimizer], name: str) -> Callable[..., Any]:
         if facade is None:
             raise EngineClosedError(f"{type(this).__name__}.{name}(): the outcore Engine that "
                                     "adopted this optimizer is gone")
-        return getattr(facade, name)(*args, **kwargs)
+        if name != "step":
+            return getattr(facade, name)(*args, **kwargs)
+        # step hooks registered on the adopted optimizer run around it as torch runs them:
+        # given the optimizer and the call's arguments (itself first)
+        full = (this, *args)
+        for pre in list(this._optimizer_step_pre_hooks.values()):
+            changed = pre(this, full, kwargs)
+            if changed is not None:
+                full, kwargs = changed
+        out = facade.step(*full[1:], **kwargs)
+        for post in list(this._optimizer_step_post_hooks.values()):
+            post(this, full, kwargs)
+        return out
 
     call.__name__ = call.__qualname__ = name
     if name == "step":  # torch's schedulers need not wrap it: the facade's step() marks
@@ -181,7 +199,11 @@ def moments_of(opt: ShardedOptimizer, sp: ShardedParam) -> dict[str, torch.Tenso
     state = opt.state.get(sp)
     if state is None or state.step == 0:
         return None
-    out = {k: load_now(stored, opt.rt.device).clone() for k, stored in state.moments.items()}
+    # at one rank a slice is the whole parameter (no padding): torch's own layout, which
+    # torch's optimizers, and outcore at any world size, load as they are
+    shape = sp.shape if opt.rt.world_size == 1 else (-1,)
+    out = {k: load_now(stored, opt.rt.device).clone().view(shape)
+           for k, stored in state.moments.items()}
     return {**out, **opt.adafactor.factors_of(sp)} if opt.adafactor else out
 
 def load_moments(opt: ShardedOptimizer, sp: ShardedParam, entry: dict,

@@ -78,8 +78,8 @@ class EntryHooks:
                  on_zero_grad: Callable[[], None] | None = None) -> None:
         """``cast``: applied to the positional and keyword inputs of a call that opens the
         context (moved to the compute device, floating ones cast to the compute dtype).
-        ``on_zero_grad``: called after the root's ``zero_grad()`` (gradients live in the
-        engine's shards, which torch's ``Module.zero_grad`` cannot see)."""
+        ``on_zero_grad``: called by the root's ``zero_grad()`` before torch's own (gradients
+        live in the engine's shards, which torch's ``Module.zero_grad`` cannot see)."""
         self._is_inside = is_inside
         self._context = context
         self._cast = cast

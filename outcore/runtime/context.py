@@ -88,6 +88,7 @@ class Runtime:
         # a backward ran since the last step() or zero_grad() (the engine sets it): torch would
         # show p.grad there (zero/surface.py's [Note: p.grad stays None, and says so])
         self.gradients_held = False
+        self.grad_read_warned = False  # that read was named once for the engine (surface.py)
         # the most RSS seen in the first step, while reuse of freed memory waits for it
         self.working_set: int | None = None
         if Tier.NVME in (self.param_tier, self.state_tier):

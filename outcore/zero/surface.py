@@ -44,15 +44,18 @@ slice, and the overlapped updates have already used the gradients), so the first
 per engine warns (``GradReadWarning``), pointed at the user's line, naming the config that
 does the job: ``gradient_clipping`` (norm in ``engine.last_grad_norm``). Reads before the
 first backward or after ``step()``, where torch shows None too, and the engine's own reads
-(inside backward, or from the ``zero_grad`` it patches in) stay quiet.
+(inside backward, or from the ``zero_grad`` it patches in) stay quiet, and so does
+``model.to(...)``, whose ``Module._apply`` reads every gradient to move it along.
 """
 
 from __future__ import annotations
 
+import os
+import sys
 import warnings
-import weakref
 from collections import OrderedDict
 from collections.abc import Iterable
+from types import FrameType
 from typing import Any, SupportsIndex, cast
 
 import torch
@@ -132,19 +135,25 @@ def dispatch(func: Any, args: Args, kwargs: Kwargs) -> Any:
     return access.handle(kind, func, args, kwargs, touched)
 
 
-_WARNED_GRAD_READ: weakref.WeakSet[Any] = weakref.WeakSet()  # runtimes, once each
+_MODULE_PY = os.path.join("torch", "nn", "modules", "module.py")
 
 
 def _notice_grad_read(param: torch.Tensor) -> None:
-    """``param.grad`` was read and is None: warn once per runtime where torch would show a
+    """``param.grad`` was read and is None: warn once per engine where torch would show a
     gradient (see [Note: p.grad stays None, and says so])."""
     sp = registry.managed(param)
     if sp is None or not sp.trainable:
         return
     rt = sp.rt
-    if rt.phase is not Phase.IDLE or not rt.gradients_held or rt in _WARNED_GRAD_READ:
+    if rt.phase is not Phase.IDLE or not rt.gradients_held or rt.grad_read_warned:
         return
-    _WARNED_GRAD_READ.add(rt)
+    caller: FrameType | None = sys._getframe(1)
+    while caller is not None and caller.f_code.co_filename == __file__:
+        caller = caller.f_back
+    if caller is not None and caller.f_code.co_name == "_apply" and (
+            caller.f_code.co_filename.endswith(_MODULE_PY)):
+        return  # model.to(...) converting gradients along with parameters: no use of them
+    rt.grad_read_warned = True
     warnings.warn(
         f"outcore: p.grad is None (read here for parameter {sp.label()}): outcore keeps "
         "gradients in the engine's shards, so code that reads p.grad between backward and "

@@ -5,6 +5,7 @@ what code written for torch optimizers does with it gives what it gives with
 from __future__ import annotations
 
 import copy
+import os
 from pathlib import Path
 
 import pytest
@@ -301,9 +302,13 @@ def test_the_optimizer_a_user_brought_trains_when_they_call_it(tmp_path: Path, o
     AdamW's own step found no p.grad and the model never changed."""
     model, opt, ref, ref_opt, cfg = _adopted(tmp_path, offload)
     scheduler = sched_for(opt) if scheduler_made == "before" else None
+    hooks: list[str] = []
+    opt.register_step_pre_hook(lambda o, args, kw: hooks.append(f"pre {len(args)}"))
     engine = outcore.initialize(model, cfg, optimizer=opt)
+    opt.register_step_post_hook(lambda o, args, kw: hooks.append(f"post {o is opt}"))
     scheduler = scheduler or sched_for(opt)
     losses = _loop(model, opt, scheduler, range(4), engine)
+    assert hooks == ["pre 1", "post True"] * 4  # torch's step hooks, given (opt,) as args
     ref_losses = _loop(ref, ref_opt, sched_for(ref_opt), range(4))
     torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6)
     assert engine.global_steps == 4
@@ -313,10 +318,9 @@ def test_the_optimizer_a_user_brought_trains_when_they_call_it(tmp_path: Path, o
             torch.testing.assert_close(p.data, q.detach(), rtol=1e-4, atol=1e-5)
     mine, torch_own = opt.state_dict()["state"], ref_opt.state_dict()["state"]
     assert mine.keys() == torch_own.keys()  # the moments, not the AdamW's empty state
-    for i in mine:
-        torch.testing.assert_close(mine[i]["exp_avg"].reshape(-1).cpu(),
-                                   torch_own[i]["exp_avg"].reshape(-1).cpu(), rtol=1e-4,
-                                   atol=1e-6)
+    for i in mine:  # at one rank in torch's own layout: the parameter's shape
+        torch.testing.assert_close(mine[i]["exp_avg"].cpu(), torch_own[i]["exp_avg"].cpu(),
+                                   rtol=1e-4, atol=1e-6)
     with pytest.raises(outcore.ConfigError, match="param_groups="):
         opt.add_param_group({"params": [nn.Parameter(torch.zeros(2))]})
     engine.close()
@@ -342,9 +346,13 @@ def test_the_optimizer_a_user_brought_is_theirs_again_after_close(tmp_path: Path
     assert not torch.equal(model[0].weight.detach(), before)
 
 
-def test_the_optimizer_a_user_brought_saves_and_resumes_the_moments(tmp_path: Path) -> None:
-    """``opt.state_dict()`` holds the engine's moments and ``opt.load_state_dict`` takes them
-    back: resuming from them trains as the run that never stopped."""
+@pytest.mark.parametrize("loaded", ["after initialize", "before initialize", "plain torch"])
+def test_the_optimizer_a_user_brought_saves_and_resumes_the_moments(tmp_path: Path,
+                                                                     loaded: str) -> None:
+    """``opt.state_dict()`` holds the engine's moments, at one rank in torch's layout, and
+    resuming from it trains as the run that never stopped: loaded after ``initialize``
+    (the engine's), before it (torch's own ``load_state_dict``, the usual resume order; the
+    state moves into the shards and leaves the optimizer), or by plain torch."""
     model, opt, _, _, cfg = _adopted(tmp_path / "a")
     scheduler = sched_for(opt)
     engine = outcore.initialize(model, cfg, optimizer=opt)
@@ -353,14 +361,43 @@ def test_the_optimizer_a_user_brought_saves_and_resumes_the_moments(tmp_path: Pa
     assert state["state"] and state["param_groups"][0]["lr"] == opt.param_groups[0]["lr"]
     steps = _loop(model, opt, scheduler, range(2, 4), engine)
     model2, opt2, _, _, cfg2 = _adopted(tmp_path / "b")
-    engine2 = outcore.initialize(model2, cfg2, optimizer=opt2)
     model2.load_state_dict(weights)
-    opt2.load_state_dict(state)
+    engine2 = None
+    if loaded == "before initialize":
+        opt2.load_state_dict(state)
+    if loaded != "plain torch":
+        engine2 = outcore.initialize(model2, cfg2, optimizer=opt2)
+        assert not opt2.state  # the moments are in the shards, not also here
+    if loaded != "before initialize":
+        opt2.load_state_dict(state)
     resumed = _loop(model2, opt2, sched_for(opt2), range(2, 4), engine2)
     # the second loss follows one update from the loaded moments and lr
     torch.testing.assert_close(resumed, steps, rtol=1e-5, atol=1e-6)
     engine.close()
-    engine2.close()
+    if engine2 is not None:
+        engine2.close()
+
+
+def _another_ranks_state(tmp: str) -> str:
+    """Each rank saved its own slices; a rank that loads another's is told so."""
+    rank = int(os.environ["RANK"])
+    _, engine, ref, opt = _pair(Path(tmp) / f"rank{rank}")
+    _both(engine, ref, opt, 0)
+    states = [engine.optimizer.state_dict()]
+    torch.distributed.broadcast_object_list(states, src=0)  # rank 0's, as a torch.save would
+    try:
+        engine.optimizer.load_state_dict(states[0])
+        return "loaded"
+    except outcore.ConfigError as e:
+        return str(e)
+    finally:
+        engine.close()
+
+
+def test_a_state_dict_of_another_rank_is_refused_in_words(tmp_path: Path) -> None:
+    own, other = run_world(_another_ranks_state, 2, str(tmp_path))
+    assert own == "loaded"
+    assert "holds rank 0's slices; this is rank 1" in other
 
 
 def test_an_optimizer_outcore_cannot_run_is_refused_in_words() -> None:

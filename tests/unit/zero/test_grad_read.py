@@ -62,6 +62,7 @@ def test_reads_where_torch_shows_none_too_stay_quiet(tmp_path: Path) -> None:
         model.zero_grad()  # drops it; torch's own zero_grad reads every p.grad
         assert [p.grad for p in model.parameters()] == [None] * 4
         _backward(engine)
+        model.to(default_device())  # Module._apply moves each p.grad along: not a use of it
         _backward(engine)
         assert engine.step()
         assert model[0].weight.grad is None  # after step(), as torch after zero_grad
@@ -88,3 +89,18 @@ def test_a_frozen_parameter_and_a_closed_engine_stay_quiet(tmp_path: Path) -> No
         engine.close()
         model(torch.randn(2, 16)).sum().backward()
         assert model[2].weight.grad is not None
+
+
+def test_a_second_engine_on_the_model_says_it_again(tmp_path: Path) -> None:
+    """A new engine (a second trainer on the same model) is a new run: its first read is
+    named too."""
+    model, engine = _engine(tmp_path)
+    for expected in (1, 1):
+        _backward(engine)
+        with warnings.catch_warnings(record=True) as got:
+            warnings.simplefilter("always")
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        assert sum(issubclass(w.category, outcore.GradReadWarning) for w in got) == expected
+        assert engine.step()
+        engine = outcore.initialize(model, {"dtype": "fp32"})
+    engine.close()

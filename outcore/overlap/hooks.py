@@ -43,11 +43,12 @@ import threading
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Protocol, TypeVar, final
+from typing import TYPE_CHECKING, NoReturn, Protocol, TypeVar, final
 
 import torch
 from torch import nn
 
+from outcore.errors import OutcoreError
 from outcore.runtime.phase import Phase
 from outcore.zero.access_mode import ParamAccessMode
 from outcore.zero.group import GatherGroup, PendingReduce
@@ -283,6 +284,8 @@ class Hooks:
             hooks = me()
             if hooks is None:
                 return
+            if not hooks._in_backward:  # loss.backward(), not engine.backward(loss)
+                hooks.refuse_plain_backward()
             g = sp.group
             assert g is not None  # grouped before install, ungrouped only after remove()
             if g.grad_arrived(sp):
@@ -293,6 +296,28 @@ class Hooks:
                         hooks.schedule.done(g)
 
         return hook
+
+    def refuse_plain_backward(self) -> NoReturn:
+        """[Note: loss.backward() is refused]
+        A backward the engine did not start (``loss.backward()`` instead of
+        ``engine.backward(loss)``) would reduce gradients into the shards while ``step()``,
+        which counts the engine's backwards, sees nothing to apply: a loop written that way
+        would train nothing, without a word, and a later ``engine.backward`` would add the
+        stale gradients to its own. Nor can it be taken as the engine's: its loss was not
+        scaled for fp16, and the updates that overlap backward are decided before it starts.
+        So the first gradient it accumulates into a parameter refuses it: the gradients and
+        groups it left are dropped (as after a failed ``engine.backward``) and the error says
+        what to call. ``torch.autograd.grad`` accumulates nothing and is not refused."""
+        for g in self.groups:
+            for sp in g.trainable:
+                sp.param.grad = None
+        with self.mode.suspended():
+            self.abort_backward()
+        raise OutcoreError(
+            "loss.backward() on a model outcore trains: call engine.backward(loss) instead "
+            "(OutcoreTrainer does); it reduces the gradients into the engine's shards, scales "
+            "the loss for fp16 and gradient accumulation, and gives step() the update to "
+            "apply. This backward was dropped.")
 
     @property
     def unseen_grad_bytes(self) -> int:

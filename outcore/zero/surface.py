@@ -157,10 +157,11 @@ def _notice_grad_read(param: torch.Tensor) -> None:
     warnings.warn(
         f"outcore: p.grad is None (read here for parameter {sp.label()}): outcore keeps "
         "gradients in the engine's shards, so code that reads p.grad between backward and "
-        "step() sees none, "
-        "and torch.nn.utils.clip_grad_norm_ clips nothing and returns 0. To clip, set "
-        "gradient_clipping in the config (OutcoreTrainer: max_grad_norm); the global norm "
-        "is then engine.last_grad_norm (track_grad_norm: true gives it without clipping).",
+        "step() sees none: torch.nn.utils.clip_grad_norm_ clips nothing and returns 0, and a "
+        "torch optimizer the engine did not adopt steps nothing (use engine.optimizer, or pass "
+        "yours as outcore.initialize(..., optimizer=opt)). To clip, set gradient_clipping in "
+        "the config (OutcoreTrainer: max_grad_norm); the global norm is then "
+        "engine.last_grad_norm (track_grad_norm: true gives it without clipping).",
         GradReadWarning, stacklevel=user_stacklevel())
 
 

@@ -104,3 +104,17 @@ def test_a_second_engine_on_the_model_says_it_again(tmp_path: Path) -> None:
         assert engine.step()
         engine = outcore.initialize(model, {"dtype": "fp32"})
     engine.close()
+
+
+def test_an_optimizer_the_engine_did_not_adopt_is_named(tmp_path: Path) -> None:
+    """A torch optimizer built over model.parameters() after initialize finds no p.grad and
+    steps nothing; the notice says what to use instead."""
+    model, engine = _engine(tmp_path)
+    own = torch.optim.SGD(model.parameters(), lr=1.0)
+    before = model[2].weight.detach().clone()
+    _backward(engine)
+    with pytest.warns(outcore.GradReadWarning, match="optimizer the engine did not adopt "
+                      "steps nothing"):
+        own.step()
+    assert torch.equal(model[2].weight.detach(), before)
+    engine.close()

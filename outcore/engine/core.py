@@ -98,9 +98,12 @@ class Engine:
         fraction = trainable / total if total else 1.0  # host_memory.py: a frozen base
         self.rt, own_runtime = lifetime.runtime_for(module, cfg, fraction)
         self.cfg = self.rt.cfg  # dtype resolved for the device (compute_dtype.py's note)
+        self.adopted_optimizer = optimizer
         try:
             self._build(module, self.cfg, groups)
             self.rt.begin_training(fraction)
+            if optimizer is not None:  # its state goes to the shards, and its methods call
+                adopt(optimizer, self.optimizer)  # the facade (torch_optimizer.py's 2nd note)
         except BaseException as err:
             # Swap files this engine cannot use any more are deleted now, not at exit: always
             # when the engine made the runtime, and on storage errors (a full disk) in any case.
@@ -116,9 +119,6 @@ class Engine:
                 self.rt.close()
             raise
         self.rt.engine = weakref.ref(self)
-        self.adopted_optimizer = optimizer  # its state goes to the shards, and its methods
-        if optimizer is not None:  # call the facade (torch_optimizer.py's second note)
-            adopt(optimizer, self.optimizer)
 
     def _build(self, module: nn.Module, cfg: Config,
                param_groups: list[tuple[dict, list[nn.Parameter]]] | None) -> None:

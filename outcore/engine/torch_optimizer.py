@@ -95,9 +95,9 @@ class TorchOptimizer(torch.optim.Optimizer):
         index, state, groups = 0, {}, []
         for group, members in zip(self.param_groups, sharded.members, strict=True):
             ids = []
-            for sp in members:
-                moments = moments_of(sharded, sp)
-                if moments is not None:
+            for sp in _slots(group, members):  # every parameter of the group, as torch's
+                moments = None if sp is None else moments_of(sharded, sp)
+                if sp is not None and moments is not None:
                     state[index] = {"step": torch.tensor(float(sharded.step_of(sp))), **moments}
                 ids.append(index)
                 index += 1
@@ -112,11 +112,17 @@ class TorchOptimizer(torch.optim.Optimizer):
         if not isinstance(groups, list) or len(groups) != len(self.param_groups):
             raise ConfigError(f"optimizer state_dict has {len(groups or [])} param groups; "
                               f"this engine has {len(self.param_groups)}")
-        for i, (members, saved) in enumerate(zip(sharded.members, groups, strict=True)):
-            if len(saved.get("params", [])) != len(members):
-                raise ConfigError(f"optimizer state_dict's param group {i} holds "
-                                  f"{len(saved.get('params', []))} parameters; this engine's "
-                                  f"holds {len(members)}")
+        # each saved group numbers all of its parameters (torch, outcore since frozen ones
+        # count), or its trainable ones only (outcore before)
+        slots = []
+        for i, (mine, members, saved) in enumerate(zip(self.param_groups, sharded.members,
+                                                        groups, strict=True)):
+            every, n = _slots(mine, members), len(saved.get("params", []))
+            if n not in (len(every), len(members)):
+                raise ConfigError(f"optimizer state_dict's param group {i} holds {n} "
+                                  f"parameters; this engine's holds {len(every)} "
+                                  f"({len(members)} of them trainable)")
+            slots.append(every if n == len(every) else list(members))
         sharded.wait()
         # tentative updates came from the moments this replaces: step() redoes them
         sharded.take_back_tentative()
@@ -127,16 +133,23 @@ class TorchOptimizer(torch.optim.Optimizer):
                               f"this is rank {self._engine.rt.rank}: each rank loads the "
                               "state dict it saved (engine.save_checkpoint loads at any rank)")
         saved_state = state_dict.get("state", {})
-        for mine, members, saved in zip(self.param_groups, sharded.members, groups, strict=True):
-            for sp, key in zip(members, saved["params"], strict=True):
+        for mine, group_slots, saved in zip(self.param_groups, slots, groups, strict=True):
+            for sp, key in zip(group_slots, saved["params"], strict=True):
                 entry = saved_state.get(key)
-                if entry:
+                if sp is not None and entry:
                     load_moments(sharded, sp, entry, saved_world=world)
             mine.update({k: v for k, v in saved.items() if k != "params"})
 
     def __repr__(self) -> str:
         hp = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
         return f"{type(self).__name__}({self._engine.cfg.optimizer.type}, {hp})"
+
+
+def _slots(group: dict[str, Any], members: list[ShardedParam]) -> list[ShardedParam | None]:
+    """Each parameter of a torch group dict in its order: its shard if it trains (a member),
+    None if frozen, so state indices count every parameter as torch's optimizers do."""
+    by_param = {id(sp.param): sp for sp in members}
+    return [by_param.get(id(p)) for p in group["params"]]
 
 
 STANDS_IN = ("step", "zero_grad", "state_dict", "load_state_dict", "add_param_group")
@@ -229,6 +242,9 @@ def load_moments(opt: ShardedOptimizer, sp: ShardedParam, entry: dict,
                 f"optimizer state {kind!r} for {sp.label()} has shape {list(t.shape)}: "
                 f"neither the parameter's {list(sp.shape)} nor this rank's slice of "
                 f"{sp.shard_numel} saved at world size {opt.rt.world_size} (it was saved "
-                f"at {saved_world}); engine.save_checkpoint loads at any world size")
+                f"at {saved_world}); engine.save_checkpoint loads at any world size"
+                + ("" if saved_world is not None else "; a torch optimizer's own "
+                   "load_state_dict drops the world size outcore records, so load outcore's "
+                   "state dict after outcore.initialize"))
         stored.save(shard).result()
     state.step = int(float(entry.get("step", state.step)))

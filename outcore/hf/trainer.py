@@ -76,6 +76,10 @@ class EngineOptimizer(TorchOptimizer):
             self.accelerated._is_overflow = self.skipped
         return loss
 
+    # torch wraps each optimizer class's step() to run the step hooks; the facade's step,
+    # called above, already runs them, so this one is marked as wrapped (hooks run once)
+    step.hooked = True  # type: ignore[attr-defined]
+
     def state_dict(self) -> dict[str, Any]:
         groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
         return {"state": {}, "param_groups": groups}

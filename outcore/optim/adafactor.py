@@ -84,6 +84,8 @@ def update(sp: ShardedParam, master: torch.Tensor, grad: torch.Tensor, f: Factor
            step_no: int) -> None:
     """Step ``step_no`` (from 1) of Adafactor on ``sp``'s slice, in place on ``master`` and
     the moments; a collective (every rank calls it for the same parameters, in order)."""
+    if sp.numel == 0:  # nothing to update, nor an RMS to divide by: on every rank alike
+        return
     n = sp.layout.valid_numel
     p, g = master[:n], grad[:n].float()
     squares = (g * g) + group["eps"][0]

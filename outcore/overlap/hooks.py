@@ -198,6 +198,8 @@ class Hooks:
             # always runs) must pop this frame, not its parent's
             self.frames.append(list(groups))
             self._sync_phase()
+            if self._plain_backward() and torch._C._current_autograd_node() is not None:
+                self.refuse_plain_backward()  # a recomputation in loss.backward(): see its note
             for g in groups:
                 g.hold()
             self.schedule.need(groups)
@@ -284,7 +286,7 @@ class Hooks:
             hooks = me()
             if hooks is None:
                 return
-            if not hooks._in_backward:  # loss.backward(), not engine.backward(loss)
+            if hooks._plain_backward():  # loss.backward(), not engine.backward(loss)
                 hooks.refuse_plain_backward()
             g = sp.group
             assert g is not None  # grouped before install, ungrouped only after remove()
@@ -297,6 +299,11 @@ class Hooks:
 
         return hook
 
+    def _plain_backward(self) -> bool:
+        """Whether autograd runs here in a backward no engine started (see the next note): a
+        backward of another engine (a GAN's generator through the discriminator) is not."""
+        return not self._in_backward and _engine_backwards == 0
+
     def refuse_plain_backward(self) -> NoReturn:
         """[Note: loss.backward() is refused]
         A backward the engine did not start (``loss.backward()`` instead of
@@ -305,9 +312,13 @@ class Hooks:
         would train nothing, without a word, and a later ``engine.backward`` would add the
         stale gradients to its own. Nor can it be taken as the engine's: its loss was not
         scaled for fp16, and the updates that overlap backward are decided before it starts.
-        So the first gradient it accumulates into a parameter refuses it: the gradients and
-        groups it left are dropped (as after a failed ``engine.backward``) and the error says
-        what to call. ``torch.autograd.grad`` accumulates nothing and is not refused."""
+        So the first gradient it accumulates into a parameter refuses it, or, earlier, a
+        checkpointed block's recomputation (whose weights would be released under it as a
+        forward's): the gradients and groups it left are dropped (as after a failed
+        ``engine.backward``) and the error says what to call. ``torch.autograd.grad``
+        accumulates nothing and is not refused, except through a checkpointed block. While
+        another engine's backward runs (a GAN's generator loss through the discriminator),
+        gradients reaching this model are reduced as before, for its ``zero_grad()``."""
         for g in self.groups:
             for sp in g.trainable:
                 sp.param.grad = None
@@ -317,7 +328,8 @@ class Hooks:
             "loss.backward() on a model outcore trains: call engine.backward(loss) instead "
             "(OutcoreTrainer does); it reduces the gradients into the engine's shards, scales "
             "the loss for fp16 and gradient accumulation, and gives step() the update to "
-            "apply. This backward was dropped.")
+            "apply. This backward was dropped (torch.autograd.grad through a checkpointed "
+            "block is refused the same way).")
 
     @property
     def unseen_grad_bytes(self) -> int:
@@ -358,7 +370,9 @@ class Hooks:
         are reduced, and on exit every reduction is finished (``finish_backward``). If the
         body or the finish raises, ``before_abort`` runs, then the partial backward is
         dropped (``abort_backward``), and the error goes on."""
+        global _engine_backwards
         self._in_backward, self._on_reduced = True, on_reduced
+        _engine_backwards += 1
         self._unseen = dict(self._tied)
         self._sync_phase()
         self.rt.sample_working_set()  # every activation is alive now (host_memory.py's note)
@@ -374,6 +388,7 @@ class Hooks:
             raise
         finally:
             self._in_backward, self._on_reduced, self._unseen = False, None, {}
+            _engine_backwards -= 1
             self._sync_phase()
 
     def abort_backward(self) -> None:
@@ -398,6 +413,9 @@ class Hooks:
             self._reduced(self.pending.popleft().finish())
         self._frozen_held, self._pinned, self._recomputing = [], set(), {}
         self.schedule.end_iteration(carry=True)
+
+
+_engine_backwards = 0  # backwards of any engine running now, for _plain_backward
 
 
 @final

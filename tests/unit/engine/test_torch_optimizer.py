@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch import nn
 from torch.optim import lr_scheduler as sched
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 import outcore
 from outcore.device.accel import default_device
@@ -466,3 +467,112 @@ def test_adafactor_with_its_state_on_nvme_is_refused_in_words(tmp_path: Path) ->
         outcore.initialize(model, {"dtype": "fp32", "offload": {
             "optimizer": "nvme", "nvme_path": str(tmp_path)}},
             optimizer=transformers.optimization.Adafactor(model.parameters()))
+
+
+def _frozen_first(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+    model[0].requires_grad_(False)  # fine-tuning the head: the optimizer still lists all
+    return model
+
+
+def test_a_frozen_parameter_keeps_torchs_numbering(tmp_path: Path) -> None:
+    """torch's optimizers number every parameter of a group, frozen ones too: outcore's
+    state dict does the same, so it loads into a plain AdamW over model.parameters(), and a
+    plain one's loads back (before initialize as well)."""
+    model, ref = _frozen_first(), _frozen_first()
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), **HP) for m in (model, ref))
+    engine = outcore.initialize(model, {"dtype": "fp32"}, optimizer=opt)
+    losses = _loop(model, opt, sched_for(opt), range(2), engine)
+    assert losses == pytest.approx(_loop(ref, ref_opt, sched_for(ref_opt), range(2)), rel=1e-5)
+    mine, theirs = opt.state_dict(), ref_opt.state_dict()
+    assert mine["param_groups"][0]["params"] == theirs["param_groups"][0]["params"] == [0, 1,
+                                                                                        2, 3]
+    assert sorted(mine["state"]) == sorted(theirs["state"]) == [2, 3]
+    plain = torch.optim.AdamW(_frozen_first().parameters(), **HP)
+    plain.load_state_dict(mine)  # outcore's, into plain torch
+    torch.testing.assert_close(plain.state_dict()["state"][2]["exp_avg"],
+                               theirs["state"][2]["exp_avg"], rtol=1e-4, atol=1e-6)
+    model2 = _frozen_first()
+    opt2 = torch.optim.AdamW(model2.parameters(), **HP)
+    opt2.load_state_dict(theirs)  # plain torch's, loaded before initialize
+    engine2 = outcore.initialize(model2, {"dtype": "fp32"}, optimizer=opt2)
+    torch.testing.assert_close(opt2.state_dict()["state"][3]["exp_avg_sq"],
+                               theirs["state"][3]["exp_avg_sq"], rtol=1e-6, atol=1e-9)
+    engine.close()
+    engine2.close()
+
+
+def test_an_optimizer_state_outcore_refuses_leaves_the_model_as_it_was(tmp_path: Path) -> None:
+    """A torch optimizer whose loaded state does not fit is refused by initialize, which then
+    leaves the model plain, the optimizer its own, and no swap file behind."""
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+    opt = torch.optim.AdamW(model.parameters(), **HP)
+    opt.state[model[2].weight] = {"step": torch.tensor(1.0), "exp_avg": torch.zeros(3),
+                                  "exp_avg_sq": torch.zeros(3)}
+    with pytest.raises(outcore.ConfigError, match=r"has shape \[3\]"):
+        outcore.initialize(model, {"dtype": "fp32", "offload": {
+            "params": "nvme", "optimizer": "nvme", "nvme_path": str(tmp_path)}}, optimizer=opt)
+    assert type(model[2].weight) is nn.Parameter and "step" not in vars(opt)
+    assert not [p for p in tmp_path.rglob("*") if p.is_file()]
+    model(_batch(0).cpu()).sum().backward()  # plain torch again
+    opt.state.clear()
+    opt.step()
+
+
+def test_step_hooks_run_once_per_step_on_the_trainers_optimizer() -> None:
+    """The Trainer's optimizer (hf/trainer.py's EngineOptimizer) steps through the facade's
+    step(): torch's step hooks, its own and global ones, run once per step, not twice."""
+    pytest.importorskip("transformers")
+    from outcore.hf.trainer import EngineOptimizer
+
+    model = nn.Sequential(nn.Linear(16, 4))
+    engine = outcore.initialize(model, {"dtype": "fp32"})
+    calls: list[str] = []
+    opt = EngineOptimizer(engine)
+    opt.register_step_pre_hook(lambda o, args, kw: calls.append("pre"))
+    opt.register_step_post_hook(lambda o, args, kw: calls.append("post"))
+    handle = register_optimizer_step_post_hook(lambda o, args, kw: calls.append("global"))
+    try:
+        engine.backward(engine(_batch(0)).sum())
+        opt.step()
+    finally:
+        handle.remove()
+    assert calls == ["pre", "post", "global"]
+    engine.close()
+
+
+class _WithEmpty(nn.Module):
+    """A layer and a zero-element parameter that the forward uses (so it gets a gradient)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(16, 4)
+        self.empty = nn.Parameter(torch.zeros(0, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x) + self.empty.sum()
+
+
+def test_adafactor_steps_past_a_parameter_with_no_elements() -> None:
+    """A zero-element parameter (an empty prefix, a pruned head) has nothing to update; the
+    others train as transformers' Adafactor trains them."""
+    pytest.importorskip("transformers")
+    from transformers.optimization import Adafactor
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return _WithEmpty()
+
+    model, ref = build(), build()
+    kw = {"lr": 1e-2, "relative_step": False, "scale_parameter": False}
+    engine = outcore.initialize(model, {"dtype": "fp32"}, optimizer=Adafactor(
+        model.parameters(), **kw))
+    ref_opt = Adafactor(ref.parameters(), **kw)
+    engine.backward(engine(_batch(0)).sum())
+    assert engine.step()
+    ref(_batch(0).cpu()).sum().backward()
+    ref_opt.step()
+    torch.testing.assert_close(model.layer.weight.detach().cpu(), ref.layer.weight.detach(),
+                               rtol=1e-5, atol=1e-6)
+    engine.close()

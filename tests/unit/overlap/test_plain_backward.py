@@ -31,7 +31,8 @@ def _train(tmp: str, offload: str, plain_backward_at: int | None,
     model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(),
                           nn.Linear(32, 4))
     if checkpointed:
-        outcore.checkpoint_activations(model, lambda name, module: name == "2")
+        # the last block too: its recomputation comes before any gradient
+        outcore.checkpoint_activations(model, lambda name, module: name in ("2", "4"))
     engine = outcore.initialize(model, {
         "dtype": "fp32", "gradient_accumulation_steps": 2,
         "zero": {"persistence_threshold_bytes": 0},  # every layer is fetched and released
@@ -87,3 +88,43 @@ def test_loss_backward_is_refused_on_every_rank(tmp_path: Path) -> None:
     for mine, theirs in zip(got, ref, strict=True):
         assert "call engine.backward(loss)" in mine["errors"][0]
         _same_training(mine, theirs)
+
+
+def _gan(engines: bool) -> list[float]:
+    """Two models trained against each other: the generator's loss runs through the
+    discriminator, whose gradients from it are dropped by its zero_grad(). ``engines``:
+    both under outcore (each engine.backward), else plain torch."""
+    def mk(seed: int, d_in: int, d_out: int) -> nn.Module:
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(d_in, 32), nn.Tanh(), nn.Linear(32, d_out))
+
+    gen, disc = mk(1, 8, 16), mk(2, 16, 1)
+    cfg = {"dtype": "fp32", "optimizer": {"type": "sgd", "lr": 0.05}}
+    if engines:
+        eg, ed = outcore.initialize(gen, cfg), outcore.initialize(disc, cfg)
+        opt_g, opt_d = eg.optimizer, ed.optimizer
+    else:
+        opt_g, opt_d = (torch.optim.SGD(m.parameters(), lr=0.05) for m in (gen, disc))
+    z, real = torch.randn(4, 8, generator=torch.Generator().manual_seed(3)), torch.randn(4, 16)
+    losses = []
+    for _ in range(3):
+        d_loss = disc(real).mean() - disc(gen(z).detach()).mean()
+        ed.backward(d_loss) if engines else d_loss.backward()
+        opt_d.step()
+        opt_d.zero_grad()
+        g_loss = -disc(gen(z)).mean()
+        eg.backward(g_loss) if engines else g_loss.backward()
+        opt_g.step()
+        opt_g.zero_grad()
+        opt_d.zero_grad()  # drops what the generator's loss left on the discriminator
+        losses += [d_loss.item(), g_loss.item()]
+    if engines:
+        eg.close()
+        ed.close()
+    return losses
+
+
+def test_a_backward_of_another_engine_through_the_model_is_not_refused() -> None:
+    """A GAN: the generator's engine.backward runs through the discriminator's model, whose
+    engine did not start it; that is not a plain loss.backward(), and trains as plain torch."""
+    torch.testing.assert_close(_gan(engines=True), _gan(engines=False), rtol=1e-5, atol=1e-6)

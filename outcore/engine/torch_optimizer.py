@@ -9,9 +9,11 @@ step hooks. ``TorchOptimizer`` is a real ``torch.optim.Optimizer`` built over th
 param-group dicts (torch's constructor adopts the dicts it is given), so an edit of
 ``param_groups[i]["lr"]`` by any scheduler is what the next update of the shards uses.
 ``step()`` is ``engine.step()``. The state (moments, step counts) lives in the shards;
-``state_dict()`` carries it as this rank's fp32 slices (``"outcore"`` records the world
-size), and ``load_state_dict()`` takes those back at the same world size, or a plain
-``torch.optim`` state dict (full-shape moments, cut into this rank's slices) at any.
+``state_dict()`` carries it in fp32, at one rank in torch's own layout (each moment in its
+parameter's shape), at more as this rank's slices (``"outcore"`` records the world size and
+rank), with indices counting every parameter of a group, frozen ones too, as torch's do.
+``load_state_dict()`` takes slices back on the rank and world size that saved them, and
+full-shape moments (a plain ``torch.optim`` state dict) at any world size.
 
 [Note: the optimizer a user brought answers for the engine]
 A user who passes a torch optimizer (``initialize(model, cfg, optimizer=opt)``) keeps calling
@@ -88,8 +90,9 @@ class TorchOptimizer(torch.optim.Optimizer):
 
     # -- state ------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """torch's layout: ``state`` by parameter index (``step`` and each moment as this
-        rank's fp32 slice), ``param_groups`` with indices for ``params``."""
+        """torch's layout: ``state`` by parameter index (``step`` and each fp32 moment, in
+        the parameter's shape at one rank, else this rank's slice), ``param_groups`` with
+        indices for ``params`` (see the note)."""
         sharded = self._engine.sharded_optimizer
         sharded.wait()
         index, state, groups = 0, {}, []
@@ -126,10 +129,10 @@ class TorchOptimizer(torch.optim.Optimizer):
         sharded.wait()
         # tentative updates came from the moments this replaces: step() redoes them
         sharded.take_back_tentative()
-        saved = state_dict.get("outcore") or {}
-        world = saved.get("world_size")
-        if world == self._engine.rt.world_size > 1 and saved.get("rank") != self._engine.rt.rank:
-            raise ConfigError(f"optimizer state_dict holds rank {saved.get('rank')}'s slices; "
+        origin = state_dict.get("outcore") or {}
+        world = origin.get("world_size")
+        if world == self._engine.rt.world_size > 1 and origin.get("rank") != self._engine.rt.rank:
+            raise ConfigError(f"optimizer state_dict holds rank {origin.get('rank')}'s slices; "
                               f"this is rank {self._engine.rt.rank}: each rank loads the "
                               "state dict it saved (engine.save_checkpoint loads at any rank)")
         saved_state = state_dict.get("state", {})

@@ -142,6 +142,8 @@ class Engine:
         self.rt.await_updates = lambda: (w := wait()) is not None and w()
         take = weakref.WeakMethod(self.sharded_optimizer.take_back_tentative)
         self.rt.before_write = lambda: (t := take()) is not None and t()
+        me = weakref.ref(self)  # zero/surface.py's [Note: p.grad stays None, and says so]
+        self.rt.gradients_held = lambda: (e := me()) is not None and e.micro_steps > 0
         self.scaler = LossScaler(cfg.loss_scale, enabled=self.rt.plan.loss_scaling)
         self.hooks = Hooks(module_groups, self.groups, self.schedule, self.rt)
         cast = None
@@ -212,7 +214,6 @@ class Engine:
         with self.hooks.backward(on_reduced, before_abort=self.sharded_optimizer.abandon_backward):
             scaled.backward()
         self.micro_steps, self._at_boundary = self.micro_steps + 1, boundary
-        self.rt.gradients_held = True  # zero/surface.py's [Note: p.grad stays None, and says so]
         if boundary and self.rt.plan.overlaps_optimizer:  # optim/hyperparams.py's note
             self.sharded_optimizer.hyperparams.backward_ended(self.param_groups)
 
@@ -256,7 +257,7 @@ class Engine:
         defer = self.defers_updates
         if not defer:  # loss scaling and the norm below look at every gradient
             self.sharded_optimizer.wait()
-        self.micro_steps, self._at_boundary, self.rt.gradients_held = 0, False, False
+        self.micro_steps, self._at_boundary = 0, False
         grads = [sp.grad for sp in self.sharded_optimizer.params if sp.grad is not None]
         clip = self.cfg.gradient_clipping
         if self.scaler.enabled:
@@ -299,7 +300,7 @@ class Engine:
         self._check_open()
         self._reopen_boundary("zero_grad()")
         self.sharded_optimizer.zero_grad(keep=self.sharded_optimizer.pending_jobs)
-        self.micro_steps, self._at_boundary, self.rt.gradients_held = 0, False, False
+        self.micro_steps, self._at_boundary = 0, False
 
     def synchronize(self) -> None:
         """Wait for every update the last ``step()`` or backward left running (pipeline.py's

@@ -91,7 +91,7 @@ def detach(engine: Engine) -> None:
     engine.sharded_optimizer.close()
     step_aside(engine.adopted_optimizer)  # its own methods again (torch_optimizer.py)
     engine.rt.await_updates = engine.rt.before_write = lambda: None
-    engine.rt.gradients_held = engine.rt.grad_read_warned = False  # for the next engine
+    engine.rt.gradients_held, engine.rt.grad_read_warned = lambda: False, False  # next engine's
     engine.entries.remove()
     engine.hooks.remove()
     for g in engine.groups:

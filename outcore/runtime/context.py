@@ -85,9 +85,9 @@ class Runtime:
         # replaces are taken back (the engine sets it: optim/speculation.py's note)
         self.before_write: Callable[[], None] = lambda: None
         self.engine = None  # weakref to the Engine training this model, if any
-        # a backward ran since the last step() or zero_grad() (the engine sets it): torch would
-        # show p.grad there (zero/surface.py's [Note: p.grad stays None, and says so])
-        self.gradients_held = False
+        # whether a backward ran since the last step() or zero_grad() (the engine sets it):
+        # torch would show p.grad there (zero/surface.py's [Note: p.grad stays None, and says so])
+        self.gradients_held: Callable[[], bool] = lambda: False
         self.grad_read_warned = False  # that read was named once for the engine (surface.py)
         # the most RSS seen in the first step, while reuse of freed memory waits for it
         self.working_set: int | None = None

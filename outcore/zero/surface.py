@@ -145,7 +145,7 @@ def _notice_grad_read(param: torch.Tensor) -> None:
     if sp is None or not sp.trainable:
         return
     rt = sp.rt
-    if rt.phase is not Phase.IDLE or not rt.gradients_held or rt.grad_read_warned:
+    if rt.phase is not Phase.IDLE or rt.grad_read_warned or not rt.gradients_held():
         return
     caller: FrameType | None = sys._getframe(1)
     while caller is not None and caller.f_code.co_filename == __file__:

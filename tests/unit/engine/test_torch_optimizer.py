@@ -324,6 +324,9 @@ def test_the_optimizer_a_user_brought_trains_when_they_call_it(tmp_path: Path, o
                                    rtol=1e-4, atol=1e-6)
     with pytest.raises(outcore.ConfigError, match="param_groups="):
         opt.add_param_group({"params": [nn.Parameter(torch.zeros(2))]})
+    copied = copy.deepcopy(opt)  # a copy is a plain AdamW over plain copies of the weights
+    assert not set(vars(copied)) & {"step", "zero_grad", "state_dict"}
+    assert type(copied.param_groups[0]["params"][0]) is nn.Parameter
     engine.close()
 
 

@@ -24,6 +24,17 @@ still reading the group; if a later node needs it again, the unpack fetches it a
 schedule keeps it instead when its trace says so). Without this, fine-tuning a mostly frozen
 model would hold every frozen layer gathered until backward ends.
 
+[Note: a parameter unfrozen after initialize]
+The optimizer's members are the parameters that require grad when the engine is made; a
+frozen one gets no optimizer state, no gradient hook, and in bf16 or fp16 only its
+training-dtype shard (no fp32 master). ``requires_grad_(True)`` on it later would let
+autograd compute its gradient into ``p.grad``, full-size, every backward, and the step would
+never use it: a gradual-unfreezing schedule would silently not train what it unfroze. So
+``engine.backward`` refuses before any work (the loss and its graph are untouched, so the
+call can be retried after re-freezing), naming the parameters. Freezing a trained
+parameter later is fine: it gets no gradient and the update skips it, as torch's skips a
+parameter whose ``grad`` is None.
+
 A group a recomputation (activation checkpointing) fetched during backward is different:
 checkpoint keeps raw views of its weights, which no unpack of ours would see, so it stays
 ("pinned") while that block's backward runs. It is released when the next recomputation
@@ -108,6 +119,9 @@ class Hooks:
         self.mode = ParamAccessMode(self._on_access)
         # see [Note: frozen groups in backward]: (group, node that last unpacked it, thread)
         self._frozen_held: list[tuple[GatherGroup, object, int | None]] = []
+        # [Note: a parameter unfrozen after initialize]: the shards made without training state
+        self._born_frozen = [sp for g in groups for sp in g.params
+                             if not any(sp is t for t in g.trainable)]
         self._pinned: set[int] = set()  # groups a recomputation fetched in this backward
         # [Note: a tied weight's gradient waits unseen]: per group run by several modules, its
         # gradient bytes, reserved in each backward until its gradients arrive
@@ -371,6 +385,7 @@ class Hooks:
         body or the finish raises, ``before_abort`` runs, then the partial backward is
         dropped (``abort_backward``), and the error goes on."""
         global _engine_backwards
+        self._refuse_unfrozen()
         self._in_backward, self._on_reduced = True, on_reduced
         _engine_backwards += 1
         self._unseen = dict(self._tied)
@@ -390,6 +405,18 @@ class Hooks:
             self._in_backward, self._on_reduced, self._unseen = False, None, {}
             _engine_backwards -= 1
             self._sync_phase()
+
+    def _refuse_unfrozen(self) -> None:
+        """See [Note: a parameter unfrozen after initialize]."""
+        late = [sp.label() for sp in self._born_frozen if sp.alive and sp.trainable]
+        if late:
+            more = f" (and {len(late) - 1} more)" if len(late) > 1 else ""
+            raise OutcoreError(
+                f"parameter {late[0]}{more} requires grad now, but it was frozen when "
+                "outcore.initialize made the engine, which keeps no optimizer state for it: "
+                "it would not train. Set requires_grad_(False) on it again (this backward did "
+                "not start, so it can be retried), or unfreeze it before outcore.initialize "
+                "(engine.close() hands the model back with its trained values).")
 
     def abort_backward(self) -> None:
         """Backward raised: forget its partial reductions so the next one starts clean."""

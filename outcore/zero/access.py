@@ -30,6 +30,7 @@ from outcore.zero.calls import (
     Kwargs,
     kind_of,
     local_write,
+    refuse_new_parameter,
 )
 from outcore.zero.state import HAS_VALUES, USER_OWNED, ParamState
 
@@ -91,6 +92,7 @@ class ParamView(torch.Tensor):
         kind = kind_of(func)
         if kind is Kind.META:
             return raw(func, args, kwargs)
+        refuse_new_parameter(func, args)
         return handle(kind, func, args, kwargs, touched(args, kwargs))
 
     @classmethod  # torch's stub makes Tensor's default a plain method, hence the ignore

@@ -12,12 +12,16 @@ touch each element from that element alone, so a rank can apply them to its slic
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from enum import Enum
+from types import FrameType
 from typing import Any, TypeAlias
 
 import torch
+from torch import nn
 
+from outcore.errors import ParamAccessError
 from outcore.zero import registry
 
 
@@ -116,3 +120,36 @@ def local_write(func: Any) -> bool:
                 tags.update(getattr(op, overload).tags)
         _POINTWISE[name] = bool(tags & {torch.Tag.pointwise, torch.Tag.nondeterministic_seeded})
     return _POINTWISE[name]
+
+
+_PARAMETER_NEW = nn.Parameter.__new__.__code__
+
+
+def refuse_new_parameter(func: Any, args: Args) -> None:
+    """Refuse ``nn.Parameter(p)`` of a sharded parameter or a view of one, seen as the
+    ``detach`` that ``Parameter.__new__`` calls on a tensor subclass.
+
+    In torch the new parameter shares the old one's storage; a sharded parameter has no
+    storage to share (its values are spread over shards), and a copy would be a parameter
+    the engine neither fetches nor trains. Parametrizations (``weight_norm``,
+    ``spectral_norm``) make one this way and then remove the original from its module, so
+    the layer would silently stop training; without this, torch's own check fails with a
+    message about ``__torch_dispatch__``."""
+    if func != DETACH:
+        return
+    frame: FrameType | None = sys._getframe(1)
+    for _ in range(4):  # dispatch or a view's __torch_function__, then Parameter.__new__
+        if frame is None or frame.f_code is _PARAMETER_NEW:
+            break
+        frame = frame.f_back
+    if frame is None or frame.f_code is not _PARAMETER_NEW:
+        return
+    source = getattr(args[0], "source", args[0])  # a view's parameter
+    sp = registry.managed(source)
+    name = sp.label() if sp is not None else "of the model"
+    raise ParamAccessError(
+        f"torch.nn.Parameter(...) of parameter {name}, which outcore shards: a new parameter "
+        "made from it would not share its values (it has no single storage) and the engine "
+        "would neither fetch nor train it. Parametrizations (weight_norm, spectral_norm) "
+        "make one this way: register them before outcore.initialize, or after "
+        "engine.close(). For a copy of the values, pass p.detach().clone().")

@@ -64,7 +64,7 @@ from torch import nn
 from outcore.errors import ConfigError, GradReadWarning, user_stacklevel
 from outcore.runtime.phase import Phase
 from outcore.zero import access, registry
-from outcore.zero.calls import DETACH, GRAD_GET, Args, Kind, Kwargs, kind_of
+from outcore.zero.calls import DETACH, GRAD_GET, Args, Kind, Kwargs, kind_of, refuse_new_parameter
 from outcore.zero.state import HAS_VALUES, USER_OWNED
 
 
@@ -127,6 +127,7 @@ def dispatch(func: Any, args: Args, kwargs: Kwargs) -> Any:
         if out is None and func == GRAD_GET:  # method-wrappers: compare, not `is`
             _notice_grad_read(args[0])
         return out
+    refuse_new_parameter(func, args)  # only a detach is looked at further
     touched = access.touched(args, kwargs)
     if not touched:
         return access.raw(func, args, kwargs)

@@ -133,12 +133,17 @@ ACTIONS: dict[str, Action] = {
     "leaf_inplace_grad": Action(lambda m, c: m[0].weight.fill_(1.0), kind="write"),
     "zero_grad": Action(lambda m, c: m.zero_grad(), kind="write"),
     "half": Action(lambda m, c: m.half(), kind="write"),
+    # a parametrization makes nn.Parameter(p): refused while the engine holds the model
+    "weight_norm": Action(lambda m, c: nn.utils.parametrizations.weight_norm(m[2]),
+                          kind="write"),
 }
 
 
 def expect(state: str, action: str, world: int) -> str | None:
     """What the outcore side must do: "same" (as plain PyTorch), "refused" (outcore's
     ParamAccessError), "text" (a descriptive repr), or None (not a meaningful case)."""
+    if action == "weight_norm":  # calls.py's refuse_new_parameter; once closed, the model
+        return "refused" if state != "closed" else None  # is torch's (and so is its optimizer)
     if state == "closed":
         return "same"
     if action == "half":  # the engine computes in the config's dtype

@@ -1,8 +1,15 @@
 """Run a function on W ranks (gloo on the CPU) in fresh processes and collect what each returns.
 
-Each rank is a spawned process with the environment ``torchrun`` would give it, so outcore
+Each rank is a new process with the environment ``torchrun`` would give it, so outcore
 joins the process group exactly as in a real run. A rank that raises fails the test with its
 traceback; a world that does not finish within ``timeout`` is killed and fails (never hangs).
+
+[Note: ranks forked from a server that imported torch]
+A spawned rank imports torch and outcore anew: about 3 s of CPU per rank on these 2-core
+machines, over a hundred worlds per suite. The ranks are forked instead from a
+``forkserver`` that imported them once and did nothing else (no thread, no CUDA), so each
+starts as a fresh import would leave it. What a spawned rank would inherit from the test at
+that moment, its environment and working directory, is handed over and set first.
 """
 
 from __future__ import annotations
@@ -51,8 +58,24 @@ def _plain(value: Any) -> Any:
     return value
 
 
+_PRELOAD = ["torch", "torch.distributed", "outcore", "tests.distributed"]
+_context: Any = None
+
+
+def _ranks_context() -> Any:
+    """The multiprocessing context ranks start from (see the note)."""
+    global _context
+    if _context is None:
+        _context = mp.get_context("forkserver")
+        _context.set_forkserver_preload(_PRELOAD)
+    return _context
+
+
 def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, queue: mp.Queue,
-           args: tuple, device: str) -> None:
+           args: tuple, device: str, env: dict[str, str], cwd: str) -> None:
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       LOCAL_RANK=str(rank), WORLD_SIZE=str(world), OMP_NUM_THREADS="1",
                       OUTCORE_DEVICE=device)
@@ -97,14 +120,15 @@ def world_env(world: int) -> dict[str, str]:
 
 def run_world(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 180) -> list[Any]:
     """Return ``[fn(*args) on rank 0, ..., on rank world-1]``; world 1 runs in-process too."""
-    ctx = mp.get_context("spawn")
+    ctx = _ranks_context()
     queue = ctx.Queue()
     port = _free_port()
     device = rank_device(world)
     test = os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" ", 1)[0]
     require_world(world)
     WORLDS[(test, world, device)] += 1
-    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, queue, args, device),
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, queue, args, device,
+                                                 dict(os.environ), os.getcwd()),
                          daemon=True) for r in range(world)]
     for p in procs:
         p.start()

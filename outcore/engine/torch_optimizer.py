@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from outcore.engine.optimizer_state import OptimizerState
 from outcore.errors import ConfigError, EngineClosedError
 from outcore.offload.storage import load_now
 
@@ -55,6 +56,7 @@ class TorchOptimizer(torch.optim.Optimizer):
         self._built = False
         self.skipped = False  # the last step() changed nothing (fp16 overflow, or no boundary)
         super().__init__(engine.sharded_optimizer.param_groups, dict(engine.optimizer_defaults))
+        self.state = OptimizerState(self)  # type: ignore[assignment]  # optimizer_state.py
         self._built = True
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
@@ -166,10 +168,12 @@ def adopt(adopted: torch.optim.Optimizer, facade: TorchOptimizer) -> None:
     if adopted.state:
         facade.load_state_dict(adopted.state_dict())
         adopted.state.clear()  # the shards hold it now; a copy would go stale and take memory
-    saved = {name: adopted.__dict__[name] for name in STANDS_IN if name in adopted.__dict__}
+    saved = {name: adopted.__dict__[name] for name in (*STANDS_IN, "state")
+             if name in adopted.__dict__}
     ref = weakref.ref(facade)  # weakly, as everything reachable from the user's objects
     for name in STANDS_IN:
         setattr(adopted, name, types.MethodType(_calling(ref, name), adopted))
+    adopted.state = facade.state  # type: ignore[assignment]  # optimizer_state.py's note
     setattr(adopted, _SAVED, saved)
 
 
@@ -178,7 +182,7 @@ def step_aside(adopted: torch.optim.Optimizer | None) -> None:
     saved = None if adopted is None else adopted.__dict__.pop(_SAVED, None)
     if adopted is None or saved is None:
         return
-    for name in STANDS_IN:
+    for name in (*STANDS_IN, "state"):
         adopted.__dict__.pop(name, None)
     adopted.__dict__.update(saved)
 

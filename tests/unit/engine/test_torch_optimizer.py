@@ -371,7 +371,9 @@ def test_the_optimizer_a_user_brought_saves_and_resumes_the_moments(tmp_path: Pa
         opt2.load_state_dict(state)
     if loaded != "plain torch":
         engine2 = outcore.initialize(model2, cfg2, optimizer=opt2)
-        assert not opt2.state  # the moments are in the shards, not also here
+        # the moments are in the shards, shown through opt2.state, not also kept in it
+        assert opt2.state is engine2.optimizer.state
+        assert len(opt2.state) == (len(state["state"]) if loaded == "before initialize" else 0)
     if loaded != "before initialize":
         opt2.load_state_dict(state)
     resumed = _loop(model2, opt2, sched_for(opt2), range(2, 4), engine2)

@@ -1,0 +1,156 @@
+"""``engine.optimizer.state`` reads and writes the moments in the shards as torch's ``state``
+does (engine/optimizer_state.py's [Note: optimizer.state over shards]): what code written for
+``torch.optim.AdamW`` reads there equals what AdamW holds, an assignment reaches the next
+update, and an in-place write on a copy is refused in words instead of being lost."""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import outcore
+from outcore.device.accel import default_device
+from tests.distributed import run_world
+
+HP = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+OFFLOADS = ("none", "nvme")
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+
+
+def _engine(model: nn.Module, tmp: Path, offload: str, **extra) -> outcore.Engine:
+    return outcore.initialize(model, {
+        "dtype": "fp32", "optimizer": {"type": "adamw", **HP},
+        "offload": {"params": offload, "optimizer": offload, "nvme_path": str(tmp)}}, **extra)
+
+
+def _batch(step: int) -> torch.Tensor:
+    return torch.randn(8, 16, generator=torch.Generator().manual_seed(step)).to(default_device())
+
+
+def _steps(model: nn.Module, step_fn, steps: range) -> list[float]:
+    losses = []
+    for step in steps:
+        loss = model(_batch(step)).pow(2).mean()
+        step_fn(loss)
+        losses.append(loss.item())
+    return losses
+
+
+def _torch_step(opt: torch.optim.Optimizer):
+    def step(loss: torch.Tensor) -> None:
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return step
+
+
+def _engine_step(engine: outcore.Engine):
+    def step(loss: torch.Tensor) -> None:
+        engine.backward(loss)
+        engine.step()
+    return step
+
+
+@pytest.mark.parametrize("offload", OFFLOADS)
+def test_state_reads_and_assignments_act_as_torchs(tmp_path: Path, offload: str) -> None:
+    model = _model()
+    ref = copy.deepcopy(model).to(default_device())
+    engine = _engine(model, tmp_path, offload)
+    opt, ref_opt = engine.optimizer, torch.optim.AdamW(ref.parameters(), **HP)
+    params, ref_params = list(model.parameters()), list(ref.parameters())
+    # before the first update: no state, as in torch
+    assert len(opt.state) == 0 and params[0] not in opt.state and dict(opt.state[params[0]]) == {}
+    mine = _steps(model, _engine_step(engine), range(2))
+    theirs = _steps(ref, _torch_step(ref_opt), range(2))
+    assert mine == pytest.approx(theirs, rel=1e-6)
+    assert len(opt.state) == len(ref_opt.state) == 4
+    assert [p.shape for p in opt.state] == [p.shape for p in ref_opt.state]
+    for p, q in zip(params, ref_params, strict=True):
+        assert p in opt.state and sorted(opt.state[p]) == sorted(ref_opt.state[q])
+        for key, want in ref_opt.state[q].items():
+            torch.testing.assert_close(opt.state[p][key].cpu(), want.cpu(), rtol=1e-5,
+                                       atol=1e-7)
+    # a restart of one parameter's moments, as ReLoRA-style code does it
+    first = opt.state[params[0]]
+    with pytest.raises(outcore.ParamAccessError, match=r"zero_ on a copy of optimizer state.*"
+                       r"assign the new value instead"):
+        first["exp_avg"].zero_()
+    with pytest.raises(outcore.ParamAccessError, match="copy of optimizer state"):
+        first["step"] += 1
+    first["exp_avg"] = torch.zeros_like(first["exp_avg"])
+    first["step"] = torch.tensor(1.0)  # AdamW's bias correction restarts too
+    ref_opt.state[ref_params[0]]["exp_avg"].zero_()
+    ref_opt.state[ref_params[0]]["step"].fill_(1.0)
+    assert float(first["step"]) == 1.0 and not first["exp_avg"].any()
+    with pytest.raises(outcore.ParamAccessError, match="step 0; outcore counts"):
+        first["step"] = torch.tensor(0.0)
+    mine = _steps(model, _engine_step(engine), range(2, 5))
+    theirs = _steps(ref, _torch_step(ref_opt), range(2, 5))
+    assert mine == pytest.approx(theirs, rel=1e-5)
+    engine.close()
+    for p, q in zip(params, ref_params, strict=True):
+        torch.testing.assert_close(p.detach().cpu(), q.detach().cpu(), rtol=1e-5, atol=1e-6)
+
+
+def test_state_of_a_parameter_it_does_not_update_is_empty(tmp_path: Path) -> None:
+    model = _model()
+    model[0].weight.requires_grad_(False)
+    engine = _engine(model, tmp_path, "none")
+    _steps(model, _engine_step(engine), range(1))
+    frozen = engine.optimizer.state[model[0].weight]
+    assert model[0].weight not in engine.optimizer.state and dict(frozen) == {}
+    with pytest.raises(outcore.ParamAccessError, match="does not update"):
+        frozen["exp_avg"] = torch.zeros(32, 16)
+    with pytest.raises(outcore.ParamAccessError, match="has no 'exp_avg_max'"):
+        engine.optimizer.state[model[2].weight]["exp_avg_max"] = torch.zeros(4, 32)
+    engine.close()
+
+
+def test_the_optimizer_a_user_brought_shows_the_engines_state_while_held(tmp_path: Path) -> None:
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), **HP)
+    engine = _engine(model, tmp_path, "nvme", optimizer=opt)
+    _steps(model, _engine_step(engine), range(2))
+    p = model[2].bias
+    assert p in opt.state and float(opt.state[p]["step"]) == 2.0
+    torch.testing.assert_close(opt.state[p]["exp_avg"], engine.optimizer.state[p]["exp_avg"])
+    copied = copy.deepcopy(opt)  # torch's own: plain state over the copies of the weights
+    assert type(copied.state).__name__ == "defaultdict" and len(copied.state) == 4
+    q = copied.param_groups[0]["params"][3]
+    assert type(q) is nn.Parameter and type(copied.state[q]["exp_avg"]) is torch.Tensor
+    torch.testing.assert_close(copied.state[q]["exp_avg"], opt.state[p]["exp_avg"])
+    engine.close()
+    assert type(opt.state).__name__ == "defaultdict" and len(opt.state) == 0  # its own again
+
+
+def _slices(tmp: str) -> dict:
+    rank = int(os.environ["RANK"])
+    model = _model()
+    engine = _engine(model, Path(tmp) / f"rank{rank}", "cpu")
+    _steps(model, _engine_step(engine), range(2))
+    out = {n: engine.optimizer.state[p]["exp_avg"].clone()
+           for n, p in model.named_parameters()}
+    engine.close()
+    return out
+
+
+def test_at_two_ranks_each_holds_its_slice(tmp_path: Path) -> None:
+    """At more ranks ``state[p]`` is this rank's slice (as ``state_dict()``): together the
+    slices are torch's moment."""
+    ranks = run_world(_slices, 2, str(tmp_path))
+    ref = _model()
+    opt = torch.optim.AdamW(ref.parameters(), **HP)
+    _steps(ref, _torch_step(opt), range(2))
+    for name, p in ref.named_parameters():
+        whole = torch.cat([torch.as_tensor(r[name]).reshape(-1) for r in ranks])
+        want = opt.state[p]["exp_avg"].reshape(-1)
+        torch.testing.assert_close(whole[:want.numel()], want, rtol=1e-5, atol=1e-7)

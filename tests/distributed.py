@@ -7,9 +7,12 @@ traceback; a world that does not finish within ``timeout`` is killed and fails (
 [Note: ranks forked from a server that imported torch]
 A spawned rank imports torch and outcore anew: about 3 s of CPU per rank on these 2-core
 machines, over a hundred worlds per suite. The ranks are forked instead from a
-``forkserver`` that imported them once and did nothing else (no thread, no CUDA), so each
-starts as a fresh import would leave it. What a spawned rank would inherit from the test at
-that moment, its environment and working directory, is handed over and set first.
+``forkserver`` that imported them once and did nothing else (no CUDA), so each starts as a
+fresh import would leave it, with two exceptions set right first: what a spawned rank would
+inherit from the test at that moment (its environment and working directory) is handed over,
+and torch's and Python's random generators, which every fork would share, are seeded anew
+(so a rank that forgets to seed still differs from the others, as under torchrun). Python's
+string hash seed stays the server's, the same on every rank.
 """
 
 from __future__ import annotations
@@ -79,9 +82,13 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, queue: mp.Q
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       LOCAL_RANK=str(rank), WORLD_SIZE=str(world), OMP_NUM_THREADS="1",
                       OUTCORE_DEVICE=device)
+    import random
+
     import torch
     import torch.distributed as dist
 
+    random.seed()  # a fork shares its server's generators: seeded anew, as a new process
+    torch.seed()
     torch.set_num_threads(1)
     if device == "cuda":  # as in this process (conftest.py's note)
         torch.use_deterministic_algorithms(True, warn_only=True)

@@ -485,7 +485,8 @@ def _data_set(obj: torch.Tensor, value: object, found: list[Touch]) -> None:
         raise ParamAccessError(
             f"assigning a tensor of shape {list(value.shape)} to parameter {sp.label()}.data "
             f"(shape {list(sp.shape)}): outcore shards it by its shape; copy_() values of the "
-            "same shape, or build a new model")
+            "same shape, or change shapes (resize_token_embeddings) before outcore.initialize "
+            "or after engine.close()")
     if sp.state is ParamState.DROPPED:
         sp.hand_back(value)
         return None

@@ -131,14 +131,15 @@ def refuse_new_parameter(func: Any, args: Args) -> None:
 
     In torch the new parameter shares the old one's storage; a sharded parameter has no
     storage to share (its values are spread over shards), and a copy would be a parameter
-    the engine neither fetches nor trains. Parametrizations (``weight_norm``,
-    ``spectral_norm``) make one this way and then remove the original from its module, so
-    the layer would silently stop training; without this, torch's own check fails with a
-    message about ``__torch_dispatch__``."""
+    the engine neither fetches nor trains. ``weight_norm`` (the parametrization) makes one
+    this way and then removes the original from its module, so the layer would silently
+    stop training; without this, torch's own check fails with a message about
+    ``__torch_dispatch__``. (A parametrization that registers the same tensor again, as
+    ``spectral_norm`` does, makes no new parameter and trains as in torch.)"""
     if func != DETACH:
         return
     frame: FrameType | None = sys._getframe(1)
-    for _ in range(4):  # dispatch or a view's __torch_function__, then Parameter.__new__
+    for _ in range(8):  # dispatch or a view's __torch_function__ (under a user's modes too)
         if frame is None or frame.f_code is _PARAMETER_NEW:
             break
         frame = frame.f_back
@@ -147,9 +148,12 @@ def refuse_new_parameter(func: Any, args: Args) -> None:
     source = getattr(args[0], "source", args[0])  # a view's parameter
     sp = registry.managed(source)
     name = sp.label() if sp is not None else "of the model"
+    building = sp is not None and sp.rt.engine is None  # under outcore.init, no engine yet
     raise ParamAccessError(
         f"torch.nn.Parameter(...) of parameter {name}, which outcore shards: a new parameter "
         "made from it would not share its values (it has no single storage) and the engine "
-        "would neither fetch nor train it. Parametrizations (weight_norm, spectral_norm) "
-        "make one this way: register them before outcore.initialize, or after "
-        "engine.close(). For a copy of the values, pass p.detach().clone().")
+        "would neither fetch nor train it. weight_norm makes one this way: "
+        + ("build a model that applies it outside outcore.init (outcore.initialize shards "
+           "it after)" if building else "apply it before outcore.initialize, or after "
+           "engine.close()")
+        + ". For a copy of the values, pass p.detach().clone().")

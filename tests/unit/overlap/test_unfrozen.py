@@ -106,7 +106,7 @@ def test_a_new_parameter_from_a_sharded_one_is_refused_in_words(tmp_path: Path,
     engine = _engine(model, offload, tmp_path)
     before = _weights(model)
     with pytest.raises(outcore.ParamAccessError, match=r"Parameter\(\.\.\.\) of parameter "
-                       r"2\.weight.*register them before outcore\.initialize"):
+                       r"2\.weight.*apply it before outcore\.initialize"):
         nn.utils.parametrizations.weight_norm(model[2])
     assert not nn.utils.parametrize.is_parametrized(model[2])  # the module is as it was
     with pytest.raises(outcore.ParamAccessError, match=r"of parameter 4\.weight"):
@@ -138,3 +138,26 @@ def test_weight_norm_registered_before_initialize_trains_as_torch_does(tmp_path:
     assert list(model.state_dict()) == list(ref.state_dict())
     for mine, theirs in zip(_weights(model), _weights(ref), strict=True):
         torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
+
+
+class _Normed(nn.Module):
+    """A model whose construction applies weight_norm (as wav2vec2's does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.utils.parametrizations.weight_norm(nn.Linear(16, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x)
+
+
+def test_weight_norm_under_init_says_to_build_outside_it() -> None:
+    cfg = outcore.Config.from_dict({"dtype": "fp32"})
+    with pytest.raises(outcore.ParamAccessError, match="build a model that applies it outside "
+                       r"outcore\.init \(outcore\.initialize shards it after\)"), outcore.init(cfg):
+        _Normed()
+    model = _Normed().to(default_device())  # what the message says: it trains
+    engine = outcore.initialize(model, cfg)
+    engine.backward(engine(_batch(0)).pow(2).mean())
+    assert engine.step()
+    engine.close()

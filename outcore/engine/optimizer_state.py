@@ -9,9 +9,11 @@ its shards when asked, in the layout ``state_dict()`` uses (the parameter's shap
 rank, this rank's slice at more), and assigning a key writes it through to the shards, as a
 ``load_state_dict`` of that one entry would. An in-place write on what a read returned
 (``state[p]["exp_avg"].zero_()``) would change only a copy, a write lost without a word; so
-those copies are ``StateCopy`` tensors, which compute as tensors and refuse in-place writes
-in words naming the assignment that works. A parameter the engine has not updated yet has
-no state (``p in state`` is False, ``state[p]`` is empty), as in torch.
+those copies are ``StateCopy`` tensors, which compute as tensors and refuse an in-place
+write on themselves in words naming the assignment that works (a view made of one is a
+plain tensor: a write through it changes that copy only). A parameter the engine has not
+updated yet has no state (``p in state`` is False, ``state[p]`` is empty), as in torch.
+Every access waits for the updates still running, so it sees what ``step()`` left.
 """
 
 from __future__ import annotations
@@ -58,52 +60,66 @@ class StateCopy(torch.Tensor):
         """Saved (``torch.save``) as the plain tensor it copies."""
         return self.as_subclass(torch.Tensor).__reduce_ex__(proto)
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> torch.Tensor:
+        return self.as_subclass(torch.Tensor).clone()
+
 
 class ParamOptimizerState(MutableMapping[str, torch.Tensor]):
     """One parameter's ``state`` entry: its step and moments, read from and written to its
-    shards (see the note)."""
+    shards (see the note). Each read loads only what it asks for."""
 
     def __init__(self, facade: TorchOptimizer, sp: ShardedParam | None) -> None:
         self._facade, self._sp = facade, sp  # None: a parameter it does not update
 
-    def _read(self) -> dict[str, torch.Tensor]:
+    def _keys(self) -> list[str]:
+        sp, sharded = self._sp, self._facade.sharded()
+        if sp is None or sharded.step_of(sp) == 0:
+            return []
+        factors = sharded.adafactor.factors_of(sp) if sharded.adafactor else {}
+        return ["step", *sharded.state[sp].moments, *factors]
+
+    def _read(self, kinds: list[str]) -> dict[str, torch.Tensor]:
         from outcore.engine.torch_optimizer import moments_of
 
-        if self._sp is None:
+        if not kinds:
             return {}
-        sharded = self._facade._engine.sharded_optimizer
-        sharded.wait()
-        moments = moments_of(sharded, self._sp)
-        if moments is None:
-            return {}
-        step = torch.tensor(float(sharded.step_of(self._sp)))
-        return {k: v.as_subclass(StateCopy) for k, v in {"step": step, **moments}.items()}
+        assert self._sp is not None  # _keys() is empty without it
+        sharded = self._facade.sharded()
+        out = {"step": torch.tensor(float(sharded.step_of(self._sp)))} if "step" in kinds else {}
+        out.update(moments_of(sharded, self._sp, [k for k in kinds if k != "step"]) or {})
+        return {k: out[k].as_subclass(StateCopy) for k in kinds}
 
     def __getitem__(self, key: str) -> torch.Tensor:
-        return self._read()[key]
+        if key not in self._keys():
+            raise KeyError(key)
+        return self._read([key])[key]
 
     def __setitem__(self, key: str, value: Any) -> None:
         from outcore.engine.torch_optimizer import load_moments
 
-        entry = self._read()
+        keys = self._keys()
         if self._sp is None:
             raise ParamAccessError("optimizer state of a parameter this optimizer does not "
                                    "update (frozen, or not in its parameter groups)")
-        if not entry:
+        if not keys:
             raise ParamAccessError(
                 f"optimizer state of parameter {self._sp.label()} before its first update: "
                 "outcore makes it at that update; set it after a step, or load a state dict")
-        if key not in entry:
+        if key not in keys:
             raise ParamAccessError(f"optimizer state of parameter {self._sp.label()} has no "
-                                   f"{key!r}; it has {sorted(entry)}")
-        entry[key] = torch.as_tensor(value).detach()
-        if key == "step" and float(entry[key]) < 1:
+                                   f"{key!r}; it has {sorted(keys)}")
+        new = torch.as_tensor(value).detach()
+        if key == "step" and float(new) < 1:
             raise ParamAccessError(f"optimizer state of parameter {self._sp.label()}: step "
-                                   f"{float(entry[key]):g}; outcore counts a parameter's state "
-                                   "from its first update, so the step is 1 or more")
-        sharded = self._facade._engine.sharded_optimizer
-        sharded.take_back_tentative()  # they came from the moments this replaces: step() redoes
-        load_moments(sharded, self._sp, entry, saved_world=self._facade._engine.rt.world_size)
+                                   f"{float(new):g}; outcore counts a parameter's state from "
+                                   "its first update, so the step is 1 or more")
+        engine = self._facade._engine
+        # updates applied during a boundary backward used the moments this replaces: refused
+        # as zero_grad() is there; tentative ones are taken back, for step() to redo
+        engine._reopen_boundary("an assignment to optimizer state")
+        entry = {**self._read(keys), key: new}
+        load_moments(engine.sharded_optimizer, self._sp, entry,
+                     saved_world=engine.rt.world_size)
 
     def __delitem__(self, key: str) -> None:
         name = self._sp.label() if self._sp is not None else ""
@@ -112,13 +128,23 @@ class ParamOptimizerState(MutableMapping[str, torch.Tensor]):
                                "instead")
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._read())
+        return iter(self._keys())
 
     def __len__(self) -> int:
-        return len(self._read())
+        return len(self._keys())
+
+    def items(self) -> Any:  # one read of the shards, not one per key (Mapping's default)
+        return self._read(self._keys()).items()
+
+    def values(self) -> Any:
+        return self._read(self._keys()).values()
 
     def __repr__(self) -> str:
-        return repr(self._read())
+        return repr(self._read(self._keys()))
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> dict[str, torch.Tensor]:
+        """A plain dict of plain tensors (a snapshot), as a copy of torch's entry is."""
+        return {k: v.as_subclass(torch.Tensor) for k, v in self.items()}
 
 
 class OptimizerState(Mapping[torch.Tensor, ParamOptimizerState]):
@@ -129,19 +155,30 @@ class OptimizerState(Mapping[torch.Tensor, ParamOptimizerState]):
 
     def _shard(self, param: object) -> ShardedParam | None:
         sp = managed(param) if isinstance(param, torch.Tensor) else None
-        members = self._facade._engine.sharded_optimizer.state
+        members = self._facade.sharded().state
         return sp if sp is not None and sp in members else None
 
     def __getitem__(self, param: torch.Tensor) -> ParamOptimizerState:
         """Any parameter's entry, empty where it has no state (torch's ``defaultdict``)."""
         return ParamOptimizerState(self._facade, self._shard(param))
 
+    def __setitem__(self, param: torch.Tensor, entry: Mapping[str, Any]) -> None:
+        """``state[p] = {...}`` (as code that moves state between devices writes it): each
+        key is assigned, as ``state[p][key] = value``."""
+        target = self[param]
+        for key, value in dict(entry).items():
+            target[key] = value
+
     def __contains__(self, param: object) -> bool:
         sp = self._shard(param)
-        return sp is not None and self._facade._engine.sharded_optimizer.step_of(sp) > 0
+        return sp is not None and self._facade.sharded().step_of(sp) > 0
+
+    def get(self, param: torch.Tensor, default: Any = None) -> Any:
+        """torch's ``state.get(p)``: None (or ``default``) for a parameter with no state."""
+        return self[param] if param in self else default  # noqa: SIM401 - this is get()
 
     def __iter__(self) -> Iterator[torch.Tensor]:
-        sharded = self._facade._engine.sharded_optimizer
+        sharded = self._facade.sharded()
         return iter([sp.param for members in sharded.members for sp in members
                      if sp.alive and sharded.step_of(sp) > 0])
 
@@ -156,13 +193,12 @@ class OptimizerState(Mapping[torch.Tensor, ParamOptimizerState]):
         ``defaultdict`` of plain tensors, keyed by the copies of the parameters."""
         out: defaultdict[torch.Tensor, dict] = defaultdict(dict)
         for param in self:
-            out[copy.deepcopy(param, memo)] = {k: v.as_subclass(torch.Tensor)
-                                               for k, v in self[param].items()}
+            out[copy.deepcopy(param, memo)] = copy.deepcopy(self[param])
         return out
 
     def __reduce_ex__(self, proto: SupportsIndex) -> Any:
         """Pickled as that copy (``torch.save`` of the optimizer object)."""
-        return (_plain_state, ([(p, dict(self[p])) for p in self],))
+        return (_plain_state, ([(p, copy.deepcopy(self[p])) for p in self],))
 
 
 def _plain_state(items: list[tuple[torch.Tensor, dict]]) -> defaultdict[torch.Tensor, dict]:

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import types
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -71,6 +71,12 @@ class TorchOptimizer(torch.optim.Optimizer):
         if adopted is not None:  # what a scheduler bound to it checks (torch's lr_scheduler)
             adopted._opt_called = True
         return loss
+
+    def sharded(self) -> ShardedOptimizer:
+        """The engine's sharded optimizer, its running updates finished (``state``'s reads)."""
+        self._engine._check_open()
+        self._engine.sharded_optimizer.wait()
+        return self._engine.sharded_optimizer
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """``engine.zero_grad()``: drop the gradients accumulated since the last step (the
@@ -129,8 +135,9 @@ class TorchOptimizer(torch.optim.Optimizer):
                                   f"({len(members)} of them trainable)")
             slots.append(every if n == len(every) else list(members))
         sharded.wait()
-        # tentative updates came from the moments this replaces: step() redoes them
-        sharded.take_back_tentative()
+        # updates of a boundary backward came from the moments this replaces: tentative ones
+        # are taken back for step() to redo; ones applied for good refuse it (as zero_grad())
+        self._engine._reopen_boundary("optimizer load_state_dict()")
         origin = state_dict.get("outcore") or {}
         world = origin.get("world_size")
         if world == self._engine.rt.world_size > 1 and origin.get("rank") != self._engine.rt.rank:
@@ -213,9 +220,10 @@ def _calling(ref: weakref.ref[TorchOptimizer], name: str) -> Callable[..., Any]:
     return call
 
 
-def moments_of(opt: ShardedOptimizer, sp: ShardedParam) -> dict[str, torch.Tensor] | None:
-    """Copies of ``sp``'s moment shards (fp32, this rank's slice), or None before its
-    first update (torch keeps no state for a parameter until then)."""
+def moments_of(opt: ShardedOptimizer, sp: ShardedParam,
+               kinds: Collection[str] | None = None) -> dict[str, torch.Tensor] | None:
+    """Copies of ``sp``'s moment shards (fp32, this rank's slice; only ``kinds`` if given),
+    or None before its first update (torch keeps no state for a parameter until then)."""
     state = opt.state.get(sp)
     if state is None or state.step == 0:
         return None
@@ -223,8 +231,9 @@ def moments_of(opt: ShardedOptimizer, sp: ShardedParam) -> dict[str, torch.Tenso
     # torch's optimizers, and outcore at any world size, load as they are
     shape = sp.shape if opt.rt.world_size == 1 else (-1,)
     out = {k: load_now(stored, opt.rt.device).clone().view(shape)
-           for k, stored in state.moments.items()}
-    return {**out, **opt.adafactor.factors_of(sp)} if opt.adafactor else out
+           for k, stored in state.moments.items() if kinds is None or k in kinds}
+    factors = opt.adafactor.factors_of(sp) if opt.adafactor else {}
+    return {**out, **{k: v for k, v in factors.items() if kinds is None or k in kinds}}
 
 def load_moments(opt: ShardedOptimizer, sp: ShardedParam, entry: dict,
                  saved_world: int | None) -> None:

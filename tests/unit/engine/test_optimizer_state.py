@@ -154,3 +154,43 @@ def test_at_two_ranks_each_holds_its_slice(tmp_path: Path) -> None:
         whole = torch.cat([torch.as_tensor(r[name]).reshape(-1) for r in ranks])
         want = opt.state[p]["exp_avg"].reshape(-1)
         torch.testing.assert_close(whole[:want.numel()], want, rtol=1e-5, atol=1e-7)
+
+
+def test_state_between_a_backward_that_updated_and_step(tmp_path: Path) -> None:
+    """With the optimizer on NVMe and no clipping the boundary backward applies the updates
+    (optimizer.py's [Note: updating during backward]): an assignment there would come after
+    the update it should precede, so it is refused as zero_grad() is; after step() it works."""
+    model = _model()
+    engine = _engine(model, tmp_path, "nvme")
+    assert engine.overlaps_optimizer
+    _steps(model, _engine_step(engine), range(1))
+    p = model[0].weight
+    engine.backward(model(_batch(1)).pow(2).mean())
+    with pytest.raises(outcore.OutcoreError, match="assignment to optimizer state between a "
+                       r"backward and step\(\)"):
+        engine.optimizer.state[p]["exp_avg"] = torch.zeros(32, 16)
+    engine.step()
+    engine.optimizer.state[p]["exp_avg"] = torch.zeros(32, 16)
+    assert not engine.optimizer.state[p]["exp_avg"].any()
+    engine.close()
+
+
+def test_state_as_device_moving_code_and_copies_use_it(tmp_path: Path) -> None:
+    model = _model()
+    engine = _engine(model, tmp_path, "nvme")
+    opt = engine.optimizer
+    assert opt.state.get(model[0].weight) is None  # torch's defaultdict.get
+    _steps(model, _engine_step(engine), range(2))
+    before = {k: v.clone() for k, v in opt.state[model[2].bias].items()}
+    for p in list(opt.state):  # Lightning's optimizer_to_device writes each entry back
+        opt.state[p] = {k: v.to(default_device()) * (0.5 if k == "exp_avg" else 1)
+                        for k, v in opt.state[p].items()}
+    after = opt.state.get(model[2].bias)
+    torch.testing.assert_close(after["exp_avg"], before["exp_avg"] * 0.5)
+    torch.testing.assert_close(after["exp_avg_sq"], before["exp_avg_sq"])
+    snapshot = copy.deepcopy(after)
+    assert type(snapshot) is dict and type(snapshot["exp_avg"]) is torch.Tensor
+    assert type(copy.deepcopy(after["exp_avg"])) is torch.Tensor
+    engine.close()
+    with pytest.raises(outcore.EngineClosedError):
+        len(opt.state)

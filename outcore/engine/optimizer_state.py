@@ -19,18 +19,21 @@ Every access waits for the updates still running, so it sees what ``step()`` lef
 from __future__ import annotations
 
 import copy
+import weakref
 from collections import defaultdict
-from collections.abc import Iterable, Iterator, Mapping, MutableMapping
+from collections.abc import Collection, Iterable, Iterator, Mapping, MutableMapping
 from typing import TYPE_CHECKING, Any, SupportsIndex
 
 import torch
 
-from outcore.errors import ParamAccessError
+from outcore.errors import ConfigError, EngineClosedError, ParamAccessError
+from outcore.offload.storage import load_now
 from outcore.zero.calls import Kind, kind_of
 from outcore.zero.registry import managed
 
 if TYPE_CHECKING:
     from outcore.engine.torch_optimizer import TorchOptimizer
+    from outcore.optim.optimizer import ShardedOptimizer
     from outcore.zero.param import ShardedParam
 
 _WRITES = (Kind.WRITE, Kind.REFUSED, Kind.DATA_SET)
@@ -69,7 +72,11 @@ class ParamOptimizerState(MutableMapping[str, torch.Tensor]):
     shards (see the note). Each read loads only what it asks for."""
 
     def __init__(self, facade: TorchOptimizer, sp: ShardedParam | None) -> None:
-        self._facade, self._sp = facade, sp  # None: a parameter it does not update
+        self._ref, self._sp = weakref.ref(facade), sp  # None: a parameter it does not update
+
+    @property
+    def _facade(self) -> TorchOptimizer:
+        return _alive(self._ref)
 
     def _keys(self) -> list[str]:
         sp, sharded = self._sp, self._facade.sharded()
@@ -79,8 +86,6 @@ class ParamOptimizerState(MutableMapping[str, torch.Tensor]):
         return ["step", *sharded.state[sp].moments, *factors]
 
     def _read(self, kinds: list[str]) -> dict[str, torch.Tensor]:
-        from outcore.engine.torch_optimizer import moments_of
-
         if not kinds:
             return {}
         assert self._sp is not None  # _keys() is empty without it
@@ -95,8 +100,6 @@ class ParamOptimizerState(MutableMapping[str, torch.Tensor]):
         return self._read([key])[key]
 
     def __setitem__(self, key: str, value: Any) -> None:
-        from outcore.engine.torch_optimizer import load_moments
-
         keys = self._keys()
         if self._sp is None:
             raise ParamAccessError("optimizer state of a parameter this optimizer does not "
@@ -151,7 +154,13 @@ class OptimizerState(Mapping[torch.Tensor, ParamOptimizerState]):
     """``engine.optimizer.state``: parameter -> its state entry (see the note)."""
 
     def __init__(self, facade: TorchOptimizer) -> None:
-        self._facade = facade
+        # weakly: the optimizer a user brought holds this view, and a strong path from it to
+        # the engine would keep the model and its swap files alive after both were dropped
+        self._ref = weakref.ref(facade)
+
+    @property
+    def _facade(self) -> TorchOptimizer:
+        return _alive(self._ref)
 
     def _shard(self, param: object) -> ShardedParam | None:
         sp = managed(param) if isinstance(param, torch.Tensor) else None
@@ -201,7 +210,60 @@ class OptimizerState(Mapping[torch.Tensor, ParamOptimizerState]):
         return (_plain_state, ([(p, copy.deepcopy(self[p])) for p in self],))
 
 
+def _alive(ref: weakref.ref[TorchOptimizer]) -> TorchOptimizer:
+    facade = ref()
+    if facade is None:
+        raise EngineClosedError("optimizer state: the outcore Engine that held it is gone")
+    return facade
+
+
 def _plain_state(items: list[tuple[torch.Tensor, dict]]) -> defaultdict[torch.Tensor, dict]:
     out: defaultdict[torch.Tensor, dict] = defaultdict(dict)
     out.update(items)
     return out
+
+
+def moments_of(opt: ShardedOptimizer, sp: ShardedParam,
+               kinds: Collection[str] | None = None) -> dict[str, torch.Tensor] | None:
+    """Copies of ``sp``'s moment shards (fp32, this rank's slice; only ``kinds`` if given),
+    or None before its first update (torch keeps no state for a parameter until then)."""
+    state = opt.state.get(sp)
+    if state is None or state.step == 0:
+        return None
+    # at one rank a slice is the whole parameter (no padding): torch's own layout, which
+    # torch's optimizers, and outcore at any world size, load as they are
+    shape = sp.shape if opt.rt.world_size == 1 else (-1,)
+    out = {k: load_now(stored, opt.rt.device).clone().view(shape)
+           for k, stored in state.moments.items() if kinds is None or k in kinds}
+    factors = opt.adafactor.factors_of(sp) if opt.adafactor else {}
+    return {**out, **{k: v for k, v in factors.items() if kinds is None or k in kinds}}
+
+def load_moments(opt: ShardedOptimizer, sp: ShardedParam, entry: dict,
+                 saved_world: int | None) -> None:
+    """Restore ``sp``'s step and moments from a torch-style state entry: full-shape moments
+    (any torch optimizer's) are cut into this rank's slice; slices (``moments_of``) are
+    taken as they are, from a state dict of the same world size."""
+    state = opt.state[sp]
+    if opt.adafactor is not None:
+        opt.adafactor.load_factors(sp, entry)
+    for kind in state.moments:
+        if kind not in entry:
+            raise ConfigError(f"optimizer state for {sp.label()} has no {kind!r} "
+                              f"({sorted(entry)}); this engine's {opt.kind} needs it")
+    for kind, stored in state.moments.items():
+        t = torch.as_tensor(entry[kind]).to(opt.rt.device, torch.float32)
+        if tuple(t.shape) == tuple(sp.shape):
+            shard = sp.layout.cut(t, torch.float32)
+        elif t.numel() == sp.shard_numel and saved_world == opt.rt.world_size:
+            shard = t.reshape(-1)
+        else:
+            raise ConfigError(
+                f"optimizer state {kind!r} for {sp.label()} has shape {list(t.shape)}: "
+                f"neither the parameter's {list(sp.shape)} nor this rank's slice of "
+                f"{sp.shard_numel} saved at world size {opt.rt.world_size} (it was saved "
+                f"at {saved_world}); engine.save_checkpoint loads at any world size"
+                + ("" if saved_world is not None else "; a torch optimizer's own "
+                   "load_state_dict drops the world size outcore records, so load outcore's "
+                   "state dict after outcore.initialize"))
+        stored.save(shard).result()
+    state.step = int(float(entry.get("step", state.step)))

@@ -33,14 +33,13 @@ from __future__ import annotations
 
 import types
 import weakref
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from outcore.engine.optimizer_state import OptimizerState
+from outcore.engine.optimizer_state import OptimizerState, load_moments, moments_of
 from outcore.errors import ConfigError, EngineClosedError
-from outcore.offload.storage import load_now
 
 if TYPE_CHECKING:
     from outcore.engine.core import Engine
@@ -218,49 +217,3 @@ def _calling(ref: weakref.ref[TorchOptimizer], name: str) -> Callable[..., Any]:
     if name == "step":  # torch's schedulers need not wrap it: the facade's step() marks
         call._wrapped_by_lr_sched = True  # type: ignore[attr-defined]  # `adopted` stepped
     return call
-
-
-def moments_of(opt: ShardedOptimizer, sp: ShardedParam,
-               kinds: Collection[str] | None = None) -> dict[str, torch.Tensor] | None:
-    """Copies of ``sp``'s moment shards (fp32, this rank's slice; only ``kinds`` if given),
-    or None before its first update (torch keeps no state for a parameter until then)."""
-    state = opt.state.get(sp)
-    if state is None or state.step == 0:
-        return None
-    # at one rank a slice is the whole parameter (no padding): torch's own layout, which
-    # torch's optimizers, and outcore at any world size, load as they are
-    shape = sp.shape if opt.rt.world_size == 1 else (-1,)
-    out = {k: load_now(stored, opt.rt.device).clone().view(shape)
-           for k, stored in state.moments.items() if kinds is None or k in kinds}
-    factors = opt.adafactor.factors_of(sp) if opt.adafactor else {}
-    return {**out, **{k: v for k, v in factors.items() if kinds is None or k in kinds}}
-
-def load_moments(opt: ShardedOptimizer, sp: ShardedParam, entry: dict,
-                 saved_world: int | None) -> None:
-    """Restore ``sp``'s step and moments from a torch-style state entry: full-shape moments
-    (any torch optimizer's) are cut into this rank's slice; slices (``moments_of``) are
-    taken as they are, from a state dict of the same world size."""
-    state = opt.state[sp]
-    if opt.adafactor is not None:
-        opt.adafactor.load_factors(sp, entry)
-    for kind in state.moments:
-        if kind not in entry:
-            raise ConfigError(f"optimizer state for {sp.label()} has no {kind!r} "
-                              f"({sorted(entry)}); this engine's {opt.kind} needs it")
-    for kind, stored in state.moments.items():
-        t = torch.as_tensor(entry[kind]).to(opt.rt.device, torch.float32)
-        if tuple(t.shape) == tuple(sp.shape):
-            shard = sp.layout.cut(t, torch.float32)
-        elif t.numel() == sp.shard_numel and saved_world == opt.rt.world_size:
-            shard = t.reshape(-1)
-        else:
-            raise ConfigError(
-                f"optimizer state {kind!r} for {sp.label()} has shape {list(t.shape)}: "
-                f"neither the parameter's {list(sp.shape)} nor this rank's slice of "
-                f"{sp.shard_numel} saved at world size {opt.rt.world_size} (it was saved "
-                f"at {saved_world}); engine.save_checkpoint loads at any world size"
-                + ("" if saved_world is not None else "; a torch optimizer's own "
-                   "load_state_dict drops the world size outcore records, so load outcore's "
-                   "state dict after outcore.initialize"))
-        stored.save(shard).result()
-    state.step = int(float(entry.get("step", state.step)))

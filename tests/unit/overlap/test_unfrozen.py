@@ -43,15 +43,14 @@ def _weights(model: nn.Module) -> list[torch.Tensor]:
     return [p.detach().clone().cpu() for p in model.parameters()]
 
 
-@pytest.mark.parametrize("offload", OFFLOADS)
-def test_freezing_later_trains_as_torch_does(tmp_path: Path, offload: str) -> None:
-    model, ref = _model(), _model()
-    engine = _engine(model, offload, tmp_path)
+def _train_as_torch(model: nn.Module, ref: nn.Module, engine: outcore.Engine, steps: int,
+                    before=None) -> None:
+    """``steps`` steps of the engine and of torch's AdamW over ``ref`` (``before(step)``
+    first): equal losses, then equal weights once the engine is closed."""
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0)
-    for step in range(4):
-        if step == 2:  # torch's AdamW skips a parameter whose grad is None
-            model[2].weight.requires_grad_(False)
-            ref[2].weight.requires_grad_(False)
+    for step in range(steps):
+        if before is not None:
+            before(step)
         loss = engine(_batch(step)).pow(2).mean()
         engine.backward(loss)
         engine.step()
@@ -61,8 +60,21 @@ def test_freezing_later_trains_as_torch_does(tmp_path: Path, offload: str) -> No
         opt.step()
         assert loss.item() == pytest.approx(want.item(), rel=1e-5)
     engine.close()
+    assert list(model.state_dict()) == list(ref.state_dict())
     for mine, theirs in zip(_weights(model), _weights(ref), strict=True):
         torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("offload", OFFLOADS)
+def test_freezing_later_trains_as_torch_does(tmp_path: Path, offload: str) -> None:
+    model, ref = _model(), _model()
+
+    def freeze(step: int) -> None:  # torch's AdamW skips a parameter whose grad is None
+        if step == 2:
+            model[2].weight.requires_grad_(False)
+            ref[2].weight.requires_grad_(False)
+
+    _train_as_torch(model, ref, _engine(model, offload, tmp_path), 4, freeze)
 
 
 def _unfreeze_then_retry(model: nn.Module, engine: outcore.Engine, unfreeze: bool) -> list:
@@ -123,21 +135,7 @@ def test_weight_norm_registered_before_initialize_trains_as_torch_does(tmp_path:
     model, ref = _model(), _model()
     for m in (model, ref):
         nn.utils.parametrizations.weight_norm(m[2])
-    engine = _engine(model, "nvme", tmp_path)
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0)
-    for step in range(3):
-        loss = engine(_batch(step)).pow(2).mean()
-        engine.backward(loss)
-        engine.step()
-        opt.zero_grad()
-        want = ref(_batch(step)).pow(2).mean()
-        want.backward()
-        opt.step()
-        assert loss.item() == pytest.approx(want.item(), rel=1e-5)
-    engine.close()
-    assert list(model.state_dict()) == list(ref.state_dict())
-    for mine, theirs in zip(_weights(model), _weights(ref), strict=True):
-        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
+    _train_as_torch(model, ref, _engine(model, "nvme", tmp_path), 3)
 
 
 class _Normed(nn.Module):

@@ -9,9 +9,10 @@ its shards when asked, in the layout ``state_dict()`` uses (the parameter's shap
 rank, this rank's slice at more), and assigning a key writes it through to the shards, as a
 ``load_state_dict`` of that one entry would. An in-place write on what a read returned
 (``state[p]["exp_avg"].zero_()``) would change only a copy, a write lost without a word; so
-those copies are ``StateCopy`` tensors, which compute as tensors and refuse an in-place
-write on themselves in words naming the assignment that works (a view made of one is a
-plain tensor: a write through it changes that copy only). A parameter the engine has not
+those copies are ``StateCopy`` tensors, which compute as tensors (new results are plain) and
+refuse an in-place write, on themselves, on a view of them (``m[0]``, ``m.view(-1)``,
+``m.data``: a view is a ``StateCopy`` too) or through ``out=`` and ``torch._foreach_*``, in
+words naming the assignment that works. A parameter the engine has not
 updated yet has no state (``p in state`` is False, ``state[p]`` is empty), as in torch.
 Every access waits for the updates still running, so it sees what ``step()`` left.
 """
@@ -47,17 +48,26 @@ class StateCopy(torch.Tensor):
     def __torch_function__(cls, func: Any, types: Iterable[type], args: tuple = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
-        if kind_of(func) in _WRITES:
-            target = kwargs.get("out", args[0] if args else None)
-            if isinstance(target, StateCopy):
-                name = getattr(func, "__name__", str(func))
-                raise ParamAccessError(
-                    f"{name} on a copy of optimizer state: outcore keeps the moments in its "
-                    "shards, so the write would be lost; assign the new value instead "
-                    "(opt.state[p]['exp_avg'] = torch.zeros_like(opt.state[p]['exp_avg'])), "
-                    "or load a state dict")
+        first = args[0] if args else None
+        targets = [kwargs.get("out")]
+        if kind_of(func) in _WRITES:  # an in-place method's target, or a foreach list's
+            targets += list(first) if isinstance(first, (list, tuple)) else [first]
+        if any(isinstance(t, StateCopy) for t in targets):
+            name = getattr(func, "__name__", str(func))
+            raise ParamAccessError(
+                f"{name} on a copy of optimizer state: outcore keeps the moments in its "
+                "shards, so the write would be lost; assign the new value instead "
+                "(opt.state[p]['exp_avg'] = torch.zeros_like(opt.state[p]['exp_avg'])), "
+                "or load a state dict")
         with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **kwargs)
+            out = func(*args, **kwargs)
+        # a view of a copy (m[0], m.view(-1), m.T, m.data) is one too: a write through it
+        # would be as lost as one on the copy
+        if (isinstance(out, torch.Tensor) and isinstance(first, StateCopy)
+                and out.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+                and out.numel() > 0):
+            return out.as_subclass(StateCopy)
+        return out
 
     def __reduce_ex__(self, proto: SupportsIndex) -> Any:
         """Saved (``torch.save``) as the plain tensor it copies."""

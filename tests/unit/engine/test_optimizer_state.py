@@ -86,6 +86,15 @@ def test_state_reads_and_assignments_act_as_torchs(tmp_path: Path, offload: str)
         first["exp_avg"].zero_()
     with pytest.raises(outcore.ParamAccessError, match="copy of optimizer state"):
         first["step"] += 1
+    moment = first["exp_avg_sq"]
+    for write in (lambda: moment[0].zero_(), lambda: moment.view(-1).zero_(),
+                  lambda: moment.T.zero_(), lambda: moment.data.zero_(),
+                  lambda: moment.detach().zero_(), lambda: torch.add(moment, 1, out=moment),
+                  lambda: torch._foreach_zero_([moment])):  # views and other paths to it
+        with pytest.raises(outcore.ParamAccessError, match="copy of optimizer state"):
+            write()
+    assert type(moment * 2) is torch.Tensor and not moment.clone().zero_().any()  # new: plain
+    assert first["exp_avg_sq"].equal(moment) and moment.any()  # nothing was written
     first["exp_avg"] = torch.zeros_like(first["exp_avg"])
     first["step"] = torch.tensor(1.0)  # AdamW's bias correction restarts too
     ref_opt.state[ref_params[0]]["exp_avg"].zero_()

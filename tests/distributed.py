@@ -6,7 +6,7 @@ traceback; a world that does not finish within ``timeout`` is killed and fails (
 
 [Note: ranks forked from a server that imported torch]
 A spawned rank imports torch and outcore anew: about 3 s of CPU per rank on these 2-core
-machines, over a hundred worlds per suite. The ranks are forked instead from a
+machines, for every world of every test that starts one. The ranks are forked instead from a
 ``forkserver`` that imported them once and did nothing else (no CUDA), so each starts as a
 fresh import would leave it, with two exceptions set right first: what a spawned rank would
 inherit from the test at that moment (its environment and working directory) is handed over,

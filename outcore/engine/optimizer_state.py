@@ -126,13 +126,20 @@ class ParamOptimizerState(MutableMapping[str, torch.Tensor]):
             raise ParamAccessError(f"optimizer state of parameter {self._sp.label()}: step "
                                    f"{float(new):g}; outcore counts a parameter's state from "
                                    "its first update, so the step is 1 or more")
-        engine = self._facade._engine
+        engine, sp = self._facade._engine, self._sp
+        sharded = engine.sharded_optimizer
         # updates applied during a boundary backward used the moments this replaces: refused
         # as zero_grad() is there; tentative ones are taken back, for step() to redo
         engine._reopen_boundary("an assignment to optimizer state")
-        entry = {**self._read(keys), key: new}
-        load_moments(engine.sharded_optimizer, self._sp, entry,
-                     saved_world=engine.rt.world_size)
+        moments = sharded.state[sp].moments
+        if key == "step":
+            sharded.restore_step(sp, int(float(new)))
+        elif key in moments:  # only this moment is written: the others stay where they are
+            shard = _moment_shard(sharded, sp, key, new, saved_world=engine.rt.world_size)
+            moments[key].save(shard).result()
+        else:  # an Adafactor factor (in memory): written with its partner
+            assert sharded.adafactor is not None  # _keys() names factors only with it
+            sharded.adafactor.load_factors(sp, {**sharded.adafactor.factors_of(sp), key: new})
 
     def __delitem__(self, key: str) -> None:
         name = self._sp.label() if self._sp is not None else ""
@@ -252,28 +259,36 @@ def load_moments(opt: ShardedOptimizer, sp: ShardedParam, entry: dict,
                  saved_world: int | None) -> None:
     """Restore ``sp``'s step and moments from a torch-style state entry: full-shape moments
     (any torch optimizer's) are cut into this rank's slice; slices (``moments_of``) are
-    taken as they are, from a state dict of the same world size."""
+    taken as they are, from a state dict of the same world size. Every moment is checked
+    before any is written."""
     state = opt.state[sp]
-    if opt.adafactor is not None:
-        opt.adafactor.load_factors(sp, entry)
     for kind in state.moments:
         if kind not in entry:
             raise ConfigError(f"optimizer state for {sp.label()} has no {kind!r} "
                               f"({sorted(entry)}); this engine's {opt.kind} needs it")
-    for kind, stored in state.moments.items():
-        t = torch.as_tensor(entry[kind]).to(opt.rt.device, torch.float32)
-        if tuple(t.shape) == tuple(sp.shape):
-            shard = sp.layout.cut(t, torch.float32)
-        elif t.numel() == sp.shard_numel and saved_world == opt.rt.world_size:
-            shard = t.reshape(-1)
-        else:
-            raise ConfigError(
-                f"optimizer state {kind!r} for {sp.label()} has shape {list(t.shape)}: "
-                f"neither the parameter's {list(sp.shape)} nor this rank's slice of "
-                f"{sp.shard_numel} saved at world size {opt.rt.world_size} (it was saved "
-                f"at {saved_world}); engine.save_checkpoint loads at any world size"
-                + ("" if saved_world is not None else "; a torch optimizer's own "
-                   "load_state_dict drops the world size outcore records, so load outcore's "
-                   "state dict after outcore.initialize"))
-        stored.save(shard).result()
+    shards = {kind: _moment_shard(opt, sp, kind, entry[kind], saved_world)
+              for kind in state.moments}
+    if opt.adafactor is not None:
+        opt.adafactor.load_factors(sp, entry)
+    for kind, shard in shards.items():
+        state.moments[kind].save(shard).result()
     state.step = int(float(entry.get("step", state.step)))
+
+
+def _moment_shard(opt: ShardedOptimizer, sp: ShardedParam, kind: str, value: Any,
+                  saved_world: int | None) -> torch.Tensor:
+    """This rank's fp32 slice of moment ``kind`` from ``value``: the parameter's shape (cut
+    here), or this rank's slice saved at the same world size."""
+    t = torch.as_tensor(value).to(opt.rt.device, torch.float32)
+    if tuple(t.shape) == tuple(sp.shape):
+        return sp.layout.cut(t, torch.float32)
+    if t.numel() == sp.shard_numel and saved_world == opt.rt.world_size:
+        return t.reshape(-1)
+    raise ConfigError(
+        f"optimizer state {kind!r} for {sp.label()} has shape {list(t.shape)}: "
+        f"neither the parameter's {list(sp.shape)} nor this rank's slice of "
+        f"{sp.shard_numel} saved at world size {opt.rt.world_size} (it was saved "
+        f"at {saved_world}); engine.save_checkpoint loads at any world size"
+        + ("" if saved_world is not None else "; a torch optimizer's own "
+           "load_state_dict drops the world size outcore records, so load outcore's "
+           "state dict after outcore.initialize"))

@@ -202,7 +202,11 @@ class Runner:
         for kind, target in zip(FACTOR_KINDS, (f.row, f.col), strict=True):
             if kind not in entry:
                 raise ConfigError(f"Adafactor state for {sp.label()} has no {kind!r}")
-            target.copy_(torch.as_tensor(entry[kind]).reshape(target.shape))
+            value = torch.as_tensor(entry[kind])
+            if value.numel() != target.numel():
+                raise ConfigError(f"Adafactor state {kind!r} for {sp.label()} has shape "
+                                  f"{list(value.shape)}; it holds {target.numel()} values")
+            target.copy_(value.reshape(target.shape))
 
     def replicated(self, name_of: dict[int, str]) -> dict[str, torch.Tensor]:
         """The factors by checkpoint key (the same on every rank: rank 0 saves them)."""

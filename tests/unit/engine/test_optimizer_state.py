@@ -94,6 +94,8 @@ def test_state_reads_and_assignments_act_as_torchs(tmp_path: Path, offload: str)
         with pytest.raises(outcore.ParamAccessError, match="copy of optimizer state"):
             write()
     assert type(moment * 2) is torch.Tensor and not moment.clone().zero_().any()  # new: plain
+    with pytest.raises(outcore.ConfigError, match="has shape \\[3\\]"):
+        first["exp_avg_sq"] = torch.ones(3)
     assert first["exp_avg_sq"].equal(moment) and moment.any()  # nothing was written
     first["exp_avg"] = torch.zeros_like(first["exp_avg"])
     first["step"] = torch.tensor(1.0)  # AdamW's bias correction restarts too

@@ -28,6 +28,7 @@ from outcore.zero.calls import (
     Args,
     Kind,
     Kwargs,
+    dtype_refusal,
     kind_of,
     local_write,
     refuse_new_parameter,
@@ -490,11 +491,8 @@ def _data_set(obj: torch.Tensor, value: object, found: list[Touch]) -> None:
     if sp.state is ParamState.DROPPED:
         sp.hand_back(value)
         return None
-    dtype = t.obj.dtype
-    if value.dtype != dtype:
-        raise ParamAccessError(
-            f"assigning a {value.dtype} tensor to parameter {sp.label()}.data: outcore computes "
-            f"it in {dtype} (the config's dtype); assign a {dtype} tensor, or copy_() values of "
-            "any dtype into it")
+    if value.dtype != t.obj.dtype:
+        raise ParamAccessError(dtype_refusal(sp.label(), value.dtype, t.obj.dtype,
+                                             building=sp.rt.engine is None))
     sp.overwrite(sp.layout.cut(value.detach().to(sp.rt.device), torch.float32))
     return None

@@ -157,3 +157,31 @@ def refuse_new_parameter(func: Any, args: Args) -> None:
            "it after)" if building else "apply it before outcore.initialize, or after "
            "engine.close()")
         + ". For a copy of the values, pass p.detach().clone().")
+
+
+_MODULE_APPLY = nn.Module._apply.__code__
+
+
+def dtype_refusal(label: str, given: torch.dtype, dtype: torch.dtype, building: bool) -> str:
+    """Why a parameter's ``.data`` may not become a ``given`` tensor: outcore computes it in
+    ``dtype`` (``building``: under ``outcore.init``, where it holds fp32 values until
+    ``outcore.initialize`` casts them). Said as the call the user made when it is a module
+    conversion (``model.half()``, ``.float()``, ``.to(dtype)``: torch's ``Module._apply``
+    assigns ``.data``), since the user never wrote ``.data`` there."""
+    frame: FrameType | None = sys._getframe(1)
+    for _ in range(8):  # through dispatch, the .data setter and its torch function
+        if frame is None or frame.f_code is _MODULE_APPLY:
+            break
+        frame = frame.f_back
+    if frame is None or frame.f_code is not _MODULE_APPLY:
+        return (f"assigning a {given} tensor to parameter {label}.data: outcore computes it in "
+                f"{dtype} (the config's dtype); assign a {dtype} tensor, or copy_() values of "
+                "any dtype into it")
+    said = f"converting the model to {given} (model.half(), .float(), .double(), .to(dtype)): "
+    if building:
+        return (said + f"parameter {label} was built under outcore.init, which keeps fp32 "
+                "values until outcore.initialize casts them to the config's dtype: set dtype "
+                "in the config instead; no parameter was converted")
+    return (said + f"outcore computes parameter {label} in {dtype}, the config's dtype, and "
+            "keeps an fp32 master for training. Set dtype in the config, or convert before "
+            "outcore.initialize or after engine.close(); no parameter was converted")

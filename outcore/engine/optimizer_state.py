@@ -22,7 +22,7 @@ from __future__ import annotations
 import copy
 import weakref
 from collections import defaultdict
-from collections.abc import Collection, Iterable, Iterator, Mapping, MutableMapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, MutableMapping
 from typing import TYPE_CHECKING, Any, SupportsIndex
 
 import torch
@@ -255,12 +255,13 @@ def moments_of(opt: ShardedOptimizer, sp: ShardedParam,
     factors = opt.adafactor.factors_of(sp) if opt.adafactor else {}
     return {**out, **{k: v for k, v in factors.items() if kinds is None or k in kinds}}
 
-def load_moments(opt: ShardedOptimizer, sp: ShardedParam, entry: dict,
-                 saved_world: int | None) -> None:
-    """Restore ``sp``'s step and moments from a torch-style state entry: full-shape moments
-    (any torch optimizer's) are cut into this rank's slice; slices (``moments_of``) are
-    taken as they are, from a state dict of the same world size. Every moment is checked
-    before any is written."""
+def prepared_moments(opt: ShardedOptimizer, sp: ShardedParam, entry: dict,
+                     saved_world: int | None) -> Callable[[], None]:
+    """Check a torch-style state entry for ``sp`` and return what writes it: its step and
+    moments (full-shape moments, any torch optimizer's, are cut into this rank's slice;
+    slices, ``moments_of``, are taken as they are from a state dict of the same world size)
+    and Adafactor's factors. Every entry of a state dict is checked before any is written,
+    so a refused load changes nothing."""
     state = opt.state[sp]
     for kind in state.moments:
         if kind not in entry:
@@ -268,11 +269,20 @@ def load_moments(opt: ShardedOptimizer, sp: ShardedParam, entry: dict,
                               f"({sorted(entry)}); this engine's {opt.kind} needs it")
     shards = {kind: _moment_shard(opt, sp, kind, entry[kind], saved_world)
               for kind in state.moments}
-    if opt.adafactor is not None:
-        opt.adafactor.load_factors(sp, entry)
-    for kind, shard in shards.items():
-        state.moments[kind].save(shard).result()
-    state.step = int(float(entry.get("step", state.step)))
+    factors = opt.adafactor.checked_factors(sp, entry) if opt.adafactor is not None else []
+    try:
+        step = int(float(entry.get("step", state.step)))
+    except (TypeError, ValueError):
+        raise ConfigError(f"optimizer state 'step' for {sp.label()} is {entry['step']!r}, "
+                          "not a number") from None
+
+    def write() -> None:
+        for target, value in factors:
+            target.copy_(value)
+        for kind, shard in shards.items():
+            state.moments[kind].save(shard).result()
+        state.step = step
+    return write
 
 
 def _moment_shard(opt: ShardedOptimizer, sp: ShardedParam, kind: str, value: Any,

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from outcore.engine.optimizer_state import OptimizerState, load_moments, moments_of
+from outcore.engine.optimizer_state import OptimizerState, moments_of, prepared_moments
 from outcore.errors import ConfigError, EngineClosedError
 
 if TYPE_CHECKING:
@@ -144,11 +144,15 @@ class TorchOptimizer(torch.optim.Optimizer):
                               f"this is rank {self._engine.rt.rank}: each rank loads the "
                               "state dict it saved (engine.save_checkpoint loads at any rank)")
         saved_state = state_dict.get("state", {})
-        for mine, group_slots, saved in zip(self.param_groups, slots, groups, strict=True):
+        writes = []  # every entry checked before any is written: a refused load changes nothing
+        for group_slots, saved in zip(slots, groups, strict=True):
             for sp, key in zip(group_slots, saved["params"], strict=True):
                 entry = saved_state.get(key)
                 if sp is not None and entry:
-                    load_moments(sharded, sp, entry, saved_world=world)
+                    writes.append(prepared_moments(sharded, sp, entry, saved_world=world))
+        for write in writes:
+            write()
+        for mine, saved in zip(self.param_groups, groups, strict=True):
             mine.update({k: v for k, v in saved.items() if k != "params"})
 
     def __repr__(self) -> str:

@@ -195,10 +195,18 @@ class Runner:
                 "exp_avg_sq_col": f.col.view((*sp.shape[:-2], sp.shape[-1])).clone()}
 
     def load_factors(self, sp: ShardedParam, entry: dict[str, Any]) -> None:
+        for target, value in self.checked_factors(sp, entry):
+            target.copy_(value)
+
+    def checked_factors(self, sp: ShardedParam, entry: dict[str, Any]
+                        ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``sp``'s factors and the values ``entry`` holds for them, each checked (a refused
+        load writes nothing); empty for a parameter that keeps no factors."""
         f = self.factors[id(sp)]
         if f.row is None:
-            return
+            return []
         assert f.col is not None  # new_factors sets both or neither
+        pairs = []
         for kind, target in zip(FACTOR_KINDS, (f.row, f.col), strict=True):
             if kind not in entry:
                 raise ConfigError(f"Adafactor state for {sp.label()} has no {kind!r}")
@@ -206,7 +214,8 @@ class Runner:
             if value.numel() != target.numel():
                 raise ConfigError(f"Adafactor state {kind!r} for {sp.label()} has shape "
                                   f"{list(value.shape)}; it holds {target.numel()} values")
-            target.copy_(value.reshape(target.shape))
+            pairs.append((target, value.reshape(target.shape)))
+        return pairs
 
     def replicated(self, name_of: dict[int, str]) -> dict[str, torch.Tensor]:
         """The factors by checkpoint key (the same on every rank: rank 0 saves them)."""

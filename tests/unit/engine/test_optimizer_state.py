@@ -205,3 +205,52 @@ def test_state_as_device_moving_code_and_copies_use_it(tmp_path: Path) -> None:
     engine.close()
     with pytest.raises(outcore.EngineClosedError):
         len(opt.state)
+
+
+def test_a_refused_adafactor_factor_changes_neither(tmp_path: Path) -> None:
+    """A state dict whose column factor has the wrong size is refused before the row factor
+    is written (adafactor.py's ``load_factors``): the next step is the one it would be."""
+    def run(bad: bool) -> list[float]:
+        model = _model()
+        engine = outcore.initialize(model, {"dtype": "fp32", "optimizer": {"type": "adafactor",
+                                                                           "lr": 1e-2}})
+        losses = _steps(model, _engine_step(engine), range(2))
+        sd = engine.optimizer.state_dict()
+        if bad:
+            entry = sd["state"][0]
+            entry["exp_avg_sq_row"] = entry["exp_avg_sq_row"] * 0 + 7.0
+            entry["exp_avg_sq_col"] = torch.zeros(entry["exp_avg_sq_col"].numel() + 1)
+            with pytest.raises(outcore.ConfigError, match="exp_avg_sq_col"):
+                engine.optimizer.load_state_dict(sd)
+        losses += _steps(model, _engine_step(engine), range(2, 4))
+        engine.close()
+        return losses
+    assert run(bad=True) == run(bad=False)
+
+
+@pytest.mark.parametrize("offload", OFFLOADS)
+def test_a_refused_state_dict_load_changes_nothing(tmp_path: Path, offload: str) -> None:
+    """One bad entry (the last parameter's moment, or a step that is no number) refuses the
+    whole load before any moment, step or hyper-parameter is written."""
+    def run(bad: str | None) -> list[float]:
+        model = _model()
+        engine = _engine(model, tmp_path / str(bad), offload)
+        losses = _steps(model, _engine_step(engine), range(2))
+        sd = copy.deepcopy(engine.optimizer.state_dict())
+        if bad is not None:
+            sd["param_groups"][0]["lr"] = 1.0
+            sd["state"][0]["exp_avg"] = sd["state"][0]["exp_avg"] * 0 + 3.0
+            last = max(sd["state"])
+            if bad == "shape":
+                sd["state"][last]["exp_avg_sq"] = torch.zeros(3)
+            else:
+                sd["state"][last]["step"] = "many"
+            with pytest.raises(outcore.ConfigError, match="exp_avg_sq" if bad == "shape"
+                               else "'step' .* not a number"):
+                engine.optimizer.load_state_dict(sd)
+        losses += _steps(model, _engine_step(engine), range(2, 4))
+        engine.close()
+        return losses
+    want = run(None)
+    assert run("shape") == want
+    assert run("step") == want

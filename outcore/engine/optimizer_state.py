@@ -40,6 +40,9 @@ if TYPE_CHECKING:
 _WRITES = (Kind.WRITE, Kind.REFUSED, Kind.DATA_SET)
 
 
+_NUMPY = (torch.Tensor.numpy, torch.Tensor.__array__)
+
+
 class StateCopy(torch.Tensor):
     """A copy of one optimizer-state tensor: it computes as a tensor (results are plain
     tensors) and refuses in-place writes, which would be lost (see the note)."""
@@ -61,6 +64,10 @@ class StateCopy(torch.Tensor):
                 "or load a state dict")
         with torch._C.DisableTorchFunctionSubclass():
             out = func(*args, **kwargs)
+        if (func in _NUMPY and isinstance(first, StateCopy)
+                and out.ctypes.data == first.data_ptr()):  # np.asarray(m) too: it shares
+            out.flags.writeable = False  # the copy's bytes, so a write there would be lost
+            return out
         # a view of a copy (m[0], m.view(-1), m.T, m.data) is one too: a write through it
         # would be as lost as one on the copy
         if (isinstance(out, torch.Tensor) and isinstance(first, StateCopy)

@@ -254,3 +254,22 @@ def test_a_refused_state_dict_load_changes_nothing(tmp_path: Path, offload: str)
     want = run(None)
     assert run("shape") == want
     assert run("step") == want
+
+
+def test_numpy_of_a_state_copy_is_read_only(tmp_path: Path) -> None:
+    """``m.numpy()`` and ``np.asarray(m)`` share the copy's bytes, so a write through them
+    would be lost as one on the copy: numpy refuses it; ``np.array(m)`` is a copy of its own."""
+    np = pytest.importorskip("numpy")
+    model = _model()
+    engine = _engine(model, tmp_path, "none")
+    _steps(model, _engine_step(engine), range(1))
+    moment = engine.optimizer.state[model[0].weight]["exp_avg"]
+    if moment.device.type != "cpu":
+        engine.close()
+        pytest.skip("numpy() needs host memory; a .cpu() of a device copy is the user's own")
+    for shared in (moment.numpy(), np.asarray(moment), moment.detach().numpy()):
+        with pytest.raises(ValueError, match="read-only"):
+            shared[0, 0] = 1.0
+    own = np.array(moment)
+    own[0, 0] = 1.0  # its own bytes
+    engine.close()

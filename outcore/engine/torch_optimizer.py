@@ -159,6 +159,31 @@ class TorchOptimizer(torch.optim.Optimizer):
         hp = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
         return f"{type(self).__name__}({self._engine.cfg.optimizer.type}, {hp})"
 
+    def __reduce_ex__(self, proto: Any) -> Any:
+        """Pickled or deep-copied, it is what torch's own copy of an optimizer is: a plain
+        ``torch.optim`` optimizer of the engine's type with the same hyper-parameters and
+        state, over copies of the parameters (``copy.deepcopy((model, opt))`` keeps the two
+        together, as in torch). The engine and its shards stay behind."""
+        kind = self._engine.cfg.optimizer.type
+        if kind not in _PLAIN:
+            raise ConfigError(f"a copy of engine.optimizer ({kind}) would need outcore's "
+                              f"{kind}, which runs only in an engine; save "
+                              "engine.optimizer.state_dict() or a checkpoint instead")
+        self._engine._check_open()
+        self._engine.sharded_optimizer.wait()
+        groups = [dict(g) for g in self.param_groups]
+        return (_plain_optimizer, (kind, groups, self.state))
+
+
+_PLAIN = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
+
+
+def _plain_optimizer(kind: str, groups: list[dict[str, Any]], state: dict) -> torch.optim.Optimizer:
+    """A copy of ``engine.optimizer`` (``TorchOptimizer.__reduce_ex__``), made plain."""
+    opt = _PLAIN[kind](groups)
+    opt.state.update(state)
+    return opt
+
 
 def _slots(group: dict[str, Any], members: list[ShardedParam]) -> list[ShardedParam | None]:
     """Each parameter of a torch group dict in its order: its shard if it trains (a member),

@@ -6,6 +6,7 @@ update, and an in-place write on a copy is refused in words instead of being los
 from __future__ import annotations
 
 import copy
+import io
 import os
 from pathlib import Path
 
@@ -273,3 +274,38 @@ def test_numpy_of_a_state_copy_is_read_only(tmp_path: Path) -> None:
     own = np.array(moment)
     own[0, 0] = 1.0  # its own bytes
     engine.close()
+
+
+@pytest.mark.parametrize("offload", OFFLOADS)
+def test_a_copy_of_the_optimizer_is_torchs_own(tmp_path: Path, offload: str) -> None:
+    """``copy.deepcopy((model, engine.optimizer))`` and a pickle of both are a plain model and
+    a plain ``torch.optim.AdamW`` with the engine's hyper-parameters and state: training
+    them on in plain torch follows the engine (torch_optimizer.py's ``__reduce_ex__``)."""
+    model = _model()
+    engine = _engine(model, tmp_path, offload)
+    _steps(model, _engine_step(engine), range(2))
+    copies = [copy.deepcopy((model, engine.optimizer)),
+              torch.load(_saved((model, engine.optimizer)), weights_only=False)]
+    mine = _steps(model, _engine_step(engine), range(2, 4))
+    for plain, opt in copies:
+        assert type(opt) is torch.optim.AdamW and opt.param_groups[0]["lr"] == HP["lr"]
+        assert [id(p) for p in opt.param_groups[0]["params"]] == [
+            id(p) for p in plain.parameters()]
+        theirs = _steps(plain.to(default_device()), _torch_step(opt), range(2, 4))
+        assert theirs == pytest.approx(mine, rel=1e-5)
+    engine.close()
+
+
+def test_a_copy_of_an_adafactor_engine_optimizer_is_refused_in_words() -> None:
+    model = _model()
+    engine = outcore.initialize(model, {"dtype": "fp32", "optimizer": {"type": "adafactor"}})
+    with pytest.raises(outcore.ConfigError, match="save engine.optimizer.state_dict"):
+        copy.deepcopy(engine.optimizer)
+    engine.close()
+
+
+def _saved(obj: object) -> io.BytesIO:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    return buf

@@ -20,6 +20,7 @@ Every access waits for the updates still running, so it sees what ``step()`` lef
 from __future__ import annotations
 
 import copy
+import math
 import weakref
 from collections import defaultdict
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, MutableMapping
@@ -277,11 +278,7 @@ def prepared_moments(opt: ShardedOptimizer, sp: ShardedParam, entry: dict,
     shards = {kind: _moment_shard(opt, sp, kind, entry[kind], saved_world)
               for kind in state.moments}
     factors = opt.adafactor.checked_factors(sp, entry) if opt.adafactor is not None else []
-    try:
-        step = int(float(entry.get("step", state.step)))
-    except (TypeError, ValueError):
-        raise ConfigError(f"optimizer state 'step' for {sp.label()} is {entry['step']!r}, "
-                          "not a number") from None
+    step = _checked_step(opt, sp, entry, state.step)
 
     def write() -> None:
         for target, value in factors:
@@ -292,11 +289,36 @@ def prepared_moments(opt: ShardedOptimizer, sp: ShardedParam, entry: dict,
     return write
 
 
+def _checked_step(opt: ShardedOptimizer, sp: ShardedParam, entry: dict, current: int) -> int:
+    """The update count an entry holds: a whole number from 1 (outcore counts a parameter's
+    state from its first update). Adam's and AdamW's entries always hold one, as torch's do;
+    SGD's may not (torch's keeps none), and then the count stays."""
+    if "step" not in entry:
+        if opt.kind in ("adam", "adamw"):
+            raise ConfigError(f"optimizer state for {sp.label()} has moments but no 'step' "
+                              f"({sorted(entry)}); {opt.kind}'s bias correction needs it")
+        return current
+    value = entry["step"]
+    try:
+        number = float(torch.as_tensor(value).item()) if not isinstance(value, str) else None
+    except (TypeError, ValueError, RuntimeError):
+        number = None
+    if number is None or not math.isfinite(number) or number < 1 or number != int(number):
+        raise ConfigError(f"optimizer state 'step' for {sp.label()} is {value!r}: outcore "
+                          "counts a parameter's state from its first update, so the step is "
+                          "a whole number from 1")
+    return int(number)
+
+
 def _moment_shard(opt: ShardedOptimizer, sp: ShardedParam, kind: str, value: Any,
                   saved_world: int | None) -> torch.Tensor:
     """This rank's fp32 slice of moment ``kind`` from ``value``: the parameter's shape (cut
     here), or this rank's slice saved at the same world size."""
-    t = torch.as_tensor(value).to(opt.rt.device, torch.float32)
+    try:
+        t = torch.as_tensor(value).to(opt.rt.device, torch.float32)
+    except (TypeError, ValueError, RuntimeError, NotImplementedError) as e:
+        raise ConfigError(f"optimizer state {kind!r} for {sp.label()} is not a tensor of "
+                          f"numbers ({type(value).__name__}: {e})") from None
     if tuple(t.shape) == tuple(sp.shape):
         return sp.layout.cut(t, torch.float32)
     if t.numel() == sp.shard_numel and saved_world == opt.rt.world_size:

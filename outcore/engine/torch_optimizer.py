@@ -40,6 +40,7 @@ import torch
 
 from outcore.engine.optimizer_state import OptimizerState, moments_of, prepared_moments
 from outcore.errors import ConfigError, EngineClosedError
+from outcore.optim.param_groups import check_loaded_group
 
 if TYPE_CHECKING:
     from outcore.engine.core import Engine
@@ -133,6 +134,7 @@ class TorchOptimizer(torch.optim.Optimizer):
                                   f"parameters; this engine's holds {len(every)} "
                                   f"({len(members)} of them trainable)")
             slots.append(every if n == len(every) else list(members))
+            check_loaded_group(i, saved)
         sharded.wait()
         # updates of a boundary backward came from the moments this replaces: tentative ones
         # are taken back for step() to redo; ones applied for good refuse it (as zero_grad())
@@ -164,24 +166,43 @@ class TorchOptimizer(torch.optim.Optimizer):
         ``torch.optim`` optimizer of the engine's type with the same hyper-parameters and
         state, over copies of the parameters (``copy.deepcopy((model, opt))`` keeps the two
         together, as in torch). The engine and its shards stay behind."""
-        kind = self._engine.cfg.optimizer.type
+        engine = self._engine
+        kind = engine.cfg.optimizer.type
         if kind not in _PLAIN:
             raise ConfigError(f"a copy of engine.optimizer ({kind}) would need outcore's "
                               f"{kind}, which runs only in an engine; save "
                               "engine.optimizer.state_dict() or a checkpoint instead")
-        self._engine._check_open()
-        self._engine.sharded_optimizer.wait()
-        groups = [dict(g) for g in self.param_groups]
-        return (_plain_optimizer, (kind, groups, self.state))
+        if engine.rt.world_size > 1:
+            raise ConfigError("a copy of engine.optimizer at more than one rank: each rank "
+                              "holds a slice of every moment; save a checkpoint "
+                              "(engine.save_checkpoint) or each rank's state_dict() instead")
+        sharded = self.sharded()  # open, its running updates finished
+        if sharded.updated_this_round:
+            raise ConfigError("a copy of engine.optimizer between a backward that already "
+                              "applied its updates and step() would hold this step's moments "
+                              "with the parameters before it; copy it after step()")
+        return (_plain_optimizer, (kind, [dict(g) for g in self.param_groups], self.state))
+
+    def __copy__(self) -> Any:
+        raise ConfigError("a shallow copy of engine.optimizer would share the engine's "
+                          "parameters and state with a plain optimizer; use copy.deepcopy "
+                          "(with the model: copy.deepcopy((model, engine.optimizer)))")
 
 
 _PLAIN = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
 
 
-def _plain_optimizer(kind: str, groups: list[dict[str, Any]], state: dict) -> torch.optim.Optimizer:
-    """A copy of ``engine.optimizer`` (``TorchOptimizer.__reduce_ex__``), made plain."""
+def _plain_optimizer(kind: str, groups: list[dict[str, Any]], state: dict
+                     ) -> torch.optim.Optimizer:
+    """A copy of ``engine.optimizer`` (``TorchOptimizer.__reduce_ex__``), made plain. Its state
+    goes in through torch's own ``load_state_dict``, which casts the moments to each copied
+    parameter's dtype (bf16 ones with a bf16 model), as torch would have them."""
     opt = _PLAIN[kind](groups)
-    opt.state.update(state)
+    index = {id(p): i for i, p in enumerate(p for g in opt.param_groups for p in g["params"])}
+    opt.load_state_dict({
+        "state": {index[id(p)]: entry for p, entry in state.items()},
+        "param_groups": [{**g, "params": [index[id(p)] for p in g["params"]]}
+                         for g in opt.param_groups]})
     return opt
 
 

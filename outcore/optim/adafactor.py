@@ -210,7 +210,11 @@ class Runner:
         for kind, target in zip(FACTOR_KINDS, (f.row, f.col), strict=True):
             if kind not in entry:
                 raise ConfigError(f"Adafactor state for {sp.label()} has no {kind!r}")
-            value = torch.as_tensor(entry[kind])
+            try:  # on the factor's device now: a load that fails here has written nothing
+                value = torch.as_tensor(entry[kind]).to(target.device, target.dtype)
+            except (TypeError, ValueError, RuntimeError, NotImplementedError) as e:
+                raise ConfigError(f"Adafactor state {kind!r} for {sp.label()} is not a tensor "
+                                  f"of numbers ({e})") from None
             if value.numel() != target.numel():
                 raise ConfigError(f"Adafactor state {kind!r} for {sp.label()} has shape "
                                   f"{list(value.shape)}; it holds {target.numel()} values")

@@ -89,3 +89,18 @@ def check_param_groups(module: nn.Module, param_groups: Iterable[dict[str, Any]]
     if missing:
         raise ConfigError(f"trainable parameters in no param group: {missing[:5]}")
     return out
+
+
+def check_loaded_group(i: int, saved: dict[str, Any]) -> None:
+    """A saved param group ``load_state_dict`` takes: its torch keys at the values outcore's
+    kernels match and its numbers numbers, as ``initialize`` checks them, so a refused load
+    changes nothing and a taken one steps."""
+    for key, neutral in _TORCH_KEYS.items():
+        if key in saved and neutral is not None and saved[key] != neutral:
+            raise ConfigError(f"optimizer state_dict's param group {i}: {key}={saved[key]!r} "
+                              f"is not supported; outcore's kernels run with {key}={neutral!r}")
+    for key in ("lr", "weight_decay", "momentum"):  # (Adafactor's eps is a pair)
+        value = saved.get(key)
+        if value is not None and not isinstance(value, (int, float, torch.Tensor)):
+            raise ConfigError(f"optimizer state_dict's param group {i}: {key}={value!r} is "
+                              "not a number")

@@ -151,6 +151,8 @@ def _slices(tmp: str) -> dict:
     _steps(model, _engine_step(engine), range(2))
     out = {n: engine.optimizer.state[p]["exp_avg"].clone()
            for n, p in model.named_parameters()}
+    with pytest.raises(outcore.ConfigError, match="more than one rank"):  # slices: no copy
+        copy.deepcopy(engine.optimizer)
     engine.close()
     return out
 
@@ -181,6 +183,8 @@ def test_state_between_a_backward_that_updated_and_step(tmp_path: Path) -> None:
     with pytest.raises(outcore.OutcoreError, match="assignment to optimizer state between a "
                        r"backward and step\(\)"):
         engine.optimizer.state[p]["exp_avg"] = torch.zeros(32, 16)
+    with pytest.raises(outcore.ConfigError, match=r"copy it after step\(\)"):
+        copy.deepcopy((model, engine.optimizer))
     engine.step()
     engine.optimizer.state[p]["exp_avg"] = torch.zeros(32, 16)
     assert not engine.optimizer.state[p]["exp_avg"].any()
@@ -233,7 +237,7 @@ def test_a_refused_adafactor_factor_changes_neither(tmp_path: Path) -> None:
 def test_a_refused_state_dict_load_changes_nothing(tmp_path: Path, offload: str) -> None:
     """One bad entry (the last parameter's moment, or a step that is no number) refuses the
     whole load before any moment, step or hyper-parameter is written."""
-    def run(bad: str | None) -> list[float]:
+    def run(bad: object) -> list[float]:
         model = _model()
         engine = _engine(model, tmp_path / str(bad), offload)
         losses = _steps(model, _engine_step(engine), range(2))
@@ -241,20 +245,33 @@ def test_a_refused_state_dict_load_changes_nothing(tmp_path: Path, offload: str)
         if bad is not None:
             sd["param_groups"][0]["lr"] = 1.0
             sd["state"][0]["exp_avg"] = sd["state"][0]["exp_avg"] * 0 + 3.0
-            last = max(sd["state"])
+            last = sd["state"][max(sd["state"])]
             if bad == "shape":
-                sd["state"][last]["exp_avg_sq"] = torch.zeros(3)
+                last["exp_avg_sq"] = torch.zeros(3)
+            elif bad == "none":
+                last["exp_avg_sq"] = None
+            elif bad == "no step":
+                del last["step"]
+            elif bad == "amsgrad":
+                sd["param_groups"][0]["amsgrad"] = True
+            elif bad == "lr":
+                sd["param_groups"][0]["lr"] = "fast"
             else:
-                sd["state"][last]["step"] = "many"
-            with pytest.raises(outcore.ConfigError, match="exp_avg_sq" if bad == "shape"
-                               else "'step' .* not a number"):
+                last["step"] = bad
+            with pytest.raises(outcore.ConfigError, match=BAD[bad]):
                 engine.optimizer.load_state_dict(sd)
         losses += _steps(model, _engine_step(engine), range(2, 4))
         engine.close()
         return losses
     want = run(None)
-    assert run("shape") == want
-    assert run("step") == want
+    for bad in BAD:
+        assert run(bad) == want, bad
+
+
+BAD: dict = {"shape": "exp_avg_sq", "none": "exp_avg_sq.* not a tensor of numbers",
+             "no step": "no 'step'", "amsgrad": "amsgrad=True is not supported",
+             "lr": "lr='fast' is not a number"}
+BAD.update({v: "whole number from 1" for v in ("many", -3, 0, float("inf"), 2.5)})
 
 
 def test_numpy_of_a_state_copy_is_read_only(tmp_path: Path) -> None:
@@ -293,6 +310,24 @@ def test_a_copy_of_the_optimizer_is_torchs_own(tmp_path: Path, offload: str) -> 
             id(p) for p in plain.parameters()]
         theirs = _steps(plain.to(default_device()), _torch_step(opt), range(2, 4))
         assert theirs == pytest.approx(mine, rel=1e-5)
+    engine.close()
+
+
+def test_a_copy_in_bf16_steps_as_torchs_would(tmp_path: Path) -> None:
+    """With a 16-bit model the copied moments take the copied parameters' dtype, as torch's
+    ``load_state_dict`` gives them, so the copy steps; a shallow copy is refused in words."""
+    model = _model()
+    engine = outcore.initialize(model, {"dtype": "bf16", "optimizer": {"type": "adamw", **HP}})
+    for step in range(2):
+        engine.backward(model(_batch(step).to(torch.bfloat16)).float().pow(2).mean())
+        engine.step()
+    plain, opt = copy.deepcopy((model, engine.optimizer))
+    plain(_batch(2).to(torch.bfloat16)).float().pow(2).mean().backward()
+    opt.step()
+    assert {v.dtype for s in opt.state.values() for k, v in s.items() if k != "step"} == {
+        torch.bfloat16}
+    with pytest.raises(outcore.ConfigError, match="use copy.deepcopy"):
+        copy.copy(engine.optimizer)
     engine.close()
 
 

@@ -118,6 +118,29 @@ class TorchOptimizer(torch.optim.Optimizer):
                 "outcore": {"world_size": rt.world_size, "rank": rt.rank}}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Every entry is checked before any is written, so a refused load changes nothing;
+        at more ranks a refusal on one is a refusal on all, as the ranks must stay alike."""
+        try:
+            writes, groups = self._prepared(state_dict)
+            error: Exception | None = None
+        except Exception as e:  # noqa: BLE001 - raised below, once every rank knows
+            writes, groups, error = [], [], e
+        rt = self._engine.rt
+        if rt.world_size > 1:  # every rank reaches this, refused or not: no one waits alone
+            flag = torch.tensor([0.0 if error is None else 1.0], device=rt.device)
+            if float(rt.comm.all_reduce_max(flag)[0]) > 0 and error is None:
+                error = ConfigError("optimizer load_state_dict() was refused on another rank "
+                                    "(its error says why); this rank loaded nothing either")
+        if error is not None:
+            raise error
+        for write in writes:
+            write()
+        for mine, saved in zip(self.param_groups, groups, strict=True):
+            mine.update({k: v for k, v in saved.items() if k != "params"})
+
+    def _prepared(self, state_dict: dict[str, Any]
+                  ) -> tuple[list[Callable[[], None]], list[dict[str, Any]]]:
+        """What loading ``state_dict`` writes, every part of it checked; and its groups."""
         sharded = self._engine.sharded_optimizer
         groups = state_dict.get("param_groups")
         if not isinstance(groups, list) or len(groups) != len(self.param_groups):
@@ -146,16 +169,13 @@ class TorchOptimizer(torch.optim.Optimizer):
                               f"this is rank {self._engine.rt.rank}: each rank loads the "
                               "state dict it saved (engine.save_checkpoint loads at any rank)")
         saved_state = state_dict.get("state", {})
-        writes = []  # every entry checked before any is written: a refused load changes nothing
+        writes = []
         for group_slots, saved in zip(slots, groups, strict=True):
             for sp, key in zip(group_slots, saved["params"], strict=True):
                 entry = saved_state.get(key)
                 if sp is not None and entry:
                     writes.append(prepared_moments(sharded, sp, entry, saved_world=world))
-        for write in writes:
-            write()
-        for mine, saved in zip(self.param_groups, groups, strict=True):
-            mine.update({k: v for k, v in saved.items() if k != "params"})
+        return writes, groups
 
     def __repr__(self) -> str:
         hp = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]

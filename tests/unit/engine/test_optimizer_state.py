@@ -157,6 +157,27 @@ def _slices(tmp: str) -> dict:
     return out
 
 
+def _one_rank_refuses(tmp: str) -> dict:
+    rank = int(os.environ["RANK"])
+    model = _model()
+    engine = _engine(model, Path(tmp) / f"rank{rank}", "cpu")
+    _steps(model, _engine_step(engine), range(1))
+    sd = copy.deepcopy(engine.optimizer.state_dict())
+    before = engine.optimizer.state[model[0].weight]["exp_avg"].clone()
+    sd["state"][0]["exp_avg"] = sd["state"][0]["exp_avg"] + 1.0
+    if rank == 1:
+        sd["state"][0]["step"] = -1
+    with pytest.raises(outcore.ConfigError, match="whole number" if rank else "another rank"):
+        engine.optimizer.load_state_dict(sd)
+    after = engine.optimizer.state[model[0].weight]["exp_avg"]
+    engine.close()
+    return {"unchanged": bool(torch.equal(before, after))}
+
+
+def test_a_load_refused_on_one_rank_is_refused_on_all(tmp_path: Path) -> None:
+    assert run_world(_one_rank_refuses, 2, str(tmp_path)) == [{"unchanged": True}] * 2
+
+
 def test_at_two_ranks_each_holds_its_slice(tmp_path: Path) -> None:
     """At more ranks ``state[p]`` is this rank's slice (as ``state_dict()``): together the
     slices are torch's moment."""

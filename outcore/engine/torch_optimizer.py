@@ -120,6 +120,7 @@ class TorchOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Every entry is checked before any is written, so a refused load changes nothing;
         at more ranks a refusal on one is a refusal on all, as the ranks must stay alike."""
+        self._engine._check_open()  # a closed engine's ranks agree on nothing any more
         try:
             writes, groups = self._prepared(state_dict)
             error: Exception | None = None

@@ -130,7 +130,7 @@ class ParamOptimizerState(MutableMapping[str, torch.Tensor]):
             raise ParamAccessError(f"optimizer state of parameter {self._sp.label()} has no "
                                    f"{key!r}; it has {sorted(keys)}")
         new = torch.as_tensor(value).detach()
-        if key == "step" and float(new) < 1:
+        if key == "step" and not (math.isfinite(float(new)) and float(new) >= 1):
             raise ParamAccessError(f"optimizer state of parameter {self._sp.label()}: step "
                                    f"{float(new):g}; outcore counts a parameter's state from "
                                    "its first update, so the step is 1 or more")
@@ -275,7 +275,9 @@ def prepared_moments(opt: ShardedOptimizer, sp: ShardedParam, entry: dict,
         if kind not in entry:
             raise ConfigError(f"optimizer state for {sp.label()} has no {kind!r} "
                               f"({sorted(entry)}); this engine's {opt.kind} needs it")
-    shards = {kind: _moment_shard(opt, sp, kind, entry[kind], saved_world)
+    # checked now, cut as each is written: holding every cut slice until all are checked
+    # would hold a second copy of the whole state dict
+    values = {kind: _checked_moment(opt, sp, kind, entry[kind], saved_world)
               for kind in state.moments}
     factors = opt.adafactor.checked_factors(sp, entry) if opt.adafactor is not None else []
     step = _checked_step(opt, sp, entry, state.step)
@@ -283,8 +285,8 @@ def prepared_moments(opt: ShardedOptimizer, sp: ShardedParam, entry: dict,
     def write() -> None:
         for target, value in factors:
             target.copy_(value)
-        for kind, shard in shards.items():
-            state.moments[kind].save(shard).result()
+        for kind, t in values.items():
+            state.moments[kind].save(_as_shard(opt, sp, t)).result()
         state.step = step
     return write
 
@@ -312,17 +314,33 @@ def _checked_step(opt: ShardedOptimizer, sp: ShardedParam, entry: dict, current:
 
 def _moment_shard(opt: ShardedOptimizer, sp: ShardedParam, kind: str, value: Any,
                   saved_world: int | None) -> torch.Tensor:
-    """This rank's fp32 slice of moment ``kind`` from ``value``: the parameter's shape (cut
-    here), or this rank's slice saved at the same world size."""
+    """This rank's fp32 slice of moment ``kind`` from ``value``, checked."""
+    return _as_shard(opt, sp, _checked_moment(opt, sp, kind, value, saved_world))
+
+
+def _as_shard(opt: ShardedOptimizer, sp: ShardedParam, t: torch.Tensor) -> torch.Tensor:
+    """A checked moment as this rank's fp32 slice: cut from the parameter's shape, or the
+    slice itself."""
+    t = t.to(opt.rt.device, torch.float32)
+    return sp.layout.cut(t, torch.float32) if tuple(t.shape) == tuple(sp.shape) else t.reshape(-1)
+
+
+def _checked_moment(opt: ShardedOptimizer, sp: ShardedParam, kind: str, value: Any,
+                    saved_world: int | None) -> torch.Tensor:
+    """``value`` as a tensor, checked to be moment ``kind`` of ``sp``: real numbers in the
+    parameter's shape (cut when written), or this rank's slice saved at the same world size."""
     try:
-        t = torch.as_tensor(value).to(opt.rt.device, torch.float32)
-    except (TypeError, ValueError, RuntimeError, NotImplementedError) as e:
+        t = torch.as_tensor(value)
+    except (TypeError, ValueError, RuntimeError) as e:
         raise ConfigError(f"optimizer state {kind!r} for {sp.label()} is not a tensor of "
                           f"numbers ({type(value).__name__}: {e})") from None
-    if tuple(t.shape) == tuple(sp.shape):
-        return sp.layout.cut(t, torch.float32)
-    if t.numel() == sp.shard_numel and saved_world == opt.rt.world_size:
-        return t.reshape(-1)
+    if t.device.type == "meta" or t.is_complex():
+        raise ConfigError(f"optimizer state {kind!r} for {sp.label()} is a "
+                          f"{'meta' if t.device.type == 'meta' else str(t.dtype)} tensor, "
+                          "not real numbers")
+    if tuple(t.shape) == tuple(sp.shape) or (
+            t.numel() == sp.shard_numel and saved_world == opt.rt.world_size):
+        return t
     raise ConfigError(
         f"optimizer state {kind!r} for {sp.label()} has shape {list(t.shape)}: "
         f"neither the parameter's {list(sp.shape)} nor this rank's slice of "

@@ -256,8 +256,9 @@ def test_a_refused_adafactor_factor_changes_neither(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("offload", OFFLOADS)
 def test_a_refused_state_dict_load_changes_nothing(tmp_path: Path, offload: str) -> None:
-    """One bad entry (the last parameter's moment, or a step that is no number) refuses the
-    whole load before any moment, step or hyper-parameter is written."""
+    """One bad entry (``BAD``: the last parameter's moment or step, a group's torch key or
+    learning rate) refuses the whole load before any moment, step or hyper-parameter is
+    written: the next steps are those of a run that never tried."""
     def run(bad: object) -> list[float]:
         model = _model()
         engine = _engine(model, tmp_path / str(bad), offload)

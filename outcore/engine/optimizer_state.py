@@ -129,22 +129,23 @@ class ParamOptimizerState(MutableMapping[str, torch.Tensor]):
         if key not in keys:
             raise ParamAccessError(f"optimizer state of parameter {self._sp.label()} has no "
                                    f"{key!r}; it has {sorted(keys)}")
-        new = torch.as_tensor(value).detach()
-        if key == "step" and not (math.isfinite(float(new)) and float(new) >= 1):
+        step = _whole_step(value) if key == "step" else None
+        if key == "step" and step is None:
             raise ParamAccessError(f"optimizer state of parameter {self._sp.label()}: step "
-                                   f"{float(new):g}; outcore counts a parameter's state from "
-                                   "its first update, so the step is 1 or more")
+                                   f"{_shown(value)}; outcore counts a parameter's state from "
+                                   "its first update, so the step is a whole number, 1 or more")
+        new = torch.as_tensor(value).detach()
         engine, sp = self._facade._engine, self._sp
         sharded = engine.sharded_optimizer
         # updates applied during a boundary backward used the moments this replaces: refused
         # as zero_grad() is there; tentative ones are taken back, for step() to redo
         engine._reopen_boundary("an assignment to optimizer state")
         moments = sharded.state[sp].moments
-        if key == "step":
-            sharded.restore_step(sp, int(float(new)))
+        if step is not None:
+            sharded.restore_step(sp, step)
         elif key in moments:  # only this moment is written: the others stay where they are
-            shard = _moment_shard(sharded, sp, key, new, saved_world=engine.rt.world_size)
-            moments[key].save(shard).result()
+            checked = _checked_moment(sharded, sp, key, new, saved_world=engine.rt.world_size)
+            moments[key].save(_as_shard(sharded, sp, checked)).result()
         else:  # an Adafactor factor (in memory): written with its partner
             assert sharded.adafactor is not None  # _keys() names factors only with it
             sharded.adafactor.load_factors(sp, {**sharded.adafactor.factors_of(sp), key: new})
@@ -263,6 +264,7 @@ def moments_of(opt: ShardedOptimizer, sp: ShardedParam,
     factors = opt.adafactor.factors_of(sp) if opt.adafactor else {}
     return {**out, **{k: v for k, v in factors.items() if kinds is None or k in kinds}}
 
+
 def prepared_moments(opt: ShardedOptimizer, sp: ShardedParam, entry: dict,
                      saved_world: int | None) -> Callable[[], None]:
     """Check a torch-style state entry for ``sp`` and return what writes it: its step and
@@ -300,22 +302,32 @@ def _checked_step(opt: ShardedOptimizer, sp: ShardedParam, entry: dict, current:
             raise ConfigError(f"optimizer state for {sp.label()} has moments but no 'step' "
                               f"({sorted(entry)}); {opt.kind}'s bias correction needs it")
         return current
-    value = entry["step"]
+    step = _whole_step(entry["step"])
+    if step is None:
+        raise ConfigError(f"optimizer state 'step' for {sp.label()} is {entry['step']!r}: "
+                          "outcore counts a parameter's state from its first update, so the "
+                          "step is a whole number from 1")
+    return step
+
+
+def _shown(value: Any) -> str:
+    """A step as a message names it: ``tensor(0.)`` as 0."""
+    try:
+        return f"{float(torch.as_tensor(value).item()):g}"
+    except (TypeError, ValueError, RuntimeError):
+        return repr(value)
+
+
+def _whole_step(value: Any) -> int | None:
+    """``value`` (a number or a one-element tensor, as torch keeps it) as an update count: a
+    whole number from 1; None for anything else."""
     try:
         number = float(torch.as_tensor(value).item()) if not isinstance(value, str) else None
     except (TypeError, ValueError, RuntimeError):
-        number = None
+        return None
     if number is None or not math.isfinite(number) or number < 1 or number != int(number):
-        raise ConfigError(f"optimizer state 'step' for {sp.label()} is {value!r}: outcore "
-                          "counts a parameter's state from its first update, so the step is "
-                          "a whole number from 1")
+        return None
     return int(number)
-
-
-def _moment_shard(opt: ShardedOptimizer, sp: ShardedParam, kind: str, value: Any,
-                  saved_world: int | None) -> torch.Tensor:
-    """This rank's fp32 slice of moment ``kind`` from ``value``, checked."""
-    return _as_shard(opt, sp, _checked_moment(opt, sp, kind, value, saved_world))
 
 
 def _as_shard(opt: ShardedOptimizer, sp: ShardedParam, t: torch.Tensor) -> torch.Tensor:

@@ -72,10 +72,7 @@ def check_param_groups(module: nn.Module, param_groups: Iterable[dict[str, Any]]
         if unknown:
             raise ConfigError(f"param_groups[{i}]: unknown keys {sorted(unknown)}; "
                               f"allowed: params, {', '.join(HP_KEYS)}")
-        for key, neutral in _TORCH_KEYS.items():
-            if key in spec and neutral is not None and spec[key] != neutral:
-                raise ConfigError(f"param_groups[{i}]: {key}={spec[key]!r} is not supported; "
-                                  f"outcore's kernels run with {key}={neutral!r}")
+        _check_torch_keys(f"param_groups[{i}]", spec)
         params = list(spec.get("params", []))
         for p in params:
             if id(p) not in names:
@@ -95,12 +92,17 @@ def check_loaded_group(i: int, saved: dict[str, Any]) -> None:
     """A saved param group ``load_state_dict`` takes: its torch keys at the values outcore's
     kernels match and its numbers numbers, as ``initialize`` checks them, so a refused load
     changes nothing and a taken one steps."""
-    for key, neutral in _TORCH_KEYS.items():
-        if key in saved and neutral is not None and saved[key] != neutral:
-            raise ConfigError(f"optimizer state_dict's param group {i}: {key}={saved[key]!r} "
-                              f"is not supported; outcore's kernels run with {key}={neutral!r}")
+    _check_torch_keys(f"optimizer state_dict's param group {i}", saved)
     for key in ("lr", "weight_decay", "momentum"):  # (Adafactor's eps is a pair)
         value = saved.get(key)
         if value is not None and not isinstance(value, (int, float, torch.Tensor)):
             raise ConfigError(f"optimizer state_dict's param group {i}: {key}={value!r} is "
                               "not a number")
+
+
+def _check_torch_keys(where: str, group: dict[str, Any]) -> None:
+    """torch's own group keys at the values outcore's kernels match (``_TORCH_KEYS``)."""
+    for key, neutral in _TORCH_KEYS.items():
+        if key in group and neutral is not None and group[key] != neutral:
+            raise ConfigError(f"{where}: {key}={group[key]!r} is not supported; outcore's "
+                              f"kernels run with {key}={neutral!r}")

@@ -15,7 +15,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 from enum import Enum
-from types import FrameType
+from types import CodeType, FrameType
 from typing import Any, TypeAlias
 
 import torch
@@ -125,6 +125,20 @@ def local_write(func: Any) -> bool:
 _PARAMETER_NEW = nn.Parameter.__new__.__code__
 
 
+def _called_from(code: CodeType, depth: int = 8) -> bool:
+    """Whether a frame running ``code`` is among the ``depth`` callers of our caller's caller:
+    the torch function that started a call, seen through dispatch, a view's or a user's
+    torch function mode, and the ``.data`` setter."""
+    frame: FrameType | None = sys._getframe(2)
+    for _ in range(depth):
+        if frame is None:
+            return False
+        if frame.f_code is code:
+            return True
+        frame = frame.f_back
+    return False
+
+
 def refuse_new_parameter(func: Any, args: Args) -> None:
     """Refuse ``nn.Parameter(p)`` of a sharded parameter or a view of one, seen as the
     ``detach`` that ``Parameter.__new__`` calls on a tensor subclass.
@@ -136,14 +150,7 @@ def refuse_new_parameter(func: Any, args: Args) -> None:
     stop training; without this, torch's own check fails with a message about
     ``__torch_dispatch__``. (A parametrization that registers the same tensor again, as
     ``spectral_norm`` does, makes no new parameter and trains as in torch.)"""
-    if func != DETACH:
-        return
-    frame: FrameType | None = sys._getframe(1)
-    for _ in range(8):  # dispatch or a view's __torch_function__ (under a user's modes too)
-        if frame is None or frame.f_code is _PARAMETER_NEW:
-            break
-        frame = frame.f_back
-    if frame is None or frame.f_code is not _PARAMETER_NEW:
+    if func != DETACH or not _called_from(_PARAMETER_NEW):
         return
     source = getattr(args[0], "source", args[0])  # a view's parameter
     sp = registry.managed(source)
@@ -168,12 +175,7 @@ def dtype_refusal(label: str, given: torch.dtype, dtype: torch.dtype, building: 
     ``outcore.initialize`` casts them). Said as the call the user made when it is a module
     conversion (``model.half()``, ``.float()``, ``.to(dtype)``: torch's ``Module._apply``
     assigns ``.data``), since the user never wrote ``.data`` there."""
-    frame: FrameType | None = sys._getframe(1)
-    for _ in range(8):  # through dispatch, the .data setter and its torch function
-        if frame is None or frame.f_code is _MODULE_APPLY:
-            break
-        frame = frame.f_back
-    if frame is None or frame.f_code is not _MODULE_APPLY:
+    if not _called_from(_MODULE_APPLY):
         return (f"assigning a {given} tensor to parameter {label}.data: outcore computes it in "
                 f"{dtype} (the config's dtype); assign a {dtype} tensor, or copy_() values of "
                 "any dtype into it")

@@ -169,6 +169,37 @@ def refuse_new_parameter(func: Any, args: Args) -> None:
 _MODULE_APPLY = nn.Module._apply.__code__
 
 
+def refuse_replacing_conversion(func: Any, args: Args) -> None:
+    """Refuse a module conversion (``model.half()``, ``.to(...)``, ``.cpu()``) of a sharded
+    parameter while torch's ``torch.__future__`` flags make conversions replace parameters.
+
+    With ``set_overwrite_module_params_on_conversion(True)`` torch's ``Module._apply`` puts
+    a new ``nn.Parameter`` holding ``fn(p)`` in the module instead of assigning ``p.data``
+    (and ``set_swap_module_params_on_conversion(True)`` swaps the two tensors' contents).
+    The engine goes on fetching and training the parameter it sharded while the model
+    computes with the new one, so training would silently stop changing the model. Seen at
+    ``fn(p)``, before torch replaces anything; the flags are module globals, read first so
+    the frame walk runs only while one is set."""
+    future = torch.__future__
+    flag = ("set_overwrite_module_params_on_conversion"
+            if future.get_overwrite_module_params_on_conversion() else
+            "set_swap_module_params_on_conversion"
+            if future.get_swap_module_params_on_conversion() else None)
+    if flag is None:
+        return
+    sp = registry.managed(args[0]) if args else None
+    if sp is None or not _called_from(_MODULE_APPLY):
+        return
+    advice = ("set dtype in the config to choose outcore's dtype" if sp.rt.engine is None
+              else "convert before outcore.initialize or after engine.close()")
+    raise ParamAccessError(
+        f"converting the model (model.half(), .float(), .to(...), .cpu()) with "
+        f"torch.__future__.{flag}(True): torch would replace parameter {sp.label()}, which "
+        "outcore shards, with a new tensor that the engine neither fetches nor trains, so "
+        f"training would silently stop changing the model. Call torch.__future__.{flag}"
+        f"(False) while outcore holds the model, or {advice}; no parameter was converted")
+
+
 def dtype_refusal(label: str, given: torch.dtype, dtype: torch.dtype, building: bool) -> str:
     """Why a parameter's ``.data`` may not become a ``given`` tensor: outcore computes it in
     ``dtype`` (``building``: under ``outcore.init``, where it holds fp32 values until

@@ -19,6 +19,7 @@ optimizers, tied references and ``named_parameters`` keep pointing at the same o
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -49,7 +50,7 @@ class ShardedParam:
         if not param.is_floating_point():
             shape = tuple(param.shape)
             raise ConfigError(f"cannot shard a {param.dtype} parameter of shape {shape}")
-        self._param = weakref.ref(param)
+        self._param: Callable[[], nn.Parameter | None] = weakref.ref(param)
         self.rt = rt
         self.name = ""
         self.shape = param.shape
@@ -223,7 +224,8 @@ class ShardedParam:
         self._show(values)
         surface.undress(param, self.user_class)
         registry.unregister(param)
-        self.group = None
+        # plain again, weakly referred to by nothing (torch swaps no tensor that is)
+        self.group, self._param = None, lambda: None
 
     def drop(self) -> None:
         """SHARDED -> DROPPED: the engine closed without keeping values (close()); the

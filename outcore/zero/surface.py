@@ -64,7 +64,16 @@ from torch import nn
 from outcore.errors import ConfigError, GradReadWarning, user_stacklevel
 from outcore.runtime.phase import Phase
 from outcore.zero import access, registry
-from outcore.zero.calls import DETACH, GRAD_GET, Args, Kind, Kwargs, kind_of, refuse_new_parameter
+from outcore.zero.calls import (
+    DETACH,
+    GRAD_GET,
+    Args,
+    Kind,
+    Kwargs,
+    kind_of,
+    refuse_new_parameter,
+    refuse_replacing_conversion,
+)
 from outcore.zero.state import HAS_VALUES, USER_OWNED
 
 
@@ -128,6 +137,7 @@ def dispatch(func: Any, args: Args, kwargs: Kwargs) -> Any:
             _notice_grad_read(args[0])
         return out
     refuse_new_parameter(func, args)  # only a detach is looked at further
+    refuse_replacing_conversion(func, args)  # only while torch.__future__ asks for it
     touched = access.touched(args, kwargs)
     if not touched:
         return access.raw(func, args, kwargs)

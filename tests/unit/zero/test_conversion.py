@@ -28,7 +28,8 @@ CONVERSIONS: dict[str, Callable[[nn.Module], object]] = {
 
 
 def _trained(offload: str, tmp: Path, convert: Callable[[nn.Module], object] | None,
-             steps: int = 3) -> tuple[list[float], list[torch.Tensor]]:
+             steps: int = 3, match: str = r"converting the model to torch\.float",
+             ) -> tuple[list[float], list[torch.Tensor]]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4)).to(default_device())
     engine = outcore.initialize(model, {
@@ -40,9 +41,11 @@ def _trained(offload: str, tmp: Path, convert: Callable[[nn.Module], object] | N
             default_device())
         if step == 1 and convert is not None:
             before = [p.detach().clone() for p in model.parameters()]
-            with pytest.raises(ParamAccessError, match=r"converting the model to torch\.float"):
+            params = list(model.parameters())
+            with pytest.raises(ParamAccessError, match=match):
                 convert(model)
             assert all(p.dtype == torch.float32 for p in model.parameters())
+            assert all(a is b for a, b in zip(params, model.parameters(), strict=True))
             assert all(torch.equal(a, p.detach()) for a, p in zip(before, model.parameters(),
                                                                    strict=True))
         loss = engine(x).pow(2).mean()
@@ -88,4 +91,70 @@ def test_a_conversion_under_init_says_to_set_the_dtype(tmp_path: Path) -> None:
     engine.backward(loss)
     engine.step()
     assert all(p.dtype == torch.float32 for p in model.parameters())
+    engine.close()
+
+
+FUTURE_FLAGS = {
+    "overwrite": torch.__future__.set_overwrite_module_params_on_conversion,
+    "swap": torch.__future__.set_swap_module_params_on_conversion,
+}
+
+
+def _under(flag: str, convert: Callable[[nn.Module], object]) -> Callable[[nn.Module], object]:
+    """``convert`` with one of torch's ``torch.__future__`` conversion flags set, and unset
+    after (they are process-wide)."""
+    def run(model: nn.Module) -> object:
+        FUTURE_FLAGS[flag](True)
+        try:
+            return convert(model)
+        finally:
+            FUTURE_FLAGS[flag](False)
+    return run
+
+
+@pytest.mark.parametrize("offload", ["none", "nvme"])
+@pytest.mark.parametrize("flag", list(FUTURE_FLAGS))
+@pytest.mark.parametrize("name", ["half", "float", "to_device"])
+def test_a_conversion_that_would_replace_parameters_is_refused(offload: str, flag: str,
+                                                               name: str, tmp_path: Path) -> None:
+    """With torch's flags a conversion puts new parameters in the model (or swaps their
+    contents); the engine would train the old ones, silently. Even a conversion to the
+    dtype the model already has (``.float()``) or to its own device would replace them."""
+    convert = {"half": lambda m: m.half(), "float": lambda m: m.float(),
+               "to_device": lambda m: m.to(default_device())}[name]
+    want = _trained(offload, tmp_path / "a", None)
+    got = _trained(offload, tmp_path / "b", _under(flag, convert),
+                   match=rf"torch\.__future__\.set_{flag}_module_params_on_conversion\(True\)"
+                         r": torch would replace parameter 0\.weight")
+    assert got[0] == want[0]
+    assert all(torch.equal(a, b) for a, b in zip(got[1], want[1], strict=True))
+
+
+@pytest.mark.parametrize("flag", list(FUTURE_FLAGS))
+def test_after_close_the_flags_convert_as_in_torch(flag: str, tmp_path: Path) -> None:
+    """Handed back, the parameters are plain: nothing of outcore's (a weak reference, which
+    torch's swap refuses) stays on them, and the conversion happens as it would in torch."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)).to(default_device())
+    engine = outcore.initialize(model, {"dtype": "fp32", "offload": {
+        "params": "nvme", "optimizer": "nvme", "nvme_path": str(tmp_path)}})
+    engine.close()
+    values = [p.detach().clone() for p in model.parameters()]
+    _under(flag, lambda m: m.double())(model)
+    assert all(p.dtype == torch.float64 for p in model.parameters())
+    assert all(torch.equal(a.double(), p.detach())
+               for a, p in zip(values, model.parameters(), strict=True))
+
+
+def test_a_replacing_conversion_under_init_says_to_set_the_dtype(tmp_path: Path) -> None:
+    with outcore.init({"dtype": "fp32"}):
+        model = nn.Linear(4, 4)
+    with pytest.raises(ParamAccessError, match=r"overwrite_module_params_on_conversion\(False\) "
+                                               "while outcore holds the model, or set dtype"):
+        _under("overwrite", lambda m: m.float())(model)
+    weight = model.weight
+    engine = outcore.initialize(model, {"dtype": "fp32", "optimizer": {"lr": 0.1}})
+    before = weight.detach().clone()
+    engine.backward(engine(torch.ones(2, 4, device=default_device())).sum())
+    engine.step()
+    assert model.weight is weight and not torch.equal(before, weight.detach())
     engine.close()

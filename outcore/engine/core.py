@@ -16,7 +16,6 @@ whole global batch: what one process training on all of it would see.
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import weakref
 from collections.abc import Iterable
@@ -56,8 +55,6 @@ from outcore.zero import build
 from outcore.zero.gathered import gathered_parameters
 from outcore.zero.param import ShardedParam
 from outcore.zero.registry import managed, parameter_counts
-
-log = logging.getLogger("outcore")
 
 
 def initialize(model: nn.Module, cfg: Config | dict | str | None = None,
@@ -241,15 +238,24 @@ class Engine:
         """Whether the last backward ended an accumulation, so ``step()`` will update."""
         return self.micro_steps > 0 and self._at_boundary
 
-    @torch.no_grad()
     def step(self) -> bool:
         """Apply the optimizer at an accumulation boundary; True if parameters changed (the
         last updates may still be running: pipeline.py's [Note: the step's tail runs into the next
-        forward])."""
+        forward]). Run as ``engine.optimizer.step()`` (or the adopted optimizer's), so torch's
+        step hooks run and a scheduler bound to it counts the step, once per update."""
+        return self._update(via=self.adopted_optimizer or self.optimizer)
+
+    @torch.no_grad()
+    def _update(self, via: torch.optim.Optimizer | None = None) -> bool:
+        """The update at an accumulation boundary: through the optimizer ``via`` (whose
+        ``step()`` calls this again: torch_optimizer.py), or now."""
         self._check_open()
         self._check_nothing_shown("engine.step()")
         if not self.is_accumulation_boundary:
             return False
+        if via is not None:
+            via.step()
+            return not self.optimizer.skipped
         with record_function(STEP):
             return self._step()
 
@@ -433,20 +439,6 @@ class Engine:
             self._folders.release_all()
         if error is not None:
             raise error
-
-    def hand_over(self) -> None:
-        """A newer engine takes the model: this one lets go of it, keeps no values and
-        cannot be used after (engine/lifetime.py's [Note: a second engine on the same model])."""
-        try:
-            self.sharded_optimizer.wait()
-        except Exception as e:  # noqa: BLE001 - the new engine starts from the shards as they are
-            log.warning("outcore: an update of the engine being replaced failed: %s", e)
-        lifetime.detach(self)
-        self._folders.release_all()
-        self.rt.engine = None
-        self._closed = ("this outcore Engine handed its model to a newer engine "
-                        "(outcore.initialize or a new OutcoreTrainer on the same model); use "
-                        "that one")
 
     @property
     def closed(self) -> bool:

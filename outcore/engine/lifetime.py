@@ -43,6 +43,21 @@ if TYPE_CHECKING:
 log = logging.getLogger("outcore")
 
 
+def hand_over(engine: Engine) -> None:
+    """A newer engine takes the model: ``engine`` lets go of it, keeps no values and cannot
+    be used after (see [Note: a second engine on the same model])."""
+    try:
+        engine.sharded_optimizer.wait()
+    except Exception as e:  # noqa: BLE001 - the new engine starts from the shards as they are
+        log.warning("outcore: an update of the engine being replaced failed: %s", e)
+    detach(engine)
+    engine._folders.release_all()
+    engine.rt.engine = None
+    engine._closed = ("this outcore Engine handed its model to a newer engine "
+                      "(outcore.initialize or a new OutcoreTrainer on the same model); use "
+                      "that one")
+
+
 def runtime_for(module: nn.Module, cfg: Config,
                 trainable_fraction: float) -> tuple[Runtime, bool]:
     """The runtime of the model's shards, or a new one; and whether it is new.
@@ -50,7 +65,7 @@ def runtime_for(module: nn.Module, cfg: Config,
     [Note: a second engine on the same model]
     Shards already exist when the model was built under ``outcore.init`` or another
     engine holds it (a second trainer, a resume with another batch size). An engine
-    still holding the model hands it over (``Engine.hand_over``: its hooks and optimizer go, the
+    still holding the model hands it over (``hand_over``: its hooks and optimizer go, the
     shards stay) and cannot be used after. The shards stay where they are if the new
     config places them the same way; otherwise each one moves to the new placement
     (``ShardedParam.move_to``), one shard at a time, so the model is never whole in
@@ -70,7 +85,7 @@ def runtime_for(module: nn.Module, cfg: Config,
     rt = next(iter(runtimes.values()))
     holder = rt.engine() if rt.engine is not None else None
     if holder is not None and not holder.closed:
-        holder.hand_over()
+        hand_over(holder)
     if rt.cfg.offload == cfg.offload and not rt.closed:
         rt.reconfigure(cfg)
         return rt, False

@@ -37,6 +37,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
 from outcore.engine.optimizer_state import OptimizerState, moments_of, prepared_moments
 from outcore.errors import ConfigError, EngineClosedError
@@ -60,13 +61,14 @@ class TorchOptimizer(torch.optim.Optimizer):
         self._built = True
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
-        """``engine.step()``; a ``closure`` is called first (it runs forward and backward),
-        and its loss returned, as with torch optimizers."""
+        """The engine's update (``engine.step()`` runs it through here); a ``closure`` is
+        called first (it runs forward and backward), and its loss returned, as with torch
+        optimizers."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self.skipped = not self._engine.step()
+        self.skipped = not self._engine._update()
         adopted = self._engine.adopted_optimizer  # param_groups.py's adopting note
         if adopted is not None:  # what a scheduler bound to it checks (torch's lr_scheduler)
             adopted._opt_called = True
@@ -254,6 +256,16 @@ def adopt(adopted: torch.optim.Optimizer, facade: TorchOptimizer) -> None:
     setattr(adopted, _SAVED, saved)
 
 
+# torch's registries of global step hooks (register_optimizer_step_pre_hook / _post_hook)
+_GLOBAL_PRE, _GLOBAL_POST = _global_optimizer_pre_hooks, _global_optimizer_post_hooks
+
+
+def _facade_step(facade: TorchOptimizer, *args: Any, **kwargs: Any) -> Any:
+    """The facade's ``step`` without the hook-running wrapper torch puts on its class."""
+    step = type(facade).step
+    return getattr(step, "__wrapped__", step)(facade, *args, **kwargs)
+
+
 def step_aside(adopted: torch.optim.Optimizer | None) -> None:
     """Give ``adopted`` back the methods it had before ``adopt``."""
     saved = None if adopted is None else adopted.__dict__.pop(_SAVED, None)
@@ -272,15 +284,17 @@ def _calling(ref: weakref.ref[TorchOptimizer], name: str) -> Callable[..., Any]:
                                     "adopted this optimizer is gone")
         if name != "step":
             return getattr(facade, name)(*args, **kwargs)
-        # step hooks registered on the adopted optimizer run around it as torch runs them:
-        # given the optimizer and the call's arguments (itself first)
+        # step hooks run around it as torch runs them (Optimizer.profile_hook_step): torch's
+        # global ones and the adopted optimizer's, in torch's order, each given the adopted
+        # optimizer and the call's arguments (itself first); the facade's own step unwrapped,
+        # so the global ones run once
         full = (this, *args)
-        for pre in list(this._optimizer_step_pre_hooks.values()):
+        for pre in [*_GLOBAL_PRE.values(), *this._optimizer_step_pre_hooks.values()]:
             changed = pre(this, full, kwargs)
             if changed is not None:
                 full, kwargs = changed
-        out = facade.step(*full[1:], **kwargs)
-        for post in list(this._optimizer_step_post_hooks.values()):
+        out = _facade_step(facade, *full[1:], **kwargs)
+        for post in [*this._optimizer_step_post_hooks.values(), *_GLOBAL_POST.values()]:
             post(this, full, kwargs)
         return out
 

@@ -61,7 +61,7 @@ from typing import Any, SupportsIndex, cast
 import torch
 from torch import nn
 
-from outcore.errors import ConfigError, GradReadWarning, user_stacklevel
+from outcore.errors import ConfigError, GradReadWarning, OutcoreError, user_stacklevel
 from outcore.runtime.phase import Phase
 from outcore.zero import access, registry
 from outcore.zero.calls import (
@@ -147,6 +147,7 @@ def dispatch(func: Any, args: Args, kwargs: Kwargs) -> Any:
 
 
 _MODULE_PY = os.path.join("torch", "nn", "modules", "module.py")
+_SCALER_UNSCALE = torch.amp.GradScaler._unscale_grads_.__code__  # reads every p.grad
 
 
 def _notice_grad_read(param: torch.Tensor) -> None:
@@ -155,12 +156,19 @@ def _notice_grad_read(param: torch.Tensor) -> None:
     sp = registry.managed(param)
     if sp is None or not sp.trainable:
         return
-    rt = sp.rt
-    if rt.phase is not Phase.IDLE or rt.grad_read_warned or not rt.gradients_held():
-        return
     caller: FrameType | None = sys._getframe(1)
     while caller is not None and caller.f_code.co_filename == __file__:
         caller = caller.f_back
+    if caller is not None and caller.f_code is _SCALER_UNSCALE:
+        raise OutcoreError(
+            "torch.amp.GradScaler cannot unscale or check gradients under outcore, which keeps "
+            f"them in its shards (p.grad of parameter {sp.label()} stays None); outcore scales "
+            "the loss itself: set dtype: fp16 in the config (dynamic loss scaling, tuned by "
+            "loss_scale; bf16 and fp32 need none), call engine.backward(loss) with the "
+            "unscaled loss and engine.step(), and drop the GradScaler")
+    rt = sp.rt
+    if rt.phase is not Phase.IDLE or rt.grad_read_warned or not rt.gradients_held():
+        return
     if caller is not None and caller.f_code.co_name == "_apply" and (
             caller.f_code.co_filename.endswith(_MODULE_PY)):
         return  # model.to(...) converting gradients along with parameters: no use of them

@@ -118,3 +118,23 @@ def test_an_optimizer_the_engine_did_not_adopt_is_named(tmp_path: Path) -> None:
         own.step()
     assert torch.equal(model[2].weight.detach(), before)
     engine.close()
+
+
+@pytest.mark.parametrize("call", ["unscale_", "step"])
+def test_a_grad_scaler_is_refused_in_words(tmp_path: Path, call: str) -> None:
+    """An AMP loop ported as it is: ``GradScaler`` finds no ``p.grad`` to unscale or check,
+    and torch's own error would be an ``AssertionError`` about inf checks. Said instead as
+    what outcore does in its place (loss scaling with ``dtype: fp16``); the engine trains on
+    after the scaler is dropped."""
+    device = default_device()
+    model, engine = _engine(tmp_path)
+    scaler = torch.amp.GradScaler(device.type)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(0)).to(device)
+    engine.backward(scaler.scale(engine(x).pow(2).mean()))
+    with pytest.raises(outcore.OutcoreError, match=r"torch\.amp\.GradScaler cannot unscale .*"
+                                                   r"set dtype: fp16 in the config"):
+        getattr(scaler, call)(engine.optimizer)
+    engine.step()  # the user drops the scaler: the step goes on
+    _backward(engine)
+    assert engine.step()
+    engine.close()

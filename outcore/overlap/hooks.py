@@ -65,6 +65,7 @@ from outcore.zero.access_mode import ParamAccessMode
 from outcore.zero.group import GatherGroup, PendingReduce
 from outcore.zero.registry import owner
 from outcore.zero.state import GroupState
+from outcore.zero.surface import refuse_replacing_load
 
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
@@ -132,6 +133,9 @@ class Hooks:
         self._recomputing: dict[int, object] = {}
         self._handles: list[RemovableHandle] = []
         for m, gs in module_groups.items():
+            # a load that would replace sharded parameters: refused (surface.py)
+            self._handles.append(m.register_load_state_dict_pre_hook(  # type: ignore[no-untyped-call]
+                refuse_replacing_load))  # torch leaves this method unannotated
             if gs:
                 self._handles.append(m.register_forward_pre_hook(self._pre_forward))
                 self._handles.append(m.register_forward_hook(self._post_forward, always_call=True))

@@ -61,7 +61,13 @@ from typing import Any, SupportsIndex, cast
 import torch
 from torch import nn
 
-from outcore.errors import ConfigError, GradReadWarning, OutcoreError, user_stacklevel
+from outcore.errors import (
+    ConfigError,
+    GradReadWarning,
+    OutcoreError,
+    ParamAccessError,
+    user_stacklevel,
+)
 from outcore.runtime.phase import Phase
 from outcore.zero import access, registry
 from outcore.zero.calls import (
@@ -182,6 +188,38 @@ def _notice_grad_read(param: torch.Tensor) -> None:
         "the config (OutcoreTrainer: max_grad_norm); the global norm is then "
         "engine.last_grad_norm (track_grad_norm: true gives it without clipping).",
         GradReadWarning, stacklevel=user_stacklevel())
+
+
+def refuse_replacing_load(module: nn.Module, state_dict: dict[str, Any], prefix: str,
+                          local_metadata: dict[str, Any], *_: object) -> None:
+    """A ``load_state_dict`` pre-hook on every module of an engine's model: refuse a load
+    that would put new tensors in place of sharded parameters, before torch assigns any.
+
+    ``load_state_dict(sd, assign=True)`` makes the state dict's tensors the module's
+    parameters, and with ``torch.__future__.set_swap_module_params_on_conversion(True)``
+    torch swaps each parameter's contents with its loaded copy; either way the engine would
+    go on fetching and training what it sharded while the model computed with the new
+    tensors. The module ``load_state_dict`` was called on runs its hook first and checks
+    every parameter below it, so a refusal comes before any module was loaded."""
+    assign = bool(local_metadata.get("assign_to_params_buffers"))
+    swap = torch.__future__.get_swap_module_params_on_conversion()
+    if not (assign or swap):
+        return
+    for name, p in module.named_parameters(remove_duplicate=False):
+        sp = registry.managed(p)
+        if sp is None or prefix + name not in state_dict:
+            continue
+        how = ("load_state_dict(..., assign=True) would put the state dict's tensor in place "
+               "of" if assign else "load_state_dict with torch.__future__."
+               "set_swap_module_params_on_conversion(True) would swap the state dict's tensor "
+               "into")
+        raise ParamAccessError(
+            f"{how} parameter {sp.label()}, which outcore shards: the "
+            "engine would neither fetch nor train it, so training would silently stop "
+            "changing the model. Load without assign"
+            + ("" if not swap else " and with the flag set back to False")
+            + ": the values are copied into the shards (the fp32 master and the compute "
+            "copy), from any dtype; nothing was loaded")
 
 
 def _as_is(t: access.Touch) -> bool:

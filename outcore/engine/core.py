@@ -28,7 +28,7 @@ from torch import nn
 
 from outcore.config import Config, merge_mappings
 from outcore.device.compute_dtype import DtypeChoice
-from outcore.engine import lifetime
+from outcore.engine import lifetime, stepping
 from outcore.engine.torch_optimizer import TorchOptimizer, adopt
 from outcore.errors import (
     ConfigError,
@@ -43,12 +43,10 @@ from outcore.offload.storage import Tier
 from outcore.optim import adafactor
 from outcore.optim.optimizer import ShardedOptimizer
 from outcore.optim.param_groups import HP_KEYS, check_param_groups, from_torch_optimizer
-from outcore.optim.pipeline import UpdatePipeline
 from outcore.optim.precision import LossScaler
 from outcore.overlap.entry import EntryHooks, entry_modules
 from outcore.overlap.hooks import Hooks
 from outcore.overlap.schedule import Schedule
-from outcore.profiling import STEP, record_function
 from outcore.runtime.plan import ExecutionPlan
 from outcore.sizing import placement
 from outcore.zero import build
@@ -79,6 +77,8 @@ class Engine:
                  optimizer: torch.optim.Optimizer | None = None) -> None:
         self.module = module
         self._closed: str | None = None  # why the engine cannot be used, once it cannot
+        self._via: torch.optim.Optimizer | None = None  # the optimizer step() runs through now
+        self._updated = False  # whether the last update through it changed parameters
         if optimizer is not None:
             if param_groups is not None:
                 raise ConfigError("pass param_groups or a torch optimizer to adopt, not both")
@@ -242,60 +242,18 @@ class Engine:
         """Apply the optimizer at an accumulation boundary; True if parameters changed (the
         last updates may still be running: pipeline.py's [Note: the step's tail runs into the next
         forward]). Run as ``engine.optimizer.step()`` (or the adopted optimizer's), so torch's
-        step hooks run and a scheduler bound to it counts the step, once per update."""
-        return self._update(via=self.adopted_optimizer or self.optimizer)
+        step hooks run and a scheduler bound to it counts the step, once per update; a step
+        skipped for an fp16 overflow runs none, as with torch's GradScaler."""
+        changed = self._update(self.adopted_optimizer or self.optimizer)
+        self.optimizer.skipped = not changed  # as when engine.optimizer.step() is called
+        return changed
 
-    @torch.no_grad()
     def _update(self, via: torch.optim.Optimizer | None = None) -> bool:
-        """The update at an accumulation boundary: through the optimizer ``via`` (whose
-        ``step()`` calls this again: torch_optimizer.py), or now."""
+        """The update at an accumulation boundary, through ``via``'s ``step()`` or now
+        (stepping.py; torch_optimizer.py's ``step()`` calls this)."""
         self._check_open()
         self._check_nothing_shown("engine.step()")
-        if not self.is_accumulation_boundary:
-            return False
-        if via is not None:
-            via.step()
-            return not self.optimizer.skipped
-        with record_function(STEP):
-            return self._step()
-
-    def _step(self) -> bool:
-        defer = self.defers_updates
-        if not defer:  # loss scaling and the norm below look at every gradient
-            self.sharded_optimizer.wait()
-        self.micro_steps, self._at_boundary = 0, False
-        grads = [sp.grad for sp in self.sharded_optimizer.params if sp.grad is not None]
-        clip = self.cfg.gradient_clipping
-        if self.scaler.enabled:
-            bad = torch.tensor([0.0 if all(bool(g.isfinite().all()) for g in grads) else 1.0])
-            if self.rt.comm.all_reduce_max(bad).item() > 0:
-                self.scaler.update(overflow=True)
-                self.sharded_optimizer.skip()  # tentative updates too (speculation.py)
-                return False
-        moved = self.sharded_optimizer.hyperparams_moved()  # optim/hyperparams.py's note
-        if self.scaler.enabled:
-            sharded = self.sharded_optimizer
-            self.scaler.unscale(((sp.grad, sharded.state[sp].tentative) for sp in sharded.params
-                                 if sp.grad is not None),
-                                every=clip > 0 or self.cfg.track_grad_norm or moved)
-        # the norm reads every fp32 gradient once more (a full pass over them per step), so
-        # only where it is used: clipping, or the user asked to see it
-        norm = (self.sharded_optimizer.global_norm(grads)
-                if clip > 0 or self.cfg.track_grad_norm else None)
-        self.last_grad_norm = norm
-        coef = clip / (norm + 1e-6) if norm is not None and clip > 0 else 1.0
-        if self.rt.plan.speculates:  # speculation.py's [Note: a speculative step]
-            self.sharded_optimizer.conclude(fits=coef >= 1.0 and not moved)
-        pending = self.sharded_optimizer.step(defer=defer,
-                                              grad_scale=coef if coef < 1.0 else 1.0)
-        self.scaler.update(overflow=False)
-        self.sharded_optimizer.zero_grad(keep=pending)
-        updates = UpdatePipeline.unfinished_by_group(pending)
-        for g in self.groups:
-            g.refresh_after_step(updates.get(g.index))
-        self.schedule.start_next_iteration()
-        self.global_steps += 1
-        return True
+        return stepping.update(self, via)
 
     def zero_grad(self) -> None:
         """Drop the gradients accumulated since the last step (what torch's

@@ -69,8 +69,11 @@ class TorchOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self.skipped = not self._engine._update()
+        # what a scheduler bound to either checks (torch's lr_scheduler); the adopted
+        # optimizer's step runs this one past the wrapper a scheduler put on it
+        self._opt_called = True
         adopted = self._engine.adopted_optimizer  # param_groups.py's adopting note
-        if adopted is not None:  # what a scheduler bound to it checks (torch's lr_scheduler)
+        if adopted is not None:
             adopted._opt_called = True
         return loss
 
@@ -261,9 +264,29 @@ _GLOBAL_PRE, _GLOBAL_POST = _global_optimizer_pre_hooks, _global_optimizer_post_
 
 
 def _facade_step(facade: TorchOptimizer, *args: Any, **kwargs: Any) -> Any:
-    """The facade's ``step`` without the hook-running wrapper torch puts on its class."""
+    """The facade's ``step`` within the hooks registered on it (``engine.optimizer``'s), not
+    the global ones: the wrapper torch puts on its class would run those a second time."""
     step = type(facade).step
-    return getattr(step, "__wrapped__", step)(facade, *args, **kwargs)
+    raw = getattr(step, "__wrapped__", step)
+    return _hooked(facade, list(facade._optimizer_step_pre_hooks.values()),
+                   list(facade._optimizer_step_post_hooks.values()),
+                   lambda *a, **k: raw(facade, *a, **k), args, kwargs)
+
+
+def _hooked(opt: torch.optim.Optimizer, pres: list[Callable[..., Any]],
+            posts: list[Callable[..., Any]], run: Callable[..., Any],
+            args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``run(*args, **kwargs)`` between step hooks as torch runs them: each given ``opt`` and
+    the call's arguments (``opt`` first); a pre-hook may return new ones."""
+    full = (opt, *args)
+    for pre in pres:
+        changed = pre(opt, full, kwargs)
+        if changed is not None:
+            full, kwargs = changed
+    out = run(*full[1:], **kwargs)
+    for post in posts:
+        post(opt, full, kwargs)
+    return out
 
 
 def step_aside(adopted: torch.optim.Optimizer | None) -> None:
@@ -286,17 +309,10 @@ def _calling(ref: weakref.ref[TorchOptimizer], name: str) -> Callable[..., Any]:
             return getattr(facade, name)(*args, **kwargs)
         # step hooks run around it as torch runs them (Optimizer.profile_hook_step): torch's
         # global ones and the adopted optimizer's, in torch's order, each given the adopted
-        # optimizer and the call's arguments (itself first); the facade's own step unwrapped,
-        # so the global ones run once
-        full = (this, *args)
-        for pre in [*_GLOBAL_PRE.values(), *this._optimizer_step_pre_hooks.values()]:
-            changed = pre(this, full, kwargs)
-            if changed is not None:
-                full, kwargs = changed
-        out = _facade_step(facade, *full[1:], **kwargs)
-        for post in [*this._optimizer_step_post_hooks.values(), *_GLOBAL_POST.values()]:
-            post(this, full, kwargs)
-        return out
+        # optimizer; inside them engine.optimizer's own, given it (the global ones once)
+        return _hooked(this, [*_GLOBAL_PRE.values(), *this._optimizer_step_pre_hooks.values()],
+                       [*this._optimizer_step_post_hooks.values(), *_GLOBAL_POST.values()],
+                       lambda *a, **k: _facade_step(facade, *a, **k), args, kwargs)
 
     call.__name__ = call.__qualname__ = name
     if name == "step":  # torch's schedulers need not wrap it: the facade's step() marks

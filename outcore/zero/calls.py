@@ -23,6 +23,7 @@ from torch import nn
 
 from outcore.errors import ParamAccessError
 from outcore.zero import registry
+from outcore.zero.state import ParamState
 
 
 class Kind(Enum):
@@ -154,6 +155,8 @@ def refuse_new_parameter(func: Any, args: Args) -> None:
         return
     source = getattr(args[0], "source", args[0])  # a view's parameter
     sp = registry.managed(source)
+    if sp is not None and sp.state is ParamState.DROPPED:
+        return  # its read says it has no values, and how to keep them
     name = sp.label() if sp is not None else "of the model"
     building = sp is not None and sp.rt.engine is None  # under outcore.init, no engine yet
     raise ParamAccessError(
@@ -188,16 +191,18 @@ def refuse_replacing_conversion(func: Any, args: Args) -> None:
     if flag is None:
         return
     sp = registry.managed(args[0]) if args else None
-    if sp is None or not _called_from(_MODULE_APPLY):
-        return
-    advice = ("set dtype in the config to choose outcore's dtype" if sp.rt.engine is None
-              else "convert before outcore.initialize or after engine.close()")
+    if sp is None or sp.state is ParamState.DROPPED or not _called_from(_MODULE_APPLY):
+        return  # a dropped parameter's read says it has no values, and how to keep them
+    advice = ("outcore.initialize takes the model as it is; set dtype in the config to choose "
+              "outcore's dtype" if sp.rt.engine is None else "convert before "
+              "outcore.initialize or after engine.close() (to another dtype only then: set "
+              "dtype in the config to choose outcore's)")
     raise ParamAccessError(
         f"converting the model (model.half(), .float(), .to(...), .cpu()) with "
         f"torch.__future__.{flag}(True): torch would replace parameter {sp.label()}, which "
         "outcore shards, with a new tensor that the engine neither fetches nor trains, so "
         f"training would silently stop changing the model. Call torch.__future__.{flag}"
-        f"(False) while outcore holds the model, or {advice}; no parameter was converted")
+        f"(False) while outcore holds the model; {advice}. No parameter was converted")
 
 
 def dtype_refusal(label: str, given: torch.dtype, dtype: torch.dtype, building: bool) -> str:

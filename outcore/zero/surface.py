@@ -153,7 +153,6 @@ def dispatch(func: Any, args: Args, kwargs: Kwargs) -> Any:
 
 
 _MODULE_PY = os.path.join("torch", "nn", "modules", "module.py")
-_SCALER_UNSCALE = torch.amp.GradScaler._unscale_grads_.__code__  # reads every p.grad
 
 
 def _notice_grad_read(param: torch.Tensor) -> None:
@@ -165,7 +164,8 @@ def _notice_grad_read(param: torch.Tensor) -> None:
     caller: FrameType | None = sys._getframe(1)
     while caller is not None and caller.f_code.co_filename == __file__:
         caller = caller.f_back
-    if caller is not None and caller.f_code is _SCALER_UNSCALE:
+    if caller is not None and caller.f_code.co_name == "_unscale_grads_" and isinstance(
+            caller.f_locals.get("self"), torch.amp.GradScaler):  # FSDP's ShardedGradScaler too
         raise OutcoreError(
             "torch.amp.GradScaler cannot unscale or check gradients under outcore, which keeps "
             f"them in its shards (p.grad of parameter {sp.label()} stays None); outcore scales "
@@ -219,7 +219,9 @@ def refuse_replacing_load(module: nn.Module, state_dict: dict[str, Any], prefix:
             "changing the model. Load without assign"
             + ("" if not swap else " and with the flag set back to False")
             + ": the values are copied into the shards (the fp32 master and the compute "
-            "copy), from any dtype; nothing was loaded")
+            "copy), from any dtype. Nothing of this model was loaded"
+            + ("" if not prefix else f" (modules ahead of {prefix[:-1]!r} in the one "
+               "load_state_dict was called on may have been)"))
 
 
 def _as_is(t: access.Touch) -> bool:

@@ -94,3 +94,72 @@ def test_engine_step_and_optimizer_step_update_alike() -> None:
         weights.append([p.detach().clone() for p in model.parameters()])
         engine.close()
     assert all(torch.equal(a, b) for a, b in zip(*weights, strict=True))
+
+
+@pytest.mark.parametrize("how", ["engine.step", "opt.step"])
+def test_with_an_adopted_optimizer_engine_optimizer_hears_of_the_step_too(how: str) -> None:
+    """Hooks and a scheduler on ``engine.optimizer`` count the step made through the optimizer
+    the engine adopted, as they count one made through ``engine.optimizer`` itself."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    engine = outcore.initialize(model, {"dtype": "fp32"}, optimizer=opt)
+    calls: list[str] = []
+    opt.register_step_post_hook(lambda o, args, kw: calls.append("adopted"))
+    engine.optimizer.register_step_post_hook(lambda o, args, kw: calls.append("engine"))
+    sched = lr_scheduler.StepLR(engine.optimizer, step_size=1, gamma=0.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for step in range(2):
+            _backward(engine, step)
+            engine.step() if how == "engine.step" else opt.step()
+            sched.step()
+    assert calls == ["engine", "adopted"] * 2
+    assert engine.optimizer.param_groups[0]["lr"] == pytest.approx(2.5e-3)
+    engine.close()
+
+
+def test_a_step_skipped_for_an_fp16_overflow_runs_no_hook() -> None:
+    """As with torch's GradScaler, which does not call ``optimizer.step()`` on an overflow."""
+    model = _model()
+    engine = outcore.initialize(model, {"dtype": "fp16", "loss_scale": {"initial_scale_power": 4}})
+    calls: list[bool] = []
+    engine.optimizer.register_step_post_hook(lambda o, args, kw: calls.append(True))
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0)).to(default_device())
+    engine.backward(engine(x).float().pow(2).mean() * 1e6)  # overflows fp16 at any scale
+    assert not engine.step() and engine.optimizer.skipped and engine.global_steps == 0
+    assert calls == []
+    _backward(engine, 1)
+    assert engine.step() and calls == [True] and engine.global_steps == 1
+    engine.close()
+
+
+def test_hooks_run_in_the_callers_grad_mode() -> None:
+    model = _model()
+    engine = outcore.initialize(model, {"dtype": "fp32"})
+    seen: list[bool] = []
+    engine.optimizer.register_step_pre_hook(lambda o, a, k: seen.append(torch.is_grad_enabled()))
+    _backward(engine, 0)
+    engine.step()
+    _backward(engine, 1)
+    with torch.no_grad():
+        engine.step()
+    assert seen == [True, False]
+    engine.close()
+
+
+@pytest.mark.parametrize("wrapper", ["calls_engine_step", "does_not_call_through"])
+def test_a_wrapped_optimizer_step_still_updates_once(wrapper: str) -> None:
+    """A user's wrapper on ``engine.optimizer.step`` that calls ``engine.step()`` (which runs
+    through that very method) must not recurse; one that forgets to call through must not
+    leave the update undone."""
+    model = _model()
+    engine = outcore.initialize(model, {"dtype": "fp32", "optimizer": {"lr": 1e-2}})
+    engine.optimizer.step = (lambda *a, **k: engine.step()) if wrapper == "calls_engine_step" \
+        else (lambda *a, **k: None)
+    before = [p.detach().clone() for p in model.parameters()]
+    _backward(engine, 0)
+    assert engine.step()
+    assert engine.global_steps == 1 and not engine.is_accumulation_boundary
+    after = list(model.parameters())
+    assert all(not torch.equal(a, p.detach()) for a, p in zip(before, after, strict=True))
+    engine.close()

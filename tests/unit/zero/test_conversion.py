@@ -149,7 +149,8 @@ def test_a_replacing_conversion_under_init_says_to_set_the_dtype(tmp_path: Path)
     with outcore.init({"dtype": "fp32"}):
         model = nn.Linear(4, 4)
     with pytest.raises(ParamAccessError, match=r"overwrite_module_params_on_conversion\(False\) "
-                                               "while outcore holds the model, or set dtype"):
+                                               "while outcore holds the model; outcore.initialize "
+                                               "takes the model as it is; set dtype"):
         _under("overwrite", lambda m: m.float())(model)
     weight = model.weight
     engine = outcore.initialize(model, {"dtype": "fp32", "optimizer": {"lr": 0.1}})
@@ -158,3 +159,13 @@ def test_a_replacing_conversion_under_init_says_to_set_the_dtype(tmp_path: Path)
     engine.step()
     assert model.weight is weight and not torch.equal(before, weight.detach())
     engine.close()
+
+
+@pytest.mark.parametrize("flag", list(FUTURE_FLAGS))
+def test_after_a_close_that_dropped_the_values_the_flags_say_so(flag: str,
+                                                                 tmp_path: Path) -> None:
+    model = nn.Linear(4, 4).to(default_device())
+    outcore.initialize(model, {"dtype": "fp32"}).close(keep_values=False)
+    with pytest.raises(ParamAccessError, match="has no values: its engine closed without "
+                                               "keeping them"):
+        _under(flag, lambda m: m.half())(model)

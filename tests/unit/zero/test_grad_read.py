@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 import outcore
 from outcore.device.accel import default_device
@@ -137,4 +138,17 @@ def test_a_grad_scaler_is_refused_in_words(tmp_path: Path, call: str) -> None:
     engine.step()  # the user drops the scaler: the step goes on
     _backward(engine)
     assert engine.step()
+    engine.close()
+
+
+def test_fsdps_sharded_grad_scaler_is_refused_too(tmp_path: Path) -> None:
+    """``ShardedGradScaler`` unscales in its own ``_unscale_grads_``; it would find no
+    gradient, record no overflow, and step on gradients as large as its scale made them."""
+    device = default_device()
+    model, engine = _engine(tmp_path)
+    scaler = ShardedGradScaler(device=device.type)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(0)).to(device)
+    engine.backward(scaler.scale(engine(x).pow(2).mean()))
+    with pytest.raises(outcore.OutcoreError, match=r"torch\.amp\.GradScaler cannot unscale"):
+        scaler.step(engine.optimizer)
     engine.close()

@@ -76,7 +76,7 @@ def test_a_replacing_load_is_refused_and_nothing_loads(offload: str, how: str, o
     new = {k: torch.full_like(v, 0.5) for k, v in _state(target).items()}
     with pytest.raises(ParamAccessError, match=r"parameter 0\.weight, which outcore shards: the "
                                                r"engine would neither fetch nor train it.*"
-                                               "nothing was loaded"):
+                                               "Nothing of this model was loaded$"):
         LOADS[how](target, new)
     after = _state(model)
     assert all(torch.equal(before[k], after[k]) for k in before)  # buffers too
@@ -105,3 +105,18 @@ def test_after_close_assign_loads_as_in_torch(tmp_path: Path) -> None:
     model.load_state_dict(new, assign=True)
     assert all(torch.equal(new[k], v) for k, v in _state(model).items())
     assert model[0].weight is not None and type(model[0].weight) is nn.Parameter
+
+
+def test_a_refusal_below_the_called_module_says_what_may_have_loaded(tmp_path: Path) -> None:
+    """The engine holds a model inside a bigger one; torch loads the modules ahead of it
+    first, so the refusal cannot say that nothing was loaded."""
+    model = _model()
+    engine = _engine(model, "none", tmp_path)
+    head = nn.Linear(2, 2).to(default_device())
+    wrapper = nn.Sequential(head, model)
+    new = {k: torch.full_like(v, 0.5) for k, v in _state(wrapper).items()}
+    with pytest.raises(ParamAccessError, match=r"Nothing of this model was loaded \(modules "
+                                               r"ahead of '1' in the one load_state_dict was "
+                                               r"called on may have been\)"):
+        wrapper.load_state_dict(new, assign=True)
+    engine.close()

@@ -1,0 +1,97 @@
+"""``engine.step()``: the update at an accumulation boundary, run as the optimizer's step.
+
+[Note: engine.step() is the optimizer's step]
+Code written for torch optimizers watches ``optimizer.step()``: an LR scheduler counts it
+(and warns "``lr_scheduler.step()`` before ``optimizer.step()``" when it never ran), step
+hooks run around it (an EMA of the weights, a step counter, logging). So ``engine.step()``
+goes through the optimizer a user holds, the adopted one or ``engine.optimizer``, whose
+``step()`` comes back to ``update`` with no optimizer and applies the update. It goes through
+once per update: not on a micro-step that updates nothing, and not on a step skipped for an
+fp16 overflow, where torch's GradScaler would not call ``optimizer.step()`` either. A wrapper
+a user put on that ``step`` which calls ``engine.step()`` again applies the update at once;
+one that does not call through still gets it, after the wrapper returns.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from outcore.optim.pipeline import UpdatePipeline
+from outcore.profiling import STEP, record_function
+
+if TYPE_CHECKING:
+    from outcore.engine.core import Engine
+
+
+def update(engine: Engine, via: torch.optim.Optimizer | None) -> bool:
+    """Update at an accumulation boundary, through ``via.step()`` or now (see the note); True
+    if parameters changed."""
+    if not engine.is_accumulation_boundary or (engine._via is None and _overflowed(engine)):
+        return False
+    if via is None or engine._via is not None:
+        with record_function(STEP):
+            engine._updated = _apply(engine)
+        return engine._updated
+    engine._via, engine._updated = via, False
+    try:
+        via.step()
+    finally:
+        engine._via = None
+    if engine.is_accumulation_boundary:  # the optimizer's step did not come back here
+        return update(engine, None)
+    return engine._updated
+
+
+@torch.no_grad()
+def _overflowed(engine: Engine) -> bool:
+    """fp16: whether a gradient is not finite on some rank; the step is then skipped and the
+    scale falls (optim/precision.py)."""
+    if not engine.scaler.enabled:
+        return False
+    sharded = engine.sharded_optimizer
+    if not engine.defers_updates:  # every gradient is looked at
+        sharded.wait()
+    grads = [sp.grad for sp in sharded.params if sp.grad is not None]
+    bad = torch.tensor([0.0 if all(bool(g.isfinite().all()) for g in grads) else 1.0])
+    if engine.rt.comm.all_reduce_max(bad).item() == 0:
+        return False
+    engine.micro_steps, engine._at_boundary = 0, False
+    engine.scaler.update(overflow=True)
+    sharded.skip()  # tentative updates too (speculation.py)
+    return True
+
+
+@torch.no_grad()
+def _apply(engine: Engine) -> bool:
+    """The update: unscale, clip by the global norm, step the shards, start the next
+    iteration."""
+    sharded, cfg = engine.sharded_optimizer, engine.cfg
+    defer = engine.defers_updates
+    if not defer:  # the norm below looks at every gradient
+        sharded.wait()
+    engine.micro_steps, engine._at_boundary = 0, False
+    grads = [sp.grad for sp in sharded.params if sp.grad is not None]
+    clip = cfg.gradient_clipping
+    moved = sharded.hyperparams_moved()  # optim/hyperparams.py's note
+    if engine.scaler.enabled:
+        engine.scaler.unscale(((sp.grad, sharded.state[sp].tentative) for sp in sharded.params
+                               if sp.grad is not None),
+                              every=clip > 0 or cfg.track_grad_norm or moved)
+    # the norm reads every fp32 gradient once more (a full pass over them per step), so
+    # only where it is used: clipping, or the user asked to see it
+    norm = sharded.global_norm(grads) if clip > 0 or cfg.track_grad_norm else None
+    engine.last_grad_norm = norm
+    coef = clip / (norm + 1e-6) if norm is not None and clip > 0 else 1.0
+    if engine.rt.plan.speculates:  # speculation.py's [Note: a speculative step]
+        sharded.conclude(fits=coef >= 1.0 and not moved)
+    pending = sharded.step(defer=defer, grad_scale=coef if coef < 1.0 else 1.0)
+    engine.scaler.update(overflow=False)
+    sharded.zero_grad(keep=pending)
+    updates = UpdatePipeline.unfinished_by_group(pending)
+    for g in engine.groups:
+        g.refresh_after_step(updates.get(g.index))
+    engine.schedule.start_next_iteration()
+    engine.global_steps += 1
+    return True

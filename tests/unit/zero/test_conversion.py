@@ -169,3 +169,5 @@ def test_after_a_close_that_dropped_the_values_the_flags_say_so(flag: str,
     with pytest.raises(ParamAccessError, match="has no values: its engine closed without "
                                                "keeping them"):
         _under(flag, lambda m: m.half())(model)
+    with pytest.raises(ParamAccessError, match="has no values"):  # as weight_norm makes one
+        nn.Parameter(model.weight)

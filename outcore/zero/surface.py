@@ -213,13 +213,15 @@ def refuse_replacing_load(module: nn.Module, state_dict: dict[str, Any], prefix:
                "of" if assign else "load_state_dict with torch.__future__."
                "set_swap_module_params_on_conversion(True) would swap the state dict's tensor "
                "into")
+        fix = " and ".join(
+            ["load without assign=True"] * assign
+            + ["call torch.__future__.set_swap_module_params_on_conversion(False) first"] * swap)
         raise ParamAccessError(
             f"{how} parameter {sp.label()}, which outcore shards: the "
             "engine would neither fetch nor train it, so training would silently stop "
-            "changing the model. Load without assign"
-            + ("" if not swap else " and with the flag set back to False")
-            + ": the values are copied into the shards (the fp32 master and the compute "
-            "copy), from any dtype. Nothing of this model was loaded"
+            f"changing the model. Instead {fix}: the values are then copied into the shards "
+            "(the fp32 master and the compute copy), from any dtype. Nothing of this model "
+            "was loaded"
             + ("" if not prefix else f" (modules ahead of {prefix[:-1]!r} in the one "
                "load_state_dict was called on may have been)"))
 

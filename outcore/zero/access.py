@@ -32,6 +32,7 @@ from outcore.zero.calls import (
     kind_of,
     local_write,
     refuse_new_parameter,
+    storage_refusal,
 )
 from outcore.zero.state import HAS_VALUES, USER_OWNED, ParamState
 
@@ -155,9 +156,7 @@ def handle(kind: Kind, func: Any, args: Args, kwargs: Kwargs, found: list[Touch]
     mine = next((t for t in found if t.obj is target), None) if target is not None else None
     if kind is Kind.REFUSED and mine is not None:
         if mine.sp is not None and (mine.sp.state not in USER_OWNED or mine.chain):
-            raise ParamAccessError(
-                f"{_name(func)} on parameter {mine.sp.label()}: it would change the storage or "
-                "shape outcore keeps the parameter in; do it to a copy (p.detach())")
+            raise ParamAccessError(storage_refusal(_name(func), mine.sp.label()))
         return _run(func, args, kwargs, {id(mine.obj): _resolve(mine)})
     if mine is not None:
         return _write(func, args, kwargs, mine, [t for t in found if t is not mine])

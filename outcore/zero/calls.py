@@ -205,6 +205,18 @@ def refuse_replacing_conversion(func: Any, args: Args) -> None:
         f"(False) while outcore holds the model; {advice}. No parameter was converted")
 
 
+def storage_refusal(name: str, label: str) -> str:
+    """Why ``name`` (a call that changes a tensor's storage or shape in place) may not run on
+    parameter ``label``; said as ``model.share_memory()`` when that is the call made (torch's
+    ``Module._apply`` calls ``share_memory_`` on every parameter)."""
+    if name == "share_memory_" and _called_from(_MODULE_APPLY):
+        return (f"model.share_memory(): outcore keeps parameter {label} in shards that it moves "
+                "between memory and disk, which other processes cannot share; to train in "
+                "several processes, start them with torchrun: each rank holds its own shards")
+    return (f"{name} on parameter {label}: it would change the storage or shape outcore keeps "
+            "the parameter in; do it to a copy (p.detach())")
+
+
 def dtype_refusal(label: str, given: torch.dtype, dtype: torch.dtype, building: bool) -> str:
     """Why a parameter's ``.data`` may not become a ``given`` tensor: outcore computes it in
     ``dtype`` (``building``: under ``outcore.init``, where it holds fp32 values until

@@ -171,3 +171,20 @@ def test_after_a_close_that_dropped_the_values_the_flags_say_so(flag: str,
         _under(flag, lambda m: m.half())(model)
     with pytest.raises(ParamAccessError, match="has no values"):  # as weight_norm makes one
         nn.Parameter(model.weight)
+
+
+def test_share_memory_is_refused_as_the_call_the_user_made(tmp_path: Path) -> None:
+    """``model.share_memory()`` (Hogwild training) calls ``share_memory_`` on every
+    parameter; the refusal says so, names torchrun, and training goes on as a twin's."""
+    want = _trained("nvme", tmp_path / "a", None)
+    got = _trained("nvme", tmp_path / "b", lambda m: m.share_memory(),
+                   match=r"model\.share_memory\(\): outcore keeps parameter 0\.weight in shards "
+                         r".*torchrun")
+    assert got[0] == want[0]
+    assert all(torch.equal(a, b) for a, b in zip(got[1], want[1], strict=True))
+    model = nn.Linear(4, 4).to(default_device())
+    engine = outcore.initialize(model, {"dtype": "fp32"})
+    with pytest.raises(ParamAccessError, match=r"share_memory_ on parameter weight: it would "
+                                               "change the storage"):
+        model.weight.share_memory_()  # the tensor's own call keeps its own words
+    engine.close()

@@ -28,18 +28,23 @@ if TYPE_CHECKING:
 def update(engine: Engine, via: torch.optim.Optimizer | None) -> bool:
     """Update at an accumulation boundary, through ``via.step()`` or now (see the note); True
     if parameters changed."""
-    if not engine.is_accumulation_boundary or (engine._via is None and _overflowed(engine)):
+    if not engine.is_accumulation_boundary:
+        return False
+    if engine._via is None and _overflowed(engine):
+        for opt in {id(o): o for o in (via, engine.optimizer) if o is not None}.values():
+            opt._opt_called = True  # a scheduler's check: the step was made, and skipped
         return False
     if via is None or engine._via is not None:
+        engine._reached = True
         with record_function(STEP):
             engine._updated = _apply(engine)
         return engine._updated
-    engine._via, engine._updated = via, False
+    engine._via, engine._updated, engine._reached = via, False, False
     try:
         via.step()
     finally:
         engine._via = None
-    if engine.is_accumulation_boundary:  # the optimizer's step did not come back here
+    if not engine._reached:  # the optimizer's step did not come back here
         return update(engine, None)
     return engine._updated
 

@@ -124,10 +124,14 @@ def test_a_step_skipped_for_an_fp16_overflow_runs_no_hook() -> None:
     engine = outcore.initialize(model, {"dtype": "fp16", "loss_scale": {"initial_scale_power": 4}})
     calls: list[bool] = []
     engine.optimizer.register_step_post_hook(lambda o, args, kw: calls.append(True))
+    sched = lr_scheduler.StepLR(engine.optimizer, step_size=1, gamma=0.5)
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0)).to(default_device())
     engine.backward(engine(x).float().pow(2).mean() * 1e6)  # overflows fp16 at any scale
     assert not engine.step() and engine.optimizer.skipped and engine.global_steps == 0
     assert calls == []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the step was made (and skipped): no torch warning
+        sched.step()
     _backward(engine, 1)
     assert engine.step() and calls == [True] and engine.global_steps == 1
     engine.close()
@@ -162,4 +166,23 @@ def test_a_wrapped_optimizer_step_still_updates_once(wrapper: str) -> None:
     assert engine.global_steps == 1 and not engine.is_accumulation_boundary
     after = list(model.parameters())
     assert all(not torch.equal(a, p.detach()) for a, p in zip(before, after, strict=True))
+    engine.close()
+
+
+def test_a_hook_that_runs_the_next_backward_leaves_its_update_to_the_next_step() -> None:
+    """One ``engine.step()`` is one update, even when a post-hook has already run the next
+    boundary backward (whose gradients the next ``step()`` applies)."""
+    model = _model()
+    engine = outcore.initialize(model, {"dtype": "fp32"})
+    ran: list[int] = []
+
+    def next_backward(opt, args, kwargs) -> None:
+        if not ran:
+            ran.append(1)
+            _backward(engine, 1)
+
+    engine.optimizer.register_step_post_hook(next_backward)
+    _backward(engine, 0)
+    assert engine.step() and engine.global_steps == 1 and engine.is_accumulation_boundary
+    assert engine.step() and engine.global_steps == 2
     engine.close()

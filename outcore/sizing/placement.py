@@ -203,11 +203,10 @@ def plan(num_params: int, world_size: int = 1, *, nvme_path: str | None = None,
                        f"({dev_frac:.0%} usable), host {host / 2**30:.1f} GiB "
                        f"({frac.host:.0%} usable), disk {disk_free / 2**30:.1f} GiB "
                        f"({frac.nvme:.0%} usable))")
-    else:
-        where = f"{disk_free:,} bytes free at {nvme_path}" if nvme_path else "no nvme_path given"
-        raise ConfigError(
-            f"the model does not fit this machine even with everything on NVMe: "
-            f"{sum(use.values()):,} bytes per rank, {where}")
+    else:  # the last reason says which tier was short, and what each has free
+        where = f"at {nvme_path}" if nvme_path else "(no nvme_path given)"
+        raise ConfigError(f"the model does not fit this machine even with everything on NVMe "
+                          f"{where}: {reasons[-1]}")
     host_buffers = int(min(max(0.02 * host, 64 * _MiB), 1024 * _MiB)) // 4096 * 4096
     return Plan(params, optimizer, host_buffers, prefetch_share(dev), reasons)
 

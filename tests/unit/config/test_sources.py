@@ -139,7 +139,12 @@ def test_gradients_kept_beside_a_state_in_memory_are_priced_on_a_gpu() -> None:
 
 
 def test_auto_placement_fails_clearly_when_nothing_fits(tmp_path) -> None:
-    with pytest.raises(outcore.ConfigError, match="does not fit this machine"):
+    """The message says what everything on NVMe would take and what each tier has free, so
+    a user sees which one is short (here the disk)."""
+    with pytest.raises(outcore.ConfigError, match=r"does not fit this machine even with "
+                       r"everything on NVMe at .*: params=nvme, optimizer=nvme: does not fit "
+                       r"\(nvme .* GiB.*; free device 8\.0 GiB .*, host 16\.0 GiB .*, "
+                       r"disk 1\.0 GiB"):
         plan(10**12, device_free=8 * GiB, host_free=16 * GiB, disk_free=GiB,
              nvme_path=str(tmp_path))
 

@@ -7,7 +7,8 @@ hooks run around it (an EMA of the weights, a step counter, logging). So ``engin
 goes through the optimizer a user holds, the adopted one or ``engine.optimizer``, whose
 ``step()`` comes back to ``update`` with no optimizer and applies the update. It goes through
 once per update: not on a micro-step that updates nothing, and not on a step skipped for an
-fp16 overflow, where torch's GradScaler would not call ``optimizer.step()`` either. A wrapper
+fp16 overflow, where torch's GradScaler would not call ``optimizer.step()`` either (a
+scheduler is still told that a step was made, so it does not warn). A wrapper
 a user put on that ``step`` which calls ``engine.step()`` again applies the update at once;
 one that does not call through still gets it, after the wrapper returns.
 """

@@ -78,7 +78,6 @@ class Engine:
         self.module = module
         self._closed: str | None = None  # why the engine cannot be used, once it cannot
         self._via: torch.optim.Optimizer | None = None  # the optimizer step() runs through now
-        self._updated = False  # whether the last update through it changed parameters
         self._reached = False  # whether its step() came back to update (stepping.py)
         if optimizer is not None:
             if param_groups is not None:

@@ -38,16 +38,15 @@ def update(engine: Engine, via: torch.optim.Optimizer | None) -> bool:
     if via is None or engine._via is not None:
         engine._reached = True
         with record_function(STEP):
-            engine._updated = _apply(engine)
-        return engine._updated
-    engine._via, engine._updated, engine._reached = via, False, False
+            _apply(engine)
+        return True
+    engine._via, engine._reached = via, False
     try:
         via.step()
     finally:
         engine._via = None
-    if not engine._reached:  # the optimizer's step did not come back here
-        return update(engine, None)
-    return engine._updated
+    # the optimizer's step came back here and updated, or it did not come back: update now
+    return True if engine._reached else update(engine, None)
 
 
 @torch.no_grad()
@@ -70,7 +69,7 @@ def _overflowed(engine: Engine) -> bool:
 
 
 @torch.no_grad()
-def _apply(engine: Engine) -> bool:
+def _apply(engine: Engine) -> None:
     """The update: unscale, clip by the global norm, step the shards, start the next
     iteration."""
     sharded, cfg = engine.sharded_optimizer, engine.cfg
@@ -100,4 +99,3 @@ def _apply(engine: Engine) -> bool:
         g.refresh_after_step(updates.get(g.index))
     engine.schedule.start_next_iteration()
     engine.global_steps += 1
-    return True

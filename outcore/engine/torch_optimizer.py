@@ -259,10 +259,6 @@ def adopt(adopted: torch.optim.Optimizer, facade: TorchOptimizer) -> None:
     setattr(adopted, _SAVED, saved)
 
 
-# torch's registries of global step hooks (register_optimizer_step_pre_hook / _post_hook)
-_GLOBAL_PRE, _GLOBAL_POST = _global_optimizer_pre_hooks, _global_optimizer_post_hooks
-
-
 def _facade_step(facade: TorchOptimizer, *args: Any, **kwargs: Any) -> Any:
     """The facade's ``step`` within the hooks registered on it (``engine.optimizer``'s), not
     the global ones: the wrapper torch puts on its class would run those a second time."""
@@ -310,9 +306,11 @@ def _calling(ref: weakref.ref[TorchOptimizer], name: str) -> Callable[..., Any]:
         # step hooks run around it as torch runs them (Optimizer.profile_hook_step): torch's
         # global ones and the adopted optimizer's, in torch's order, each given the adopted
         # optimizer; inside them engine.optimizer's own, given it (the global ones once)
-        return _hooked(this, [*_GLOBAL_PRE.values(), *this._optimizer_step_pre_hooks.values()],
-                       [*this._optimizer_step_post_hooks.values(), *_GLOBAL_POST.values()],
-                       lambda *a, **k: _facade_step(facade, *a, **k), args, kwargs)
+        pres = [*_global_optimizer_pre_hooks.values(), *this._optimizer_step_pre_hooks.values()]
+        posts = [*this._optimizer_step_post_hooks.values(),
+                 *_global_optimizer_post_hooks.values()]
+        return _hooked(this, pres, posts, lambda *a, **k: _facade_step(facade, *a, **k), args,
+                       kwargs)
 
     call.__name__ = call.__qualname__ = name
     if name == "step":  # torch's schedulers need not wrap it: the facade's step() marks

@@ -219,8 +219,9 @@ class UpdatePipeline:
         # gradient buffers]): waiting costs no byte, and a limit would only stall backward.
         # On a GPU with gpt-1.3b's state in host memory, the limit (512 MiB) less its tied
         # head's reserved 131 MB let about 1.7 layers' updates wait, 2.3 before that
-        # reservation; that step slowed from 0.60 to 1.19 s, how much of it from this is not
-        # yet measured (bench/gpu/2026-11-26-h100-c/README.md).
+        # reservation. Unpaced, backward took 0.40 s there instead of 0.60, and the
+        # optimizer's tail after it grew by about as much: the host's update is that step's
+        # bound, not backward (bench/gpu/2026-11-27-h100/README.md).
         self.pending_grad_limit = pending_grad_limit
         self._single = single_threaded_worker
         self._worker: threading.Thread | None = None

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from outcore.app import models
-from outcore.app.models import GPT, GPTConfig, chunked_cross_entropy
+from outcore.app.models import GPT, GPTConfig, chunked_cross_entropy, loss_chunk_rows
 
 VOCAB, TOKENS = 1000, 96
 
@@ -94,3 +94,16 @@ def test_the_preset_keeps_no_full_size_fp32_logits_for_backward(monkeypatch) -> 
     # nothing fp32 beyond one chunk of 8 rows (before: the log-softmax of all 96 rows)
     assert max((n for dtype, n in kept if dtype == torch.float32), default=0) <= 8 * VOCAB
     loss.backward()
+
+
+def test_an_accelerator_takes_larger_chunks_than_the_host() -> None:
+    # 8 x 2048 tokens of a 32,000-word vocabulary: 126 chunks of 16 MiB cost an H100's step
+    # more host time than its compute (bench/gpu/2026-11-27-h100); there a chunk is 256 MiB
+    shape = (8 * 2048, 32_000)
+    host = torch.empty(1, shape[1], dtype=torch.bfloat16).expand(shape)  # no 1 GB allocated
+    device = torch.empty(shape, dtype=torch.bfloat16, device="meta")
+    assert loss_chunk_rows(host) == models.LOSS_CHUNK_BYTES // (4 * shape[1]) == 131
+    assert loss_chunk_rows(device) == models.DEVICE_LOSS_CHUNK_BYTES // (4 * shape[1]) == 2097
+    assert -(-shape[0] // loss_chunk_rows(device)) == 8
+    # a vocabulary wider than the budget still takes a row at a time
+    assert loss_chunk_rows(torch.empty(4, (64 << 20) + 1, device="meta")) == 1

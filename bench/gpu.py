@@ -20,6 +20,10 @@ the peak RSS from ``wait4``), built and timed by bench/train_worker.py, in ``--d
                   parameters' copies are cast from the host masters and stored nowhere
                   (storage.py's CastShard), so the row holds nothing on NVMe
 
+``--checkpoint`` checkpoints every block of the outcore rows (``outcore train
+--checkpoint-activations on``), so more tokens fit beside the device's share of the states: the
+host-memory row's optimizer work is paid once per step however many tokens it carries.
+
 A model whose 16 bytes per parameter of model states fit the device gets the first six rows,
 one whose states do not gets plain, opt-cpu, cpu+opt and nvme+opt-cpu (``--rows`` chooses).
 A row whose predicted bytes exceed the device, the host or the disk is skipped with the
@@ -106,6 +110,7 @@ def run_points(spec: dict) -> dict:
     report = engine.memory_report()
     engine.close(keep_values=False)  # no hand-back: it would count in the peak RSS
     return {"points": points, "init_s": round(init_s, 1), "init_peaks": init_peaks,
+            "checkpointed_blocks": spec.get("checkpointed_blocks", 0),
             "params": num_params(resolve_config(spec["model"])),
             "memory_report": {k: report.get(k) for k in ("device", "host", "nvme", "rss")}}
 
@@ -145,11 +150,14 @@ def flops_per_token(m: dict, seq: int) -> float:
 PLAIN_PER_PARAM = {"plain": 8, "plain-master": 20}
 
 
-def predicted_bytes(row: str, m: dict, batch: int, seq: int, dtype: str = "bf16") -> dict:
+def predicted_bytes(row: str, m: dict, batch: int, seq: int, dtype: str = "bf16",
+                    checkpoint: bool = False) -> dict:
     """Bytes a row needs per tier: model states (an outcore row's as ``Config.auto`` prices
     them, sizing/placement.py's ``state_bytes``, plus the 16-bit gradients of parameters kept
     on the device), plus on the device the activations (34 bytes per token, layer and hidden unit; 6
-    per token and vocabulary entry for the logits) and two gathered layers."""
+    per token and vocabulary entry for the logits) and two gathered layers. With every block
+    checkpointed, one block's activations are on the device at a time and each block's 16-bit
+    input waits in host memory (``checkpoint_blocks`` offloads it there)."""
     n = m["params"]
     if row in PLAIN_PER_PARAM:
         dev, host, nvme = PLAIN_PER_PARAM[row] * n, 0, 0
@@ -163,7 +171,10 @@ def predicted_bytes(row: str, m: dict, batch: int, seq: int, dtype: str = "bf16"
         dev = use["device"] + (2 * n if params == "none" else 0)
         host, nvme = use["host"], use["nvme"]
     tokens, h = batch * seq, m["hidden"]
-    dev += 34 * tokens * h * m["layers"] + 6 * tokens * m["vocab"] + 2 * 2 * 12 * h * h
+    layers_kept = 1 if checkpoint else m["layers"]
+    dev += 34 * tokens * h * layers_kept + 6 * tokens * m["vocab"] + 2 * 2 * 12 * h * h
+    if checkpoint:
+        host += 2 * tokens * h * m["layers"]
     return {"device": dev, "host": host, "nvme": nvme}
 
 
@@ -190,7 +201,8 @@ def run_row(name: str, model: str, points: list[tuple[int, int]], args, dtype: s
     folder = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=nvme_root))
     spec = {"row": name, "model": model, "points": points, "steps": args.steps,
             "warmup": args.warmup, "clip": 0.0, "nvme_path": str(folder),
-            "prefetch_bytes": None, "outcore_set": {}, "dtype": dtype}
+            "prefetch_bytes": None, "outcore_set": {}, "dtype": dtype,
+            "checkpoint": args.checkpoint and name not in PLAIN}
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec)]
     say(f"{model} {name} at {', '.join(f'{b}x{s}' for b, s in points)} ...")
     try:
@@ -256,7 +268,8 @@ def collect(args, nvme_root: Path, logs: Path) -> dict:
             points = [point]
             if sweep and name in ("none", args.sweep_row):
                 points += [p for p in args.sweep_points if p != point]
-            need = predicted_bytes(name, m, *max(points, key=lambda p: p[0] * p[1]), dtype)
+            need = predicted_bytes(name, m, *max(points, key=lambda p: p[0] * p[1]), dtype,
+                                   checkpoint=args.checkpoint and name not in PLAIN)
             why = "" if args.force else fits(need, capacities(pr, nvme_root))
             base = {"model": model, "row": name, "label": LABEL[name],
                     "placement": train_worker.PLACEMENT.get(name, ("-", "-", True))[:2],
@@ -276,6 +289,7 @@ def collect(args, nvme_root: Path, logs: Path) -> dict:
                 one = res["points"][i]
                 rows_out.append({**row, "status": "ok", "peak_host_rss": res["peak_rss"],
                                  "init_s": res.get("init_s"), "wall_s": res["wall_s"],
+                                 "checkpointed_blocks": res.get("checkpointed_blocks", 0),
                                  "init_peaks": res.get("init_peaks", {}), **one})
     return {"probe": pr, "dtype": dtype, "models": shapes,
             "settings": {k: str(v) for k, v in vars(args).items() if k not in ("worker",)},
@@ -425,6 +439,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="seconds per row's subprocess (the GPU session's commands get 600)")
     ap.add_argument("--probe-from", help="take the probe from this earlier JSON (saves ~30 s)")
     ap.add_argument("--force", action="store_true", help="run rows predicted not to fit")
+    ap.add_argument("--checkpoint", action="store_true",
+                    help="outcore rows checkpoint every block (more tokens fit the device)")
     ap.add_argument("--out", type=Path, help="also write the JSON here")
     ap.add_argument("--merge", nargs="+", type=Path, metavar="JSON",
                     help="no run: one JSON of several runs' rows, columns recomputed")

@@ -51,6 +51,34 @@ def test_gpu_bench_runs_tiny_and_prints_one_json(tmp_path: Path) -> None:
     assert not (tmp_path / "swap").exists()  # each row's swap folder is removed
 
 
+def test_checkpointed_rows_checkpoint_every_block_and_train_the_same(tmp_path: Path) -> None:
+    """``--checkpoint`` (more tokens beside the device's states): the outcore rows' blocks keep
+    only their inputs, the losses are the same, and the prediction moves activations off the
+    device."""
+    losses = {}
+    for flag in ([], ["--checkpoint"]):
+        out = tmp_path / f"gpu{len(flag)}.json"
+        proc = subprocess.run(
+            [sys.executable, str(REPO / "bench" / "gpu.py"), "--tiny", "--models", "tiny",
+             "--rows", "cpu+opt", "--no-sweep", "--nvme-path", str(tmp_path / "swap"),
+             "--out", str(out), *flag],
+            capture_output=True, text=True, timeout=600, cwd=REPO)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        (row,) = json.loads(out.read_text())["rows"]
+        assert row["status"] == "ok", row
+        assert (row["checkpointed_blocks"] > 0) == bool(flag)
+        losses[bool(flag)] = row["losses"]
+    assert losses[True] == losses[False]
+
+    if str(REPO / "bench") not in sys.path:
+        sys.path.append(str(REPO / "bench"))
+    import gpu
+
+    m = gpu.shape("gpt-1.3b")
+    whole, kept = (gpu.predicted_bytes("cpu+opt", m, 16, 2048, checkpoint=c) for c in (0, 1))
+    assert kept["device"] < whole["device"] / 3 and kept["host"] > whole["host"]
+
+
 def test_merged_runs_give_one_json(tmp_path: Path) -> None:
     """Runs split over several commands (the GPU session's 10-minute limit) merge into one,
     the later run's rows replacing the same rows of the earlier."""

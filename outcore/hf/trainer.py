@@ -287,10 +287,16 @@ class OutcoreTrainer(Trainer):
             self.outcore_engine.load_checkpoint(best)
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
-        """``Trainer.train``; when it ends, the output folder's lock is released (the next
-        save takes it again), so nothing of outcore's is left in ``output_dir``."""
+        """``Trainer.train``; when it returns, no update or read of outcore's is in flight
+        (the last ``step()`` reads ahead for a next step that does not come: a trainer
+        dropped then would outlive a ``gc.collect()`` by those reads, swap file and all), and
+        the output folder's lock is released (the next save takes it again), so nothing of
+        outcore's is left in ``output_dir``."""
         try:
-            return super().train(*args, **kwargs)
+            out = super().train(*args, **kwargs)
+            if self.outcore_engine is not None and not self.outcore_engine.closed:
+                self.outcore_engine.synchronize()
+            return out
         finally:
             if self.outcore_engine is not None and not self.outcore_engine.closed:
                 self.outcore_engine.release_folders()

@@ -235,6 +235,14 @@ class GatherGroup:
         for copy in copies:
             copy.wait()
 
+    def settle_reads(self) -> None:
+        """Wait until the reads of a fetch in flight have landed, and leave the rest of the
+        fetch (an error too) to its use: ``wait_unshard``, which may all-gather, so it runs
+        only where every rank runs it. Read-ahead in flight holds the shards' store, and
+        with it the swap file, alive (``Engine.synchronize``)."""
+        for fut in self._reads:
+            fut.exception()
+
     def wait_unshard(self) -> None:
         """Finish the fetch: wait for reads, all-gather, and show full tensors."""
         if self.state is GroupState.UNSHARDED:

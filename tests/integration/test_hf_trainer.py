@@ -530,11 +530,21 @@ def test_checkpoint_folders_load_with_from_pretrained(tmp_path: Path) -> None:
 
 def test_a_trainer_never_closed_leaves_no_swap_behind(tmp_path: Path) -> None:
     """Every Trainer script: train, save, exit, no close(). The swap goes at exit, and with
-    the trainer and model once the garbage collector has them."""
+    the trainer and model once the garbage collector has them. Each read of the swap file
+    takes 50 ms longer here, as on a busy disk: the last step's read-ahead for a next step
+    that never comes then outlasted ``train()`` and held the swap through the collection
+    (this test failed now and then on a loaded machine)."""
     code = f"""
-import gc, sys
+import gc, sys, time
 sys.path.insert(0, {str(REPO)!r})
 from pathlib import Path
+from outcore.offload import aio
+real = aio.transfer
+def slow(op, fd, view, offset, path):
+    if op == "read":
+        time.sleep(0.05)
+    return real(op, fd, view, offset, path)
+aio.transfer = slow
 from tests.common import arguments, build, dataset, nvme
 from outcore.hf import OutcoreTrainer
 tmp = Path({str(tmp_path)!r})

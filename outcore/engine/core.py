@@ -268,14 +268,10 @@ class Engine:
 
     def synchronize(self) -> None:
         """Wait for every update the last ``step()`` or backward left running (pipeline.py's
-        [Note: the step's tail runs into the next forward]) and for the reads ``step()``
-        started ahead for the next forward; the engine's own readers never need this, but a
-        timer around ``step()`` alone does, and so does a script that drops the engine and
-        expects its swap file gone at the next ``gc.collect()`` (reads in flight hold it)."""
+        [Note: the step's tail runs into the next forward]); the engine's own readers never
+        need this, but a timer or a memory measurement around ``step()`` alone does."""
         self._check_open()
         self.sharded_optimizer.wait()
-        for group in self.groups:
-            group.settle_reads()
 
     # -- modes and inspection ----------------------------------------------------------------
     def train(self, mode: bool = True) -> Engine:

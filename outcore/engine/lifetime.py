@@ -58,6 +58,17 @@ def hand_over(engine: Engine) -> None:
                       "that one")
 
 
+def quiesce(engine: Engine) -> None:
+    """Wait for all the engine has in flight: the updates ``step()`` left running
+    (``synchronize``) and the reads it started ahead for the next forward. For the end of
+    training, where no next step may come: those reads hold the shards' store, swap file and
+    all, so an engine and model dropped then, never closed, would outlive the collection by
+    them. Not part of ``synchronize``, which times ``step()`` without the next forward's reads."""
+    engine.synchronize()
+    for group in engine.groups:
+        group.settle_reads()
+
+
 def runtime_for(module: nn.Module, cfg: Config,
                 trainable_fraction: float) -> tuple[Runtime, bool]:
     """The runtime of the model's shards, or a new one; and whether it is new.

@@ -32,7 +32,7 @@ from transformers import Trainer
 
 from outcore.config import Config, read_mapping
 from outcore.config.deepspeed import is_deepspeed
-from outcore.engine import Engine
+from outcore.engine import Engine, lifetime
 from outcore.engine.torch_optimizer import TorchOptimizer
 from outcore.errors import ConfigError
 from outcore.hf import saving
@@ -295,7 +295,7 @@ class OutcoreTrainer(Trainer):
         try:
             out = super().train(*args, **kwargs)
             if self.outcore_engine is not None and not self.outcore_engine.closed:
-                self.outcore_engine.synchronize()
+                lifetime.quiesce(self.outcore_engine)
             return out
         finally:
             if self.outcore_engine is not None and not self.outcore_engine.closed:

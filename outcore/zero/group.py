@@ -239,7 +239,7 @@ class GatherGroup:
         """Wait until the reads of a fetch in flight have landed, and leave the rest of the
         fetch (an error too) to its use: ``wait_unshard``, which may all-gather, so it runs
         only where every rank runs it. Read-ahead in flight holds the shards' store, and
-        with it the swap file, alive (``Engine.synchronize``)."""
+        with it the swap file, alive (engine/lifetime.py's ``quiesce``)."""
         for fut in self._reads:
             fut.exception()
 

@@ -1,6 +1,8 @@
-"""``engine.synchronize()`` leaves nothing of the engine's in flight: the updates a step left
-running and the reads it started ahead for the next forward. A script that times ``step()``
-alone, or drops the engine and expects its swap file gone, needs that."""
+"""``lifetime.quiesce(engine)`` (what ``OutcoreTrainer.train()`` does when training ends)
+leaves nothing of the engine's in flight: the updates a step left running and the reads it
+started ahead for the next forward, which would hold the swap file of an engine dropped then.
+``engine.synchronize()`` waits for the updates only, so a timer around ``step()`` does not
+count the next forward's reads."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from torch import nn
 
 import outcore
 from outcore.device.accel import default_device
+from outcore.engine import lifetime
 from outcore.offload import aio
 
 
@@ -48,7 +51,8 @@ class Disk:
             self.pending -= 1
 
 
-def test_no_read_runs_after_synchronize(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_no_read_runs_after_quiesce_and_synchronize_leaves_them(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     disk = Disk(monkeypatch)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(50, 70), nn.Tanh(), nn.Linear(70, 70), nn.Tanh(),
@@ -63,8 +67,9 @@ def test_no_read_runs_after_synchronize(tmp_path: Path, monkeypatch: pytest.Monk
         engine.backward(loss)
         assert engine.step()
         losses.append(loss.item())
-        assert disk.pending, "step() returned with the next forward's reads started"
         engine.synchronize()
+        assert disk.pending, "the next forward's reads, started by step(), go on"
+        lifetime.quiesce(engine)
         assert disk.pending == 0
     # what was read ahead is what the next forward uses: training goes on as it would
     assert engine(x).pow(2).mean().item() < losses[-1] < losses[0]

@@ -107,10 +107,11 @@ def run_points(spec: dict) -> dict:
         res = train_worker.timed_steps(train_worker.engine_step(engine, x, y), spec["steps"],
                                        spec["warmup"], train_worker.store_counters(engine))
         points.append({**res, **train_worker.device_peaks(), "batch": batch, "seq": seq})
-    report = engine.memory_report()
+    report, stats = engine.memory_report(), engine.schedule_stats()
     engine.close(keep_values=False)  # no hand-back: it would count in the peak RSS
     return {"points": points, "init_s": round(init_s, 1), "init_peaks": init_peaks,
             "checkpointed_blocks": spec.get("checkpointed_blocks", 0),
+            "updates": {k: v for k, v in stats.items() if k.startswith("updates_")},
             "params": num_params(resolve_config(spec["model"])),
             "memory_report": {k: report.get(k) for k in ("device", "host", "nvme", "rss")}}
 
@@ -201,7 +202,7 @@ def run_row(name: str, model: str, points: list[tuple[int, int]], args, dtype: s
     folder = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=nvme_root))
     spec = {"row": name, "model": model, "points": points, "steps": args.steps,
             "warmup": args.warmup, "clip": 0.0, "nvme_path": str(folder),
-            "prefetch_bytes": None, "outcore_set": {}, "dtype": dtype,
+            "prefetch_bytes": None, "outcore_set": args.outcore_set, "dtype": dtype,
             "checkpoint": args.checkpoint and name not in PLAIN}
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec)]
     say(f"{model} {name} at {', '.join(f'{b}x{s}' for b, s in points)} ...")
@@ -210,7 +211,8 @@ def run_row(name: str, model: str, points: list[tuple[int, int]], args, dtype: s
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     # the row's raw result in the log too: a session cut short still brings back the rows run
-    say(f"  failed: {err.splitlines()[0]}" if err else
+    lines = [line for line in (err or "").splitlines() if line.strip()]
+    say(f"  failed: {lines[0]} {lines[-1] if len(lines) > 1 else ''}" if err else
         f"  done: {json.dumps(res, default=str)[:1500]}")
     return {"result": res, "error": err}
 
@@ -290,6 +292,7 @@ def collect(args, nvme_root: Path, logs: Path) -> dict:
                 rows_out.append({**row, "status": "ok", "peak_host_rss": res["peak_rss"],
                                  "init_s": res.get("init_s"), "wall_s": res["wall_s"],
                                  "checkpointed_blocks": res.get("checkpointed_blocks", 0),
+                                 "updates": res.get("updates", {}),
                                  "init_peaks": res.get("init_peaks", {}), **one})
     return {"probe": pr, "dtype": dtype, "models": shapes,
             "settings": {k: str(v) for k, v in vars(args).items() if k not in ("worker",)},
@@ -444,6 +447,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="seconds per row's subprocess (the GPU session's commands get 600)")
     ap.add_argument("--probe-from", help="take the probe from this earlier JSON (saves ~30 s)")
     ap.add_argument("--force", action="store_true", help="run rows predicted not to fit")
+    ap.add_argument("--set", dest="outcore_set", type=train.parse_set, action="append",
+                    default=[], metavar="KEY=JSON",
+                    help="outcore config override for every outcore row, e.g. --set "
+                         "zero.overlap_step_with_forward=true (repeatable)")
     ap.add_argument("--checkpoint", action="store_true",
                     help="outcore rows checkpoint every block (more tokens fit the device)")
     ap.add_argument("--out", type=Path, help="also write the JSON here")
@@ -454,6 +461,12 @@ def main(argv: list[str] | None = None) -> int:
         worker(json.loads(args.worker))
         return 0
     sys.path.insert(0, str(REPO))
+    sets, args.outcore_set = args.outcore_set, {}
+    if sets:  # --set a.b=1 --set a.c=2: both apply
+        from outcore.config import merge_mappings
+
+        for one in sets:
+            args.outcore_set = merge_mappings(args.outcore_set, one)
     if args.merge:
         result = summarize(merge(args.merge))
     else:

@@ -114,8 +114,9 @@ class ZeroConfig(_Section):
         "(optim/speculation.py)"
     )
     overlap_step_with_forward: bool = Field(
-        False, description="with overlap_optimizer and optimizer state on NVMe, step() returns "
-        "before the last updates finish; the next forward waits for each layer's own"
+        False, description="with overlap_optimizer and optimizer state on NVMe (or in host "
+        "memory beside a CUDA device), step() returns before the last updates finish; the "
+        "next forward waits for each layer's own"
     )
 
 

@@ -81,6 +81,24 @@ def test_checkpointed_rows_checkpoint_every_block_and_train_the_same(tmp_path: P
     assert kept["device"] < whole["device"] / 3 and kept["host"] > whole["host"]
 
 
+def test_set_reaches_the_outcore_rows_engine(tmp_path: Path) -> None:
+    """``--set KEY=JSON`` (as bench/train.py's) overrides the config of every outcore row: with
+    a learning rate of 1e-30 (0 is refused) no weight moves, so the fixed batch's loss stays."""
+    out = tmp_path / "gpu.json"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "gpu.py"), "--tiny", "--models", "tiny",
+         "--rows", "none", "--no-sweep", "--set", "optimizer.lr=1e-30", "--set",
+         "zero.overlap_step_with_forward=true", "--nvme-path", str(tmp_path / "swap"),
+         "--out", str(out)], capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    (row,) = result["rows"]
+    assert row["status"] == "ok" and len(set(row["losses"])) == 1, row["losses"]
+    assert set(row["updates"]) >= {"updates_during_backward", "updates_at_step",
+                                   "updates_after_step"}
+    assert "overlap_step_with_forward" in result["settings"]["outcore_set"]
+
+
 def test_merged_runs_give_one_json(tmp_path: Path) -> None:
     """Runs split over several commands (the GPU session's 10-minute limit) merge into one,
     the later run's rows replacing the same rows of the earlier."""

@@ -59,6 +59,10 @@ TABLE = [
         id="4 ranks cuda, no offload"),
     pytest.param(Inputs(1, "cpu", "bf16", N, N, overlap_step_with_forward=True), dict(
         defers_updates=True), id="step's tail into the next forward"),
+    pytest.param(Inputs(1, "cuda", "bf16", H, H, overlap_step_with_forward=True), dict(
+        defers_updates=True), id="the tail into the next forward, state in a GPU's host"),
+    pytest.param(Inputs(1, "cpu", "bf16", H, H, overlap_step_with_forward=True), dict(
+        defers_updates=False), id="tail kept in the step, state in a CPU device's memory"),
     pytest.param(Inputs(1, "cpu", "bf16", N, N, overlap_step_with_forward=True,
                         track_grad_norm=True), dict(defers_updates=False),
                  id="tail kept in the step where the norm is tracked"),

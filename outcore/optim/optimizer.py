@@ -250,11 +250,10 @@ class ShardedOptimizer:
         return taken
 
     def step(self, defer: bool = False, grad_scale: float = 1.0) -> list[UpdateJob]:
-        """Update every parameter that got a gradient and was not submitted, then end the
-        round; ``grad_scale`` (clipping's coefficient) multiplies each gradient as its update
-        reads it (staging.py's [Note: the gradient an update reads]). Submitted updates are
-        waited for, unless ``defer``: then the unfinished ones are returned, re-ordered for the
-        next forward (pipeline.py's [Note: the step's tail runs into the next forward])."""
+        """Update every parameter that got a gradient and was not submitted, then end the round;
+        ``grad_scale`` (clipping's coefficient) scales each gradient as its update reads it
+        (staging.py's [Note: the gradient an update reads]). Submitted updates are waited for,
+        unless ``defer``: the unfinished ones are returned in the next forward's order."""
         self.rt.sample_working_set()  # gradients not yet consumed are alive now
         rest = [sp for sp in self.params if sp.has_grad and self.state[sp].round != self._round]
         if self.adafactor is not None:  # never submitted during backward (the plan)
@@ -266,7 +265,8 @@ class ShardedOptimizer:
             self._end_round()
             return []
         if rest or not defer:  # the rest goes through the worker's three slots: let it finish
-            self.wait()
+            self.wait()  # a deferred update of a parameter this forward skipped ends only now,
+            rest = [sp for sp in rest if sp.has_grad]  # its gradient (of a past step) with it
         for sp in rest:
             self.state[sp].round = self._round
         self.stats["updates_at_step"] += len(rest)

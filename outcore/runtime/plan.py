@@ -252,13 +252,14 @@ def _decide(i: Inputs) -> Iterator[tuple[str, tuple[Any, str]]]:
     # forward: with the state on NVMe, or in host memory beside a GPU, whose forward takes
     # none of the host's cores (bench/gpu/2026-11-27-h100: a 0.26-0.57 s tail after a 0.4 s
     # backward)
-    defer = (overlap and i.overlap_step_with_forward and hides and not speculates
+    defer = (overlap and i.overlap_step_with_forward
+             and (s is Tier.NVME or (cuda and s is Tier.HOST)) and not speculates
              and not i.track_grad_norm and not zero_copy)
     yield "defers_updates", (defer, (
         "zero.overlap_step_with_forward: the next forward runs behind the last updates"
         if defer else "off unless zero.overlap_step_with_forward, with the optimizer "
-        "overlapped, state on NVMe or a CUDA device, no speculation (clipping or fp16), no "
-        "gradient norm tracked and no zero-copy shards"))
+        "overlapped, state on NVMe or in a CUDA device's host memory, no speculation "
+        "(clipping or fp16), no gradient norm tracked and no zero-copy shards"))
 
     kinds = optimizer_state_kinds(i.optimizer_type, i.momentum)
     yield "state_kinds", (kinds, f"{i.optimizer_type}"

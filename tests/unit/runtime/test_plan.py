@@ -63,6 +63,9 @@ TABLE = [
         defers_updates=True), id="the tail into the next forward, state in a GPU's host"),
     pytest.param(Inputs(1, "cpu", "bf16", H, H, overlap_step_with_forward=True), dict(
         defers_updates=False), id="tail kept in the step, state in a CPU device's memory"),
+    pytest.param(Inputs(2, "cuda", "bf16", D, D, overlap_step_with_forward=True), dict(
+        overlaps_optimizer=True, defers_updates=False),
+        id="tail kept in the step, state on the GPU (not measured)"),
     pytest.param(Inputs(1, "cpu", "bf16", N, N, overlap_step_with_forward=True,
                         track_grad_norm=True), dict(defers_updates=False),
                  id="tail kept in the step where the norm is tracked"),

@@ -430,7 +430,10 @@ class UpdatePipeline:
                 except BaseException as e:  # noqa: BLE001 - fails the job, after its writes end
                     settle(work, e)
                     continue
-                owners[work.turn % count] = work
+                if work.pending:  # its writes land behind the next sub-groups' updates
+                    owners[work.turn % count] = work
+                else:  # nothing written behind (state in memory): done now, so a fetch that
+                    settle(work)  # waits for it does not wait for the updates after it too
         finally:
             for left in (ahead, *owners):
                 settle(left)

@@ -186,6 +186,23 @@ def test_a_job_is_done_only_once_its_writes_have_landed() -> None:
     assert job.done.done() and job.done.exception() is None
 
 
+def test_a_job_with_nothing_to_write_is_done_before_the_next_is_applied() -> None:
+    """State in memory writes nothing behind: a fetch waiting for the first job's update
+    (group.py's ``await_update``) must not wait for the update after it as well."""
+    kernel = FakeKernel(block=("b",))
+    pipe = _pipeline(kernel)
+    first, second = _job("a"), _job("b")
+    pipe.submit(first, 0)
+    pipe.submit(second, 0)
+    assert kernel.entered.wait(10)  # b's update is under way, and held there
+    try:
+        first.done.result(timeout=10)
+        assert not second.done.done()
+    finally:
+        kernel.release.set()
+    pipe.wait()
+
+
 def test_a_failed_write_fails_its_job() -> None:
     write: Future[None] = Future()
     write.set_exception(OSError("disk full"))

@@ -111,7 +111,10 @@ def run_points(spec: dict) -> dict:
     engine.close(keep_values=False)  # no hand-back: it would count in the peak RSS
     return {"points": points, "init_s": round(init_s, 1), "init_peaks": init_peaks,
             "checkpointed_blocks": spec.get("checkpointed_blocks", 0),
-            "updates": {k: v for k, v in stats.items() if k.startswith("updates_")},
+            # where updates ran, and what the fetches found (a deferred update releases the
+            # carried head: schedule.py's [Note: carrying the head across iterations])
+            "updates": {k: v for k, v in stats.items()
+                        if k.startswith("updates_") or k in ("fetches", "carried")},
             "params": num_params(resolve_config(spec["model"])),
             "memory_report": {k: report.get(k) for k in ("device", "host", "nvme", "rss")}}
 

@@ -118,6 +118,12 @@ class ZeroConfig(_Section):
         "memory beside a CUDA device), step() returns before the last updates finish; the "
         "next forward waits for each layer's own"
     )
+    resident_copies: bool = Field(
+        True, description="with one rank on a CPU and params and optimizer state on NVMe, "
+        "the training copies of the groups that fit prefetch_bytes stay in host memory, "
+        "updated in place, never written to or read from disk (zero/build.py); false "
+        "streams every copy"
+    )
 
 
 class LossScaleConfig(_Section):

@@ -119,14 +119,17 @@ class Engine:
 
     def _build(self, module: nn.Module, cfg: Config,
                param_groups: list[tuple[dict, list[nn.Parameter]]] | None) -> None:
-        self.params = build.shard_params(module, self.rt)
+        self.params = build.shard_params(module, self.rt, prepare=False)
         self.groups, module_groups = build.build_groups(
             module, self.rt, cfg.zero.persistence_threshold_bytes)
+        budget = build.prefetch_budget(cfg, self.groups, placement.nvme_fetch_share(self.rt))
+        resident = build.keep_resident(self.groups, self.rt, budget)
+        build.prepare_shards(self.params, resident)
+        budget -= sum(g.full_bytes for g in self.groups if g.index in resident)
         for g in self.groups:
             if g.zero_copy:  # its shards are the full tensors: show them once, for good
                 g.wait_unshard()
         self.buffer_places = build.cast_buffers(module, self.rt)
-        budget = build.prefetch_budget(cfg, self.groups, placement.nvme_fetch_share(self.rt))
         self.rt.adopt_prefetch_budget(budget)
         self.schedule = Schedule(budget, self.groups, carry=self.rt.plan.carries_head)
         self.sharded_optimizer = ShardedOptimizer(self._optimizer_groups(param_groups),

@@ -194,6 +194,8 @@ class Schedule:
         out["peak_ahead_bytes"] = self.peak_ahead_bytes
         out["ahead_bytes"] = self._ahead_bytes()  # now: fetched or kept ahead, in memory
         out["prefetch_bytes"] = self.prefetch_bytes
+        # training copies in host memory across steps (zero/build.py's keep_resident)
+        out["resident_bytes"] = sum(g.full_bytes for g in self.groups if g.zero_copy)
         out["trace_length"] = len(self.trace or [])
         return out
 

@@ -56,6 +56,7 @@ class Inputs:
     overlap_optimizer: bool = True
     speculative_step: bool = True
     overlap_step_with_forward: bool = False
+    resident_copies: bool = True
     aligned_regions: bool = True  # the OS can map aligned memory under a tensor's storage
 
 
@@ -96,6 +97,9 @@ class ExecutionPlan:
     """Parameter updates start during the boundary backward, group by group."""
     defers_updates: bool
     """``step()`` may return before the last updates finish."""
+    keeps_copies_resident: bool
+    """Training copies on NVMe whose groups fit the prefetch budget live in host memory
+    instead, refreshed in place by their updates (zero/build.py's ``keep_resident``)."""
     state_kinds: tuple[str, ...]
     """Optimizer state tensors per parameter besides the master."""
     staged_kinds: tuple[str, ...]
@@ -137,6 +141,7 @@ class ExecutionPlan:
             overlap_optimizer=cfg.zero.overlap_optimizer,
             speculative_step=cfg.zero.speculative_step,
             overlap_step_with_forward=cfg.zero.overlap_step_with_forward,
+            resident_copies=cfg.zero.resident_copies,
             aligned_regions=aligned_regions))
 
     def explain(self) -> Iterator[tuple[str, Any, str]]:
@@ -260,6 +265,15 @@ def _decide(i: Inputs) -> Iterator[tuple[str, tuple[Any, str]]]:
         if defer else "off unless zero.overlap_step_with_forward, with the optimizer "
         "overlapped, state on NVMe or in a CUDA device's host memory, no speculation "
         "(clipping or fp16), no gradient norm tracked and no zero-copy shards"))
+
+    resident = (i.resident_copies and one and on_cpu and p is Tier.NVME and s is Tier.NVME
+                and not compute_is_master and not defer and not speculates)
+    yield "keeps_copies_resident", (resident, (
+        "one rank on the CPU, everything on NVMe: groups that fit the prefetch budget keep "
+        "their training copies in host memory, updated in place, never written or read back"
+        if resident else "needs zero.resident_copies, one rank, a CPU device, params and "
+        "state on NVMe in separate shards, no deferred updates and no speculation (clipping "
+        "or fp16)"))
 
     kinds = optimizer_state_kinds(i.optimizer_type, i.momentum)
     yield "state_kinds", (kinds, f"{i.optimizer_type}"

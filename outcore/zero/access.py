@@ -244,6 +244,8 @@ def _value(t: Touch) -> tuple[torch.Tensor, bool]:
         assert sp.group is not None  # only a group's fetch makes a parameter FETCHING
         sp.group.wait_unshard()  # one rank: finishing the reads is local
     if sp.state in HAS_VALUES:
+        if sp.state is ParamState.GATHERED and sp.group is not None and sp.group.zero_copy:
+            sp.check_values()  # an update may write it in place (build.py's keep_resident)
         base, fresh = raw_data(sp.param), False
     else:
         base, fresh = sp.read_value(), True

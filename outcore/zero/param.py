@@ -245,8 +245,9 @@ class ShardedParam:
         self.dtype = dtype
 
     # -- shards ---------------------------------------------------------------------------------
-    def prepare_for_training(self) -> None:
-        """Create the training-dtype shard in the parameter tier; drop fp32 state if frozen.
+    def prepare_for_training(self, home: Tier | None = None) -> None:
+        """Create the training-dtype shard in the parameter tier (or ``home``: build.py's
+        ``keep_resident``); drop fp32 state if frozen.
 
         Called by every engine that takes the parameter (a second engine on the same model
         replaces the first one's training-dtype shard).
@@ -267,7 +268,7 @@ class ShardedParam:
             self.compute_shard = CastShard(self.master_shard, rt.compute_dtype)
         else:
             values = load_now(self.master_shard, rt.device).to(rt.compute_dtype)
-            self.compute_shard = rt.store(values, rt.param_tier, Kind.PARAMS)
+            self.compute_shard = rt.store(values, home or rt.param_tier, Kind.PARAMS)
             if not self.trainable:
                 self.master_shard.free()
                 self.master_shard = None
@@ -415,7 +416,7 @@ class ShardedParam:
         self.master_shard = self.compute_shard = None
 
     # -- values ---------------------------------------------------------------------------------
-    def _check_values(self) -> None:
+    def check_values(self) -> None:
         if self.state is ParamState.DROPPED:
             raise ParamAccessError(dropped_message(self))
         self.rt.await_updates()  # updates submitted during backward
@@ -424,7 +425,7 @@ class ShardedParam:
 
     def values_shard(self) -> torch.Tensor:
         """This rank's shard of the parameter's exact values (fp32 master when there is one)."""
-        self._check_values()
+        self.check_values()
         src = self.master_shard if self.master_shard is not None else self.compute_shard
         assert src is not None
         # on the compute device (collectives and reads run there), whatever the shard's tier
@@ -441,7 +442,7 @@ class ShardedParam:
         """A new tensor with the full current values, read from the shards (one rank only):
         in the parameter's dtype, or fp32 from the master with ``exact``."""
         assert self.rt.world_size == 1
-        self._check_values()
+        self.check_values()
         src = self.master_shard if exact and self.master_shard is not None else (
             self.compute_shard if self.compute_shard is not None else self.master_shard)
         assert src is not None
@@ -484,7 +485,7 @@ class ShardedParam:
         """Write new values between steps (a user's write, a weight load): the group's full
         tensors and prefetches of the old values are dropped first, and a group kept gathered
         is fetched again after."""
-        self._check_values()
+        self.check_values()
         group = self.group
         if group is not None:
             group.reshard()  # waits for reads of the old shard still in flight

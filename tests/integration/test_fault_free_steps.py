@@ -77,7 +77,8 @@ def test_kept_full_tensor_memory_follows_the_engines_budget(reuse: bool | None, 
     cfg = outcore.Config.from_dict({
         "dtype": "auto", "optimizer": {"type": "adamw", "lr": 1e-3},
         "offload": {"params": "nvme", "optimizer": "nvme", "nvme_path": str(tmp_path),
-                    "reuse_freed_memory": reuse}})
+                    "reuse_freed_memory": reuse},
+        "zero": {"resident_copies": False}})  # every copy read into full tensors
     torch.manual_seed(0)
     with outcore.initialize(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 4)), cfg) as engine:
         regions, budget = engine.rt.full_regions, engine.schedule.prefetch_bytes
@@ -120,7 +121,8 @@ from outcore.optim import optimizer
 optimizer.available_memory = lambda: Available(1 << 50, None)  # a host with room
 cfg = outcore.Config.from_dict({"dtype": "bf16", "optimizer": {"type": "adamw", "lr": 1e-3},
                                 "offload": {"params": "nvme", "optimizer": "nvme",
-                                            "nvme_path": sys.argv[1]}})
+                                            "nvme_path": sys.argv[1]},
+                                "zero": {"resident_copies": False}})  # read into full tensors
 torch.manual_seed(0)
 with outcore.init(cfg):  # 9 x 4M parameters: 75 MB of bf16 full tensors, past 64 MiB
     model = nn.Sequential(*[nn.Linear(2048, 2048, bias=False) for _ in range(9)])

@@ -85,6 +85,22 @@ TABLE = [
                  id="params in host memory: the copy is stored"),
     pytest.param(Inputs(1, "cpu", "bf16", N, N, overlap_optimizer=False), dict(
         overlaps_optimizer=False, defers_updates=False), id="overlap switched off"),
+    pytest.param(Inputs(1, "cpu", "bf16", N, N), dict(keeps_copies_resident=True),
+                 id="all on nvme: copies that fit the budget stay in memory"),
+    pytest.param(Inputs(1, "cpu", "bf16", N, N, gradient_clipping=1.0), dict(
+        speculates=True, keeps_copies_resident=False),
+        id="no resident copies under speculation (a tentative update would show)"),
+    pytest.param(Inputs(1, "cpu", "bf16", N, N, overlap_step_with_forward=True), dict(
+        defers_updates=True, keeps_copies_resident=False),
+        id="no resident copies with the tail in the next forward"),
+    pytest.param(Inputs(2, "cpu", "bf16", N, N), dict(keeps_copies_resident=False),
+                 id="no resident copies at two ranks (a shard is not the tensor)"),
+    pytest.param(Inputs(1, "cuda", "bf16", N, N), dict(keeps_copies_resident=False),
+                 id="no resident copies beside a GPU (not measured)"),
+    pytest.param(Inputs(1, "cpu", "fp32", N, N), dict(keeps_copies_resident=False),
+                 id="no resident copies where the master is the copy"),
+    pytest.param(Inputs(1, "cpu", "bf16", N, H), dict(keeps_copies_resident=False),
+                 id="no resident copies with masters in memory (cast from them)"),
 ]
 
 
@@ -129,7 +145,9 @@ def test_engine_components_follow_the_plan(tmp_path) -> None:
         plan = engine.plan
         assert plan is engine.rt.plan and plan.inputs.dtype == "bf16"
         assert plan.inputs.params is N and plan.inputs.optimizer is N
-        assert all(g.zero_copy is plan.zero_copy is False for g in engine.groups)
+        assert plan.zero_copy is False and plan.keeps_copies_resident is True
+        # each group fits the budget: its copies stay in memory (build.py's keep_resident)
+        assert all(g.zero_copy for g in engine.groups)
         assert engine.schedule.carry is plan.carries_head
         assert engine.scaler.enabled is plan.loss_scaling
         assert engine.sharded_optimizer.state_kinds == plan.state_kinds == AW

@@ -1,0 +1,229 @@
+"""Training copies kept in host memory with everything on NVMe (zero/build.py's [Note:
+training copies kept in memory across steps]): the run computes what a run with every copy
+on disk computes, bit for bit, while only the optimizer state moves; a user's reads, writes,
+checkpoints and a second engine see the copies as they are."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import outcore
+from outcore.app.models import GPT, GPTConfig
+from tests.common import BATCH, SEQ, VOCAB, Quirky
+
+STATE_BYTES = 12  # fp32 master, exp_avg and exp_avg_sq per element
+
+
+def _cfg(tmp: Path, prefetch: int | None = None, resident: bool = True, **extra: object
+         ) -> dict:
+    zero: dict = {"resident_copies": resident}
+    if prefetch is not None:
+        zero["prefetch_bytes"] = prefetch
+    return {"dtype": "bf16", "optimizer": {"lr": 1e-2}, "zero": zero,
+            "offload": {"params": "nvme", "optimizer": "nvme", "nvme_path": str(tmp)}, **extra}
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return (torch.randint(0, VOCAB, (BATCH, SEQ), generator=g),
+            torch.randint(0, VOCAB, (BATCH, SEQ), generator=g))
+
+
+def _train(engine, steps: range) -> tuple[list[float], list[tuple[int, int]]]:
+    """Losses, and the bytes read and written by each step."""
+    store = engine.rt.nvme
+    losses, moved = [], []
+    for s in steps:
+        r, w = store.bytes_read, store.bytes_written
+        loss = engine(*_batch(s), use_optional=s % 2 == 0)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+        moved.append((store.bytes_read - r, store.bytes_written - w))
+    return losses, moved
+
+
+def _weights(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().float().clone() for n, p in model.named_parameters()}
+
+
+def _updated_elements(model, step: int) -> int:
+    """Elements of the parameters that get a gradient at ``step`` in Quirky: all but the
+    gate's bias (never used) and, on odd steps, the optional block."""
+    out = 0
+    for name, p in model.named_parameters():
+        if name == "gate.bias" or (step % 2 and name.startswith("optional.")):
+            continue
+        out += p.numel()
+    return out
+
+
+def test_only_the_optimizer_state_moves_and_the_run_is_the_same(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = Quirky()
+    twin = Quirky()
+    twin.load_state_dict(model.state_dict())
+    engine = outcore.initialize(model, _cfg(tmp_path / "a"))
+    other = outcore.initialize(twin, _cfg(tmp_path / "b", resident=False))  # each on disk
+    assert engine.plan.keeps_copies_resident and not other.plan.keeps_copies_resident
+    n = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    assert engine.schedule_stats()["resident_bytes"] == 2 * n  # bf16, the whole model
+    assert other.schedule_stats()["resident_bytes"] == 0
+
+    losses, moved = _train(engine, range(4))
+    twin_losses, twin_moved = _train(other, range(4))
+
+    assert losses == twin_losses
+    for step, ((read, written), (twin_read, twin_written)) in enumerate(
+            zip(moved, twin_moved, strict=True)):
+        updated = _updated_elements(model, step)
+        assert (read, written) == (STATE_BYTES * updated,) * 2, step  # no copy on disk
+        assert twin_written == (STATE_BYTES + 2) * updated, step  # each bf16 copy written
+        assert twin_read > STATE_BYTES * updated, step  # and read back
+    engine.close()
+    other.close()
+    for name, value in _weights(model).items():
+        assert torch.equal(value, _weights(twin)[name]), name  # handed back the same
+
+
+def test_reads_and_writes_of_weights_between_steps(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model, twin = Quirky(), Quirky()
+    twin.load_state_dict(model.state_dict())
+    engines = [outcore.initialize(model, _cfg(tmp_path / "a")),
+               outcore.initialize(twin, _cfg(tmp_path / "b", resident=False))]
+    seen = []
+    for m, e in zip((model, twin), engines, strict=True):
+        _train(e, range(2))
+        w = m.blocks[0].fc1.weight
+        before = w.detach().clone()  # the updated copy, as the next forward reads it
+        with torch.no_grad():
+            w.mul_(0.5)  # a user's write between steps
+        after = w.detach().clone()
+        losses, _ = _train(e, range(2, 4))
+        seen.append((before, after, losses, m.gate.weight.detach().clone()))
+    (b0, a0, l0, g0), (b1, a1, l1, g1) = seen
+    assert torch.equal(b0, b1) and torch.equal(a0, a1)
+    assert torch.equal(a0, (b0.float() * 0.5).to(a0.dtype))
+    assert l0 == l1 and torch.equal(g0, g1)
+    for e in engines:
+        e.close()
+
+
+def test_a_checkpoint_round_trip_and_a_second_engine(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = Quirky()
+    engine = outcore.initialize(model, _cfg(tmp_path / "a"))
+    _train(engine, range(2))
+    engine.save_checkpoint(tmp_path / "ckpt")
+    after, _ = _train(engine, range(2, 4))
+    engine.load_checkpoint(tmp_path / "ckpt")
+    again, _ = _train(engine, range(2, 4))
+    assert again == after
+    engine.close()
+    kept = _weights(model)  # the fp32 masters, handed back
+
+    def shows_kept() -> bool:  # in bf16, as an engine shows them
+        return all(torch.equal(p.detach().float(), kept[n].bfloat16().float())
+                   for n, p in model.named_parameters())
+
+    # a second engine takes the model over with another placement, then a third on NVMe
+    second = outcore.initialize(model, {"dtype": "bf16", "optimizer": {"lr": 1e-2}})
+    assert shows_kept()
+    second.close()
+    third = outcore.initialize(model, _cfg(tmp_path / "c"))
+    assert third.schedule_stats()["resident_bytes"] > 0
+    assert shows_kept()
+    third.close()
+    assert all(torch.equal(v, kept[n]) for n, v in _weights(model).items())
+
+
+def test_the_budget_keeps_room_for_the_groups_left_on_disk(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    cfg = GPTConfig(layers=4, hidden=64, heads=4, vocab=512, seq_len=32)
+    model, twin = GPT(cfg), GPT(cfg)
+    twin.load_state_dict(model.state_dict())
+    budget = 160 * 1024
+    cfg = _cfg(tmp_path / "a", prefetch=budget)
+    cfg["zero"]["persistence_threshold_bytes"] = 0  # every group goes through the schedule
+    engine = outcore.initialize(model, cfg)
+    other = outcore.initialize(twin, _cfg(tmp_path / "b", resident=False))
+    groups = engine.groups
+    streamed = sorted((g.full_bytes for g in groups if not g.persistent), reverse=True)
+    resident = engine.schedule_stats()["resident_bytes"]
+    assert resident > 0 and streamed  # some stay, some stream
+    assert resident + sum(streamed[:2]) <= budget
+    assert engine.schedule_stats()["prefetch_bytes"] == budget - resident
+    x = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(3))
+    for e in (engine, other):
+        for _ in range(3):
+            loss = e(x, x)
+            e.backward(loss)
+            e.step()
+    assert torch.equal(engine(x, x).detach(), other(x, x).detach())
+    engine.close()
+    other.close()
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
+                                                 twin.state_dict().values(), strict=True))
+
+
+def test_a_read_right_after_backward_waits_for_the_update(tmp_path: Path) -> None:
+    """The update a backward starts writes the resident copy the model shows, on the update
+    thread: a read before ``step()`` waits for it, as a read of a copy on disk does, and
+    never sees it half written."""
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(1 << 20, 8)  # 8M elements: an update that takes a while
+    engine = outcore.initialize(emb, _cfg(tmp_path))
+    assert engine.schedule_stats()["resident_bytes"] == 2 * emb.weight.numel()
+    x = torch.arange(0, 1 << 20, 997)[None]
+    engine.backward(engine(x).float().pow(2).mean())
+    early = emb.weight.detach().clone()  # right after backward, before step()
+    engine.step()
+    assert torch.equal(early, emb.weight.detach())
+    engine.close()
+
+
+class _FrozenEnds(torch.nn.Module):
+    """Trainable layers between two frozen embeddings, which always stay on disk."""
+
+    def __init__(self, layers: int) -> None:
+        super().__init__()
+        self.first = torch.nn.Embedding(640, 32).requires_grad_(False)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(32, 32) for _ in range(layers))
+        self.last = torch.nn.Embedding(640, 32).requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.first(x)
+        for layer in self.layers:
+            h = h + layer(h)
+        return (h + self.last(x)).float().pow(2).mean()
+
+
+@pytest.mark.parametrize("layers", [4, 40])
+def test_the_groups_left_on_disk_keep_their_read_ahead(tmp_path: Path, layers: int) -> None:
+    """Resident copies never take the room the schedule needs for the two largest groups
+    still read from disk, frozen ones included (40 KiB each here, in a 96 KiB budget); a
+    mostly frozen model (4 small layers) keeps every copy on disk and the whole budget."""
+    torch.manual_seed(0)
+    model = _FrozenEnds(layers)
+    cfg = _cfg(tmp_path, prefetch=96 << 10)
+    cfg["zero"]["persistence_threshold_bytes"] = 0
+    engine = outcore.initialize(model, cfg)
+    stats = engine.schedule_stats()
+    streamed = sorted((g.full_bytes for g in engine.groups if not g.zero_copy), reverse=True)
+    assert streamed[:2] == [640 * 32 * 2] * 2
+    if layers == 4:
+        assert stats["resident_bytes"] == 0 and stats["prefetch_bytes"] == 96 << 10
+    else:
+        assert stats["resident_bytes"] > 0
+        assert stats["prefetch_bytes"] == (96 << 10) - stats["resident_bytes"]
+        assert stats["prefetch_bytes"] >= sum(streamed[:2])
+    x = torch.randint(0, 640, (2, 16), generator=torch.Generator().manual_seed(0))
+    for _ in range(3):
+        engine.backward(engine(x))
+        engine.step()
+    assert engine.schedule_stats()["prefetch_hits"] > 0
+    engine.close()

@@ -131,6 +131,9 @@ class Engine:
                 g.wait_unshard()
         self.buffer_places = build.cast_buffers(module, self.rt)
         self.rt.adopt_prefetch_budget(budget)
+        # a tentative update writes a copy the model shows in place: taken back before any
+        # forward, not only one to be backpropagated (speculation.py's note)
+        self._shows_tentative = self.rt.plan.speculates and any(g.zero_copy for g in self.groups)
         self.schedule = Schedule(budget, self.groups, carry=self.rt.plan.carries_head)
         self.sharded_optimizer = ShardedOptimizer(self._optimizer_groups(param_groups),
                                                   cfg.optimizer, self.rt)
@@ -418,9 +421,10 @@ class Engine:
     def _forward_context(self) -> contextlib.AbstractContextManager[None]:
         """Opens a forward. After a boundary backward it waits for that backward's updates
         (they may write the copies it reads); one to be backpropagated takes tentative ones
-        back, for ``step()`` to redo from the summed gradients (speculation.py's note)."""
+        back, for ``step()`` to redo from the summed gradients (speculation.py's note), and so
+        does any forward where a tentative update writes a copy the model shows."""
         if self.is_accumulation_boundary:
-            if torch.is_grad_enabled():
+            if torch.is_grad_enabled() or self._shows_tentative:
                 self.sharded_optimizer.take_back_tentative()
             self.sharded_optimizer.wait()
         return self.hooks.forward_context()

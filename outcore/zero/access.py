@@ -245,6 +245,7 @@ def _value(t: Touch) -> tuple[torch.Tensor, bool]:
         sp.group.wait_unshard()  # one rank: finishing the reads is local
     if sp.state in HAS_VALUES:
         if sp.state is ParamState.GATHERED and sp.group is not None and sp.group.zero_copy:
+            sp.rt.before_write()  # a tentative update shown in it goes back (speculation.py)
             sp.check_values()  # an update may write it in place (build.py's keep_resident)
         base, fresh = raw_data(sp.param), False
     else:

@@ -54,11 +54,15 @@ def keep_resident(groups: list[GatherGroup], rt: Runtime, budget: int) -> set[in
     where keeping a group from forward to backward saves one read; so the budget goes to
     resident groups first, in the model's order, keeping room for the two largest groups
     still streamed, and the schedule gets what is left. Only where the plan allows it
-    (``keeps_copies_resident``): one rank on the CPU, updates applied in place only once
-    they are final (no speculation, no deferred tail), and never for frozen parameters,
-    which have no update to feed them; nor where most of the model is frozen (a LoRA
-    base), whose budget is the base's read-ahead. A user's ``zero.prefetch_bytes`` is the
-    bound either way: at 64 MiB (the smallest footprint) only the small groups fit.
+    (``keeps_copies_resident``): one rank on the CPU, no deferred tail (the next forward
+    would read a copy its update is writing). A tentative update (clipping, fp16: the
+    speculative step) writes the copy in place too, so it is taken back before anything
+    reads the copy ahead of ``step()``: a forward (engine/core.py's ``_forward_context``)
+    or a read of the weight (zero/access.py), as a write is; the redone step casts the
+    copy again. Never for frozen parameters, which have no update to feed them; nor where
+    most of the model is frozen (a LoRA base), whose budget is the base's read-ahead. A
+    user's ``zero.prefetch_bytes`` is the bound either way: at 64 MiB (the smallest
+    footprint) only the small groups fit.
     """
     if not rt.plan.keeps_copies_resident or _mostly_frozen(groups):
         return set()

@@ -227,3 +227,38 @@ def test_the_groups_left_on_disk_keep_their_read_ahead(tmp_path: Path, layers: i
         engine.step()
     assert engine.schedule_stats()["prefetch_hits"] > 0
     engine.close()
+
+
+def test_tentative_updates_never_show_before_step(tmp_path: Path) -> None:
+    """With clipping the updates during backward are tentative (the speculative step) and
+    write the resident copies in place. A read of a weight, or a forward without gradients,
+    between backward and ``step()`` sees the values from before the step, as torch's
+    optimizer has it; the tentative updates are taken back and redone by ``step()``, and the
+    run equals one with every copy on disk."""
+    torch.manual_seed(0)
+    model, twin = Quirky(), Quirky()
+    twin.load_state_dict(model.state_dict())
+    runs = []
+    for m, cfg in ((model, _cfg(tmp_path / "a", gradient_clipping=100.0)),
+                   (twin, _cfg(tmp_path / "b", resident=False, gradient_clipping=100.0))):
+        engine = outcore.initialize(m, cfg)
+        assert engine.plan.speculates
+        losses, evals = [], []
+        for s in range(6):
+            loss = engine(*_batch(s), use_optional=s % 2 == 0)
+            before = m.blocks[0].fc1.weight.detach().clone()
+            engine.backward(loss)
+            if s == 2:  # a read between backward and step()
+                assert torch.equal(m.blocks[0].fc1.weight.detach(), before)
+            if s == 4:  # an evaluation between backward and step()
+                with torch.no_grad():
+                    evals.append(engine(*_batch(99)).item())
+            engine.step()
+            losses.append(loss.item())
+        runs.append((losses, evals, engine.sharded_optimizer.stats,
+                     {n: p.detach().clone() for n, p in m.named_parameters()}))
+        engine.close()
+    (losses, evals, stats, weights), (twin_losses, twin_evals, _, twin_weights) = runs
+    assert stats["tentative_kept"] > 0 and stats["tentative_redone"] > 0
+    assert losses == twin_losses and evals == twin_evals
+    assert all(torch.equal(w, twin_weights[n]) for n, w in weights.items())

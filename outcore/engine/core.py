@@ -145,7 +145,12 @@ class Engine:
         self.rt.await_updates = lambda: (w := wait()) is not None and w()
         take = weakref.WeakMethod(self.sharded_optimizer.take_back_tentative)
         self.rt.before_write = lambda: (t := take()) is not None and t()
-        me = weakref.ref(self)  # zero/surface.py's [Note: p.grad stays None, and says so]
+        me = weakref.ref(self)
+        self.rt.before_forward = lambda: (e := me()) is not None and e._before_forward()
+        opt = weakref.ref(self.sharded_optimizer)
+        self.rt.is_tentative = lambda sp: (o := opt()) is not None and (
+            (st := o.state.get(sp)) is not None and st.tentative)
+        # zero/surface.py's [Note: p.grad stays None, and says so]
         self.rt.gradients_held = lambda: (e := me()) is not None and e.micro_steps > 0
         self.scaler = LossScaler(cfg.loss_scale, enabled=self.rt.plan.loss_scaling)
         self.hooks = Hooks(module_groups, self.groups, self.schedule, self.rt)
@@ -419,15 +424,20 @@ class Engine:
             self.close(keep_values=False)
 
     def _forward_context(self) -> contextlib.AbstractContextManager[None]:
-        """Opens a forward. After a boundary backward it waits for that backward's updates
-        (they may write the copies it reads); one to be backpropagated takes tentative ones
-        back, for ``step()`` to redo from the summed gradients (speculation.py's note), and so
-        does any forward where a tentative update writes a copy the model shows."""
+        """Opens a forward (``_before_forward``, then the hooks' phase)."""
+        self._before_forward()
+        return self.hooks.forward_context()
+
+    def _before_forward(self) -> None:
+        """After a boundary backward a forward waits for that backward's updates (they may
+        write the copies it reads); one to be backpropagated takes tentative ones back, for
+        ``step()`` to redo from the summed gradients (speculation.py's note), and so does any
+        forward where a tentative update writes a copy the model shows. The engine's entry
+        runs this, and so does a submodule called directly (hooks.py's ``_pre_forward``)."""
         if self.is_accumulation_boundary:
             if torch.is_grad_enabled() or self._shows_tentative:
                 self.sharded_optimizer.take_back_tentative()
             self.sharded_optimizer.wait()
-        return self.hooks.forward_context()
 
     def _reopen_boundary(self, what: str) -> None:
         """Before ``what`` between a boundary backward and ``step()``: its tentative updates

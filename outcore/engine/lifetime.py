@@ -116,7 +116,8 @@ def detach(engine: Engine) -> None:
     parameter is SHARDED and in no group, buffers are as they were; the shards stay."""
     engine.sharded_optimizer.close()
     step_aside(engine.adopted_optimizer)  # its own methods again (torch_optimizer.py)
-    engine.rt.await_updates = engine.rt.before_write = lambda: None
+    engine.rt.await_updates = engine.rt.before_write = engine.rt.before_forward = lambda: None
+    engine.rt.is_tentative = lambda sp: False
     engine.rt.gradients_held, engine.rt.grad_read_warned = lambda: False, False  # next engine's
     engine.entries.remove()
     engine.hooks.remove()

@@ -212,6 +212,8 @@ class Hooks:
                     self._release_pinned(keep=groups)
                     self._recomputing[threading.get_ident()] = node
                 self._pinned.update(g.index for g in groups)
+            elif not self.frames:  # a submodule called on its own: what the model's call does
+                self.rt.before_forward()
             # push the frame before fetching: if the fetch raises, the post-forward hook (which
             # always runs) must pop this frame, not its parent's
             self.frames.append(list(groups))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Any
 
 import psutil
 import torch
@@ -84,6 +85,11 @@ class Runtime:
         # runs before any write of values: tentative updates computed from the values it
         # replaces are taken back (the engine sets it: optim/speculation.py's note)
         self.before_write: Callable[[], None] = lambda: None
+        # runs where a forward begins outside the engine's entry (a submodule called directly):
+        # what the engine's own forward does first (engine/core.py's _before_forward)
+        self.before_forward: Callable[[], None] = lambda: None
+        # whether a tentative update of the parameter is outstanding (optim/speculation.py)
+        self.is_tentative: Callable[[Any], bool] = lambda sp: False
         self.engine = None  # weakref to the Engine training this model, if any
         # whether a backward ran since the last step() or zero_grad() (the engine sets it):
         # torch would show p.grad there (zero/surface.py's [Note: p.grad stays None, and says so])

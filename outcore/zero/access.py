@@ -243,12 +243,12 @@ def _value(t: Touch) -> tuple[torch.Tensor, bool]:
     if sp.state is ParamState.FETCHING:
         assert sp.group is not None  # only a group's fetch makes a parameter FETCHING
         sp.group.wait_unshard()  # one rank: finishing the reads is local
-    if sp.state in HAS_VALUES:
-        if sp.state is ParamState.GATHERED and sp.group is not None and sp.group.zero_copy:
-            sp.rt.before_write()  # a tentative update shown in it goes back (speculation.py)
-            sp.check_values()  # an update may write it in place (build.py's keep_resident)
+    copy = sp.state is ParamState.GATHERED and sp.group is not None and sp.group.zero_copy
+    if copy and sp.rt.phase is Phase.IDLE:  # updates write it in place (build.py's note)
+        sp.check_values()
+    if sp.state in HAS_VALUES and not (copy and sp.rt.is_tentative(sp)):
         base, fresh = raw_data(sp.param), False
-    else:
+    else:  # (a tentative update shows in the copy: read_value reads the master as it was)
         base, fresh = sp.read_value(), True
     param = t.param
     if not t.chain and torch.is_grad_enabled() and param.requires_grad:

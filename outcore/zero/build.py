@@ -56,13 +56,15 @@ def keep_resident(groups: list[GatherGroup], rt: Runtime, budget: int) -> set[in
     still streamed, and the schedule gets what is left. Only where the plan allows it
     (``keeps_copies_resident``): one rank on the CPU, no deferred tail (the next forward
     would read a copy its update is writing). A tentative update (clipping, fp16: the
-    speculative step) writes the copy in place too, so it is taken back before anything
-    reads the copy ahead of ``step()``: a forward (engine/core.py's ``_forward_context``)
-    or a read of the weight (zero/access.py), as a write is; the redone step casts the
-    copy again. Never for frozen parameters, which have no update to feed them; nor where
-    most of the model is frozen (a LoRA base), whose budget is the base's read-ahead. A
-    user's ``zero.prefetch_bytes`` is the bound either way: at 64 MiB (the smallest
-    footprint) only the small groups fit.
+    speculative step) writes the copy in place too, so nothing reads the copy ahead of
+    ``step()``: a read of the weight is served from its master, which keeps the old values
+    until then (zero/access.py, ``ShardedParam.read_value``), and a forward, which reads the
+    copy itself, takes the tentative updates back first, for the step to redo
+    (engine/core.py's ``_before_forward``, also for a submodule called on its own). Never
+    for frozen parameters, which have no update to feed them; nor where most of the model
+    is frozen (a LoRA base), whose budget is the base's read-ahead. A user's
+    ``zero.prefetch_bytes`` is the bound either way: at 64 MiB (the smallest footprint)
+    only the small groups fit.
     """
     if not rt.plan.keeps_copies_resident or _mostly_frozen(groups):
         return set()

@@ -439,11 +439,11 @@ class ShardedParam:
         return out[: self.numel].view(self.shape)
 
     def read_value(self, exact: bool = False) -> torch.Tensor:
-        """A new tensor with the full current values, read from the shards (one rank only):
-        in the parameter's dtype, or fp32 from the master with ``exact``."""
+        """A new tensor with the full values (one rank): in its dtype, or fp32 with ``exact``."""
         assert self.rt.world_size == 1
-        self.check_values()
-        src = self.master_shard if exact and self.master_shard is not None else (
+        self.check_values()  # a copy in memory may show a tentative update: not its master
+        master = exact or self.rt.is_tentative(self)
+        src = self.master_shard if master and self.master_shard is not None else (
             self.compute_shard if self.compute_shard is not None else self.master_shard)
         assert src is not None
         t = load_now(src, self.rt.device)

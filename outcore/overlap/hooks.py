@@ -205,6 +205,7 @@ class Hooks:
             return
         with self.mode.suspended():
             groups = self.module_groups[module]
+            outer = not self._in_backward and not self.frames  # a submodule called on its own
             if self._in_backward:  # a recomputation: see [Note: frozen groups in backward]
                 node = torch._C._current_autograd_node()
                 mark = self._recomputing.get(threading.get_ident())
@@ -212,16 +213,16 @@ class Hooks:
                     self._release_pinned(keep=groups)
                     self._recomputing[threading.get_ident()] = node
                 self._pinned.update(g.index for g in groups)
-            elif not self.frames:  # a submodule called on its own: what the model's call does
-                self.rt.before_forward()
-            # push the frame before fetching: if the fetch raises, the post-forward hook (which
-            # always runs) must pop this frame, not its parent's
+            # push the frame and hold its groups before anything that may raise: the
+            # post-forward hook (which always runs) pops this frame and unholds them
             self.frames.append(list(groups))
             self._sync_phase()
-            if self._plain_backward() and torch._C._current_autograd_node() is not None:
-                self.refuse_plain_backward()  # a recomputation in loss.backward(): see its note
             for g in groups:
                 g.hold()
+            if outer:  # what the model's call does first (engine/core.py's _before_forward)
+                self.rt.before_forward()
+            if self._plain_backward() and torch._C._current_autograd_node() is not None:
+                self.refuse_plain_backward()  # a recomputation in loss.backward(): see its note
             self.schedule.need(groups)
 
     def _post_forward(self, module: nn.Module, args: tuple[object, ...], output: object) -> None:

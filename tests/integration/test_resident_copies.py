@@ -5,6 +5,7 @@ checkpoints and a second engine see the copies as they are."""
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import pytest
@@ -276,3 +277,31 @@ def test_tentative_updates_never_show_before_step(tmp_path: Path, forwards: bool
     assert all(torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
                for a, b in zip(seen, twin_seen, strict=True))
     assert all(torch.equal(w, twin_weights[n]) for n, w in weights.items())
+
+
+def test_a_submodule_call_that_fails_before_it_runs_leaves_the_model_usable(
+        tmp_path: Path) -> None:
+    """What the model's call does first can fail (an update's error, raised by the wait):
+    a submodule called on its own then raises that error alone, and its groups are
+    released as after any forward."""
+    torch.manual_seed(0)
+    model = Quirky()
+    engine = outcore.initialize(model, _cfg(tmp_path))
+
+    def failing() -> None:
+        raise RuntimeError("an update failed (test)")
+
+    engine.rt.before_forward = failing
+    h = torch.randn(BATCH, SEQ, 32).to(model.blocks[0].fc1.weight.dtype)
+    with warnings.catch_warnings(record=True) as seen, pytest.raises(
+            RuntimeError, match="an update failed"):
+        warnings.simplefilter("always")
+        model.blocks[0](h)
+    assert not [str(w.message) for w in seen if "silenced" in str(w.message)]  # the error alone
+    assert all(g.holds == 0 for g in engine.groups) and not engine.hooks.frames
+    engine.rt.before_forward = lambda: None
+    assert model.blocks[0](h).shape == h.shape
+    loss = engine(*_batch(0))
+    engine.backward(loss)
+    engine.step()
+    engine.close()

@@ -264,9 +264,9 @@ class ShardedOptimizer:
             self.stats["updates_at_step"] += len(rest)
             self._end_round()
             return []
-        if rest or not defer:  # the rest goes through the worker's three slots: let it finish
-            self.wait()  # a deferred update of a parameter this forward skipped ends only now,
-            rest = [sp for sp in rest if sp.has_grad]  # its gradient (of a past step) with it
+        if rest or not defer:  # the rest goes through the worker's three slots: let it finish;
+            self.wait()  # a parameter this forward skipped may have had its deferred update
+            rest = [sp for sp in rest if sp.has_grad]  # end only now, its old gradient with it
         for sp in rest:
             self.state[sp].round = self._round
         self.stats["updates_at_step"] += len(rest)

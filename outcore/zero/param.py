@@ -441,8 +441,8 @@ class ShardedParam:
     def read_value(self, exact: bool = False) -> torch.Tensor:
         """A new tensor with the full values (one rank): in its dtype, or fp32 with ``exact``."""
         assert self.rt.world_size == 1
-        self.check_values()  # a copy in memory may show a tentative update: not its master
-        master = exact or self.rt.is_tentative(self)
+        self.check_values()
+        master = exact or self.rt.is_tentative(self)  # a tentative update: the master is as it was
         src = self.master_shard if master and self.master_shard is not None else (
             self.compute_shard if self.compute_shard is not None else self.master_shard)
         assert src is not None

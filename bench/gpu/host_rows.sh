@@ -69,10 +69,12 @@ for name in ("tail", "overlap", "none", "ckpt"):
         print(f"{name}: {r['row']} {r['batch']}x{r['seq']} step {r['step_s']:.3f} fwd "
               f"{r['fwd_s']:.3f} bwd {r['bwd_s']:.3f} tail {r['opt_s']:.3f} "
               f"{r['tokens_per_s']:.0f} tok/s; steps {times}; {r.get('updates')}")
-try:  # the tail run into the next forward changes no arithmetic: the same losses
+try:  # the same arithmetic; CUDA's backward is not deterministic, so runs of one row differ
     a, b = (json.loads(Path(sys.argv[1], f"{n}.json").read_text())["rows"][0]["losses"]
             for n in ("tail", "overlap"))
-    print("tail vs overlap losses:", "identical" if a == b else f"DIFFER {a} {b}")
+    worst = max(abs(x - y) / abs(x) for x, y in zip(a, b, strict=True))
+    print(f"tail vs overlap losses: largest relative difference {worst:.1e} "
+          "(runs of one row on an H100 differed by up to 1e-5)")
 except (OSError, ValueError, KeyError, IndexError):
     print("tail vs overlap losses: not both measured")
 try:

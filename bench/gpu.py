@@ -21,8 +21,9 @@ the peak RSS from ``wait4``), built and timed by bench/train_worker.py, in ``--d
                   (storage.py's CastShard), so the row holds nothing on NVMe
 
 ``--checkpoint`` checkpoints every block of the outcore rows (``outcore train
---checkpoint-activations on``), so more tokens fit beside the device's share of the states: the
-host-memory row's optimizer work is paid once per step however many tokens it carries.
+--checkpoint-activations on``), ``--checkpoint N`` N blocks spread over the model, so more tokens
+fit beside the device's share of the states: the host-memory row's optimizer work is paid once
+per step however many tokens it carries, and each block checkpointed costs its forward again.
 
 A model whose 16 bytes per parameter of model states fit the device gets the first six rows,
 one whose states do not gets plain, opt-cpu, cpu+opt and nvme+opt-cpu (``--rows`` chooses).
@@ -155,13 +156,14 @@ PLAIN_PER_PARAM = {"plain": 8, "plain-master": 20}
 
 
 def predicted_bytes(row: str, m: dict, batch: int, seq: int, dtype: str = "bf16",
-                    checkpoint: bool = False) -> dict:
+                    checkpoint: str | int | None = None) -> dict:
     """Bytes a row needs per tier: model states (an outcore row's as ``Config.auto`` prices
     them, sizing/placement.py's ``state_bytes``, plus the 16-bit gradients of parameters kept
     on the device), plus on the device the activations (34 bytes per token, layer and hidden unit; 6
     per token and vocabulary entry for the logits) and two gathered layers. With every block
-    checkpointed, one block's activations are on the device at a time and each block's 16-bit
-    input waits in host memory (``checkpoint_blocks`` offloads it there)."""
+    checkpointed (``checkpoint``: "on" for every block, or a number of them), its activations
+    are on the device only while it is recomputed, and its 16-bit input waits in host memory
+    (``checkpoint_blocks`` offloads it there)."""
     n = m["params"]
     if row in PLAIN_PER_PARAM:
         dev, host, nvme = PLAIN_PER_PARAM[row] * n, 0, 0
@@ -175,10 +177,10 @@ def predicted_bytes(row: str, m: dict, batch: int, seq: int, dtype: str = "bf16"
         dev = use["device"] + (2 * n if params == "none" else 0)
         host, nvme = use["host"], use["nvme"]
     tokens, h = batch * seq, m["hidden"]
-    layers_kept = 1 if checkpoint else m["layers"]
+    blocks = m["layers"] if checkpoint == "on" else min(int(checkpoint or 0), m["layers"])
+    layers_kept = m["layers"] - blocks + (1 if blocks else 0)
     dev += 34 * tokens * h * layers_kept + 6 * tokens * m["vocab"] + 2 * 2 * 12 * h * h
-    if checkpoint:
-        host += 2 * tokens * h * m["layers"]
+    host += 2 * tokens * h * blocks
     return {"device": dev, "host": host, "nvme": nvme}
 
 
@@ -206,7 +208,7 @@ def run_row(name: str, model: str, points: list[tuple[int, int]], args, dtype: s
     spec = {"row": name, "model": model, "points": points, "steps": args.steps,
             "warmup": args.warmup, "clip": 0.0, "nvme_path": str(folder),
             "prefetch_bytes": None, "outcore_set": args.outcore_set, "dtype": dtype,
-            "checkpoint": args.checkpoint and name not in PLAIN}
+            "checkpoint": None if name in PLAIN else args.checkpoint}
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec)]
     say(f"{model} {name} at {', '.join(f'{b}x{s}' for b, s in points)} ...")
     try:
@@ -274,7 +276,7 @@ def collect(args, nvme_root: Path, logs: Path) -> dict:
             if sweep and name in ("none", args.sweep_row):
                 points += [p for p in args.sweep_points if p != point]
             need = predicted_bytes(name, m, *max(points, key=lambda p: p[0] * p[1]), dtype,
-                                   checkpoint=args.checkpoint and name not in PLAIN)
+                                   checkpoint=None if name in PLAIN else args.checkpoint)
             why = "" if args.force else fits(need, capacities(pr, nvme_root))
             base = {"model": model, "row": name, "label": LABEL[name],
                     "placement": train_worker.PLACEMENT.get(name, ("-", "-", True))[:2],
@@ -454,8 +456,10 @@ def main(argv: list[str] | None = None) -> int:
                     default=[], metavar="KEY=JSON",
                     help="outcore config override for every outcore row, e.g. --set "
                          "zero.overlap_step_with_forward=true (repeatable)")
-    ap.add_argument("--checkpoint", action="store_true",
-                    help="outcore rows checkpoint every block (more tokens fit the device)")
+    ap.add_argument("--checkpoint", nargs="?", const="on", default=None, metavar="N",
+                    type=lambda v: v if v == "on" else int(v),
+                    help="outcore rows checkpoint every block, or N blocks spread over the model "
+                    "(more tokens fit the device)")
     ap.add_argument("--out", type=Path, help="also write the JSON here")
     ap.add_argument("--merge", nargs="+", type=Path, metavar="JSON",
                     help="no run: one JSON of several runs' rows, columns recomputed")

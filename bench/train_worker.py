@@ -243,8 +243,8 @@ def outcore_engine(spec: dict):
     torch.manual_seed(0)
     with outcore.init(cfg):
         model = build_model(spec["model"])
-    if spec.get("checkpoint"):  # every block keeps only its input ("on": no estimate asked)
-        spec["checkpointed_blocks"] = checkpoint_blocks(model, "on", 1, 1)
+    if spec.get("checkpoint"):  # "on" (every block) or a number of blocks: no estimate asked
+        spec["checkpointed_blocks"] = checkpoint_blocks(model, spec["checkpoint"], 1, 1)
     engine = outcore.initialize(model, cfg)
     return engine, now() - t0
 

@@ -23,7 +23,12 @@ from outcore.device.machine import gpu_description
 from outcore.errors import ConfigError
 from outcore.guard.memory import available_memory
 from outcore.memory.activations import checkpoint_activations
-from outcore.sizing.estimate import ModelShape, memory_estimate, shape_from_hf_config
+from outcore.sizing.estimate import (
+    MemoryEstimate,
+    ModelShape,
+    memory_estimate,
+    shape_from_hf_config,
+)
 
 __all__ = ["GPT", "GPTConfig", "PRESETS", "build_model", "chunked_cross_entropy",
            "hf_has_weights", "is_hf_folder", "load_hf_model", "load_hf_tokenizer",
@@ -331,12 +336,16 @@ def load_hf_tokenizer(path: str | Path) -> Any | None:
 
 
 ACTIVATIONS_SHARE = 1 / 8
-"""``--checkpoint-activations auto`` turns on where activations would pass this share of the
-compute device's memory (on a CPU, the host memory this process may still use)."""
+"""``--checkpoint-activations auto`` checkpoints blocks where activations would pass this
+share of the compute device's memory (on a CPU, the host memory this process may still use)."""
 
 
-def checkpoint_blocks(model: nn.Module, mode: str, batch: int, seq: int) -> int:
+def checkpoint_blocks(model: nn.Module, mode: str | int, batch: int, seq: int) -> int:
     """Checkpoint the model's repeated blocks as ``mode`` says; return how many.
+
+    ``mode`` is ``"off"``, ``"on"`` (every block), ``"auto"`` (as few blocks as bring the
+    activations under ``ACTIVATIONS_SHARE`` of the memory, none where they are already), or a
+    number of blocks. A part of the blocks is spread evenly over the model.
 
     [Note: when the job checkpoints activations]
     Without checkpointing, backward keeps every block's intermediate tensors: for a 30B
@@ -344,25 +353,52 @@ def checkpoint_blocks(model: nn.Module, mode: str, batch: int, seq: int) -> int:
     read from disk (measured: bench/results, 'LoRA at 13B and 30B'). With it, each block keeps
     its input and recomputes the rest in backward, where its parameters are gathered anyway,
     so the disk reads no more, the loss is the same, and compute grows by about one forward
-    (that run's step: 123 s against 78 s on 2 cores, at 2.7 GiB). So ``auto`` turns it on
+    (that run's step: 123 s against 78 s on 2 cores, at 2.7 GiB). So ``auto`` checkpoints
     only where the estimate of the activations (sizing/estimate.py, no checkpointing) passes
     ``ACTIVATIONS_SHARE`` of the compute device's memory (on a CPU, what the process may still
-    use): the 30B run on a 24 GiB host, not the 13B one (2.3 GB). The blocks are a Hugging
-    Face model's ``_no_split_modules`` (its decoder layers) or a preset's ``Block``.
+    use): the 30B run on a 24 GiB host, not the 13B one (2.3 GB). And only as many blocks as
+    bring the estimate under that share, since each one checkpointed costs its forward again:
+    recomputing every block of a GPT on a GPU cost a third more compute where a few blocks
+    would have fitted (bench/gpu/2026-11-27-h100-b). Which blocks does not change the memory
+    or the arithmetic; they are spread evenly. The blocks are a Hugging Face model's
+    ``_no_split_modules`` (its decoder layers) or a preset's ``Block``.
     """
     if mode == "off":
         return 0
+    if not (mode in ("on", "auto") or (isinstance(mode, int) and mode >= 0)):
+        raise ConfigError(f"checkpoint_activations: got {mode!r}; allowed: auto, on, off, or "
+                          "a number of blocks")
     names: set[str] = set()
     for m in model.modules():  # a PEFT wrapper: the wrapped model says
         names |= set(getattr(m, "_no_split_modules", None) or ())
-    if mode == "auto" and (_activation_bytes(model, batch, seq)
-                           <= ACTIVATIONS_SHARE * _device_memory()):
+    blocks = [m for m in model.modules() if type(m).__name__ in names or isinstance(m, Block)]
+    count = len(blocks) if mode == "on" else (
+        _blocks_needed(model, batch, seq, len(blocks)) if mode == "auto"
+        else min(int(mode), len(blocks)))
+    if count == 0:
         return 0
     config = getattr(model, "config", None)
     if config is not None and getattr(config, "use_cache", False):
         config.use_cache = False  # a cache would be filled twice (activations.py's note)
-    return checkpoint_activations(
-        model, lambda _, m: type(m).__name__ in names or isinstance(m, Block), offload="cpu")
+    chosen = {id(b) for i, b in enumerate(blocks)
+              if (i + 1) * count // len(blocks) > i * count // len(blocks)}
+    return checkpoint_activations(model, lambda _, m: id(m) in chosen, offload="cpu")
+
+
+def _blocks_needed(model: nn.Module, batch: int, seq: int, blocks: int) -> int:
+    """The fewest of ``blocks`` to checkpoint for the estimated activations to fit
+    ``ACTIVATIONS_SHARE`` of the memory (all of them where even that does not)."""
+    estimate = _activation_estimate(model, batch, seq)
+    budget = ACTIVATIONS_SHARE * _device_memory()
+    if estimate is None or estimate.activations_full <= budget:
+        return 0
+    layers = estimate.shape.layers
+    kept = estimate.activation_checkpoints / layers  # a checkpointed block keeps its input
+    saved = (estimate.activations_full - 4 * batch * seq * estimate.shape.vocab) / layers - kept
+    if saved <= 0:
+        return blocks
+    needed = math.ceil((estimate.activations_full - budget) / saved)
+    return min(blocks, math.ceil(needed * blocks / layers))
 
 
 def _device_memory() -> int:
@@ -373,14 +409,15 @@ def _device_memory() -> int:
     return int(gpu["memory_bytes"]) if gpu else available_memory().bytes
 
 
-def _activation_bytes(model: nn.Module, batch: int, seq: int) -> int:
+def _activation_estimate(model: nn.Module, batch: int, seq: int) -> MemoryEstimate | None:
+    """sizing/estimate.py's activations of ``model`` without checkpointing, or None for a
+    model the estimate cannot read (it is then left as it is)."""
     config = getattr(model, "config", None)
     try:
         if isinstance(config, GPTConfig):
             shape = shape_of(config)
         else:
             shape = shape_from_hf_config(config.to_dict())  # type: ignore[union-attr]
-        return memory_estimate(shape, batch=batch, seq_len=seq, checkpointing=False
-                               ).activations_full
+        return memory_estimate(shape, batch=batch, seq_len=seq, checkpointing=False)
     except (AttributeError, ConfigError, KeyError, TypeError):
-        return 0  # a model the estimate cannot read: leave it as it is
+        return None

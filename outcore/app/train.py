@@ -90,15 +90,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="warmup then cosine decay to 10%%, or constant (default: cosine)")
     a("--dtype", choices=["auto", "bf16", "fp16", "fp32"],
       help="compute dtype (default: auto, the fastest this device multiplies natively)")
-    a("--checkpoint-activations", choices=["auto", "on", "off"],
-      help="keep only each block's input for backward and recompute the rest (default: auto, "
-      "on where the model's activations would pass 1/8 of the memory left to them)")
+    a("--checkpoint-activations", metavar="auto|on|off|N", type=_checkpoint_mode,
+      help="keep only a block's input for backward and recompute the rest, in every block, "
+      "none or N blocks (default: auto, as few as keep the model's activations under 1/8 of "
+      "the memory left to them)")
     a("--lora", metavar="SPEC", help="train LoRA adapters over the frozen --model HF_FOLDER, "
       "e.g. r=8,alpha=16,targets=q_proj,v_proj (keys r, alpha, dropout, targets; peft's "
       "module names); writes them in PEFT's format to OUT/adapter at the end")
 
 
 # -- settings ------------------------------------------------------------------------------
+def _checkpoint_mode(text: str) -> str | int:
+    """``--checkpoint-activations``: auto, on, off, or a number of blocks."""
+    if text in ("auto", "on", "off"):
+        return text
+    if text.isdigit():
+        return int(text)
+    raise argparse.ArgumentTypeError(f"got {text!r}; allowed: auto, on, off, or a number of "
+                                     "blocks")
+
+
 def _read_config_file(path: str | None) -> dict[str, Any]:
     if path is None:
         return {}
@@ -122,9 +133,12 @@ def _job_settings(args: argparse.Namespace, file_job: dict[str, Any]) -> dict[st
         if value is not None and (not isinstance(value, int) or value < 1):
             raise ConfigError(f"--{key.replace('_', '-')}: must be a whole number >= 1, "
                               f"got {value!r}")
-    if job["checkpoint_activations"] not in ("auto", "on", "off"):
-        raise ConfigError(f"train.checkpoint_activations: got {job['checkpoint_activations']!r}"
-                          "; allowed: auto, on, off")
+    mode = job["checkpoint_activations"]
+    if isinstance(mode, str) and mode.isdigit():  # "4" in a config file, as on the command line
+        mode = job["checkpoint_activations"] = int(mode)
+    if mode not in ("auto", "on", "off") and not (type(mode) is int and mode >= 0):
+        raise ConfigError(f"train.checkpoint_activations: got {mode!r}; allowed: auto, on, off, "
+                          "or a number of blocks")
     if job["offload"] not in ("none", "cpu", "nvme", "auto"):
         raise ConfigError(f"train.offload: got {job['offload']!r}; allowed: none, cpu, nvme, auto")
     job["out"] = Path(job["out"])
@@ -318,8 +332,8 @@ def _run_holding_out(args: argparse.Namespace, job: dict[str, Any], cfg: Config,
              f"batch {job['batch']}x{seq} per rank x{accum} accumulation\n  out: {out}"
              + (f" (resuming at step {start})" if start else "")
              + (f"\n  {loramod.describe(model, lora)}" if lora is not None else "")
-             + (f"\n  activations: {checkpointed} blocks checkpointed (inputs kept, the rest "
-                "recomputed in backward)" if checkpointed else ""))
+             + (f"\n  activations: {checkpointed} block{'s' * (checkpointed != 1)} checkpointed "
+                "(inputs kept, the rest recomputed in backward)" if checkpointed else ""))
         metrics = MetricsWriter(out / "metrics.jsonl", resume_step=start) if rank == 0 else None
         try:
             stopped_at = _loop(engine, sampler, job, seq, start, state, metrics, is_hf, stop)

@@ -55,10 +55,10 @@ def test_gpu_bench_runs_tiny_and_prints_one_json(tmp_path: Path) -> None:
 
 def test_checkpointed_rows_checkpoint_every_block_and_train_the_same(tmp_path: Path) -> None:
     """``--checkpoint`` (more tokens beside the device's states): the outcore rows' blocks keep
-    only their inputs, the losses are the same, and the prediction moves activations off the
-    device."""
+    only their inputs, every block or N of them, the losses are the same, and the prediction
+    moves activations off the device."""
     losses = {}
-    for flag in ([], ["--checkpoint"]):
+    for flag, blocks in (([], 0), (["--checkpoint"], 2), (["--checkpoint", "1"], 1)):
         out = tmp_path / f"gpu{len(flag)}.json"
         proc = subprocess.run(
             [sys.executable, str(REPO / "bench" / "gpu.py"), "--tiny", "--models", "tiny",
@@ -68,17 +68,21 @@ def test_checkpointed_rows_checkpoint_every_block_and_train_the_same(tmp_path: P
         assert proc.returncode == 0, proc.stderr[-3000:]
         (row,) = json.loads(out.read_text())["rows"]
         assert row["status"] == "ok", row
-        assert (row["checkpointed_blocks"] > 0) == bool(flag)
-        losses[bool(flag)] = row["losses"]
-    assert losses[True] == pytest.approx(losses[False], rel=1e-5)  # the same arithmetic
+        assert row["checkpointed_blocks"] == blocks  # the tiny model has 2
+        losses[blocks] = row["losses"]
+    for blocks in (1, 2):
+        assert losses[blocks] == pytest.approx(losses[0], rel=1e-5)  # the same arithmetic
 
     if str(REPO / "bench") not in sys.path:
         sys.path.append(str(REPO / "bench"))
     import gpu
 
     m = gpu.shape("gpt-1.3b")
-    whole, kept = (gpu.predicted_bytes("cpu+opt", m, 16, 2048, checkpoint=c) for c in (0, 1))
+    whole, half, kept = (gpu.predicted_bytes("cpu+opt", m, 16, 2048, checkpoint=c)
+                         for c in (None, 12, "on"))
     assert kept["device"] < whole["device"] / 3 and kept["host"] > whole["host"]
+    assert kept["device"] < half["device"] < whole["device"]
+    assert whole["host"] < half["host"] < kept["host"]
 
 
 def test_set_reaches_the_outcore_rows_engine(tmp_path: Path) -> None:

@@ -289,18 +289,27 @@ def test_hf_folder_tokens_use_its_tokenizer_else_bytes(tmp_path: Path, text_file
 @needs_engine
 def test_checkpointed_activations_train_the_same(tmp_path: Path, text_file: Path,
                                                  capsys: pytest.CaptureFixture) -> None:
-    """``--checkpoint-activations on`` as a user passes it: the banner says so, the losses
-    are those of the run without it; a bad value is refused in one line; ``auto`` leaves the
-    tiny preset alone."""
+    """``--checkpoint-activations on`` or a number of blocks as a user passes it: the banner
+    says how many, the losses are those of the run without it; a bad value is refused in one
+    line; ``auto`` leaves the tiny preset alone."""
     losses = {}
-    for mode in ("off", "on", "auto"):
+    for mode, banner in (("off", ""), ("on", "2 blocks"), ("1", "1 block"), ("auto", "")):
         out = tmp_path / mode
         assert train.run(_parse(*_job(out, text_file, "--steps", "2", "--dtype", "fp32",
                                       "--checkpoint-activations", mode))) == 0
         losses[mode] = _losses(out)
         err = capsys.readouterr().err
-        assert ("blocks checkpointed" in err) == (mode == "on"), mode
+        assert ("checkpointed (inputs kept" in err) == bool(banner), mode
+        assert f"activations: {banner} checkpointed" in err or not banner, mode
     assert losses["on"] == pytest.approx(losses["off"], rel=1e-6)
+    assert losses["1"] == pytest.approx(losses["off"], rel=1e-6)
     assert losses["auto"] == losses["off"]
     with pytest.raises(ConfigError, match="train.checkpoint_activations: got 'yes'"):
         train._job_settings(_parse(), {"checkpoint_activations": "yes"})
+    assert train._job_settings(_parse(), {"checkpoint_activations": "3"}
+                               )["checkpoint_activations"] == 3  # a config file's string
+    with pytest.raises(ConfigError, match="got -2; allowed: auto, on, off, or a number"):
+        train._job_settings(_parse(), {"checkpoint_activations": -2})
+    with pytest.raises(SystemExit):  # argparse's one line: "... got 'some'; allowed: ..."
+        _parse("--checkpoint-activations", "some")
+    assert "got 'some'; allowed: auto, on, off, or a number" in capsys.readouterr().err

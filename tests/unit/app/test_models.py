@@ -156,14 +156,47 @@ def test_checkpointed_blocks_give_the_same_gradients_and_auto_picks_by_size(
         m(x[:, :-1], x[:, 1:]).backward()
     for (name, a), b in zip(plain.named_parameters(), ckpt.parameters(), strict=True):
         torch.testing.assert_close(a.grad, b.grad, msg=name)
-    # a 30B Llama at 256 tokens keeps ~4.5 GB of activations: auto checkpoints its 60 layers
-    # where that passes 1/8 of the memory (a 24 GiB host)
-    monkeypatch.setattr(app_models, "_device_memory", lambda: 24 << 30)
-    config = transformers.LlamaConfig(hidden_size=6656, intermediate_size=17920,
-                                      num_hidden_layers=60, num_attention_heads=52,
-                                      vocab_size=32000)
-    with torch.device("meta"):
-        llama = transformers.LlamaForCausalLM(config)
-    assert checkpoint_blocks(llama, "auto", 1, 256) == 60 and llama.config.use_cache is False
-    monkeypatch.setattr(app_models, "_device_memory", lambda: 64 << 30)  # a larger host
-    assert checkpoint_blocks(llama, "auto", 1, 256) == 0
+    # a 30B Llama at 256 tokens keeps ~4.5 GB of activations (75 MB a layer): where that
+    # passes 1/8 of the memory, auto checkpoints the fewest of its 60 layers that bring it
+    # under (19 at 3 GiB: a 24 GiB host; 34 at 16 GiB), all of them where nothing would do
+    for memory, blocks in ((1 << 30, 60), (16 << 30, 34), (24 << 30, 19), (64 << 30, 0)):
+        monkeypatch.setattr(app_models, "_device_memory", lambda m=memory: m)
+        config = transformers.LlamaConfig(hidden_size=6656, intermediate_size=17920,
+                                          num_hidden_layers=60, num_attention_heads=52,
+                                          vocab_size=32000)
+        with torch.device("meta"):
+            llama = transformers.LlamaForCausalLM(config)
+        assert checkpoint_blocks(llama, "auto", 1, 256) == blocks, memory
+        assert llama.config.use_cache is (blocks == 0)
+
+
+def test_a_part_of_the_blocks_is_spread_evenly_and_gives_the_same_gradients(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A number of blocks checkpoints that many, spread over the model, with the gradients
+    of no checkpointing; ``auto`` takes as few as bring the estimate under its share."""
+    from outcore.app import models as app_models
+    from outcore.app.models import checkpoint_blocks
+
+    cfg = GPTConfig(layers=6, hidden=32, heads=2, vocab=256, seq_len=32)
+    torch.manual_seed(0)
+    plain = GPT(cfg)
+    torch.manual_seed(0)
+    part = GPT(cfg)
+    assert checkpoint_blocks(part, 2, 2, 32) == 2
+    assert [i for i, b in enumerate(part.blocks) if "forward" in b.__dict__] == [2, 5]
+    x = torch.randint(0, 256, (2, 33))
+    for m in (plain, part):
+        m(x[:, :-1], x[:, 1:]).backward()
+    for (name, a), b in zip(plain.named_parameters(), part.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, msg=name)
+    assert checkpoint_blocks(GPT(cfg), 99, 2, 32) == 6  # more than there are: all of them
+    with pytest.raises(ConfigError, match="got -1; allowed: auto, on, off, or a number"):
+        checkpoint_blocks(GPT(cfg), -1, 2, 32)
+    # a memory where the estimate passes the share by 2.5 blocks' savings: 3 blocks
+    est = app_models._activation_estimate(GPT(cfg), 2, 32)
+    assert est is not None
+    saved = (est.activations_full - 4 * 2 * 32 * 256 - est.activation_checkpoints) / 6
+    share = est.activations_full - 2.5 * saved
+    monkeypatch.setattr(app_models, "_device_memory",
+                        lambda: int(share / app_models.ACTIVATIONS_SHARE) + 1)
+    assert checkpoint_blocks(GPT(cfg), "auto", 2, 32) == 3

@@ -21,7 +21,7 @@ the peak RSS from ``wait4``), built and timed by bench/train_worker.py, in ``--d
                   (storage.py's CastShard), so the row holds nothing on NVMe
 
 ``--checkpoint`` checkpoints every block of the outcore rows (``outcore train
---checkpoint-activations on``), ``--checkpoint N`` N blocks spread over the model, so more tokens
+--checkpoint-activations on``), ``--checkpoint N`` the first N blocks, so more tokens
 fit beside the device's share of the states: the host-memory row's optimizer work is paid once
 per step however many tokens it carries, and each block checkpointed costs its forward again.
 
@@ -155,15 +155,22 @@ def flops_per_token(m: dict, seq: int) -> float:
 PLAIN_PER_PARAM = {"plain": 8, "plain-master": 20}
 
 
+def _checkpoint_arg(text: str) -> str | int:
+    """``--checkpoint [N]``: "on" (every block) or a number of blocks, 0 or more."""
+    if text == "on" or text.isascii() and text.isdigit():
+        return text if text == "on" else int(text)
+    raise argparse.ArgumentTypeError(f"expected a number of blocks, got {text!r}")
+
+
 def predicted_bytes(row: str, m: dict, batch: int, seq: int, dtype: str = "bf16",
                     checkpoint: str | int | None = None) -> dict:
     """Bytes a row needs per tier: model states (an outcore row's as ``Config.auto`` prices
     them, sizing/placement.py's ``state_bytes``, plus the 16-bit gradients of parameters kept
     on the device), plus on the device the activations (34 bytes per token, layer and hidden unit; 6
     per token and vocabulary entry for the logits) and two gathered layers. With every block
-    checkpointed (``checkpoint``: "on" for every block, or a number of them), its activations
-    are on the device only while it is recomputed, and its 16-bit input waits in host memory
-    (``checkpoint_blocks`` offloads it there)."""
+    checkpointed (``checkpoint``: "on" for every block, or a number of the first ones), its
+    activations are on the device only while it is recomputed, and its 16-bit input waits in
+    host memory (``checkpoint_blocks`` offloads it there)."""
     n = m["params"]
     if row in PLAIN_PER_PARAM:
         dev, host, nvme = PLAIN_PER_PARAM[row] * n, 0, 0
@@ -177,8 +184,9 @@ def predicted_bytes(row: str, m: dict, batch: int, seq: int, dtype: str = "bf16"
         dev = use["device"] + (2 * n if params == "none" else 0)
         host, nvme = use["host"], use["nvme"]
     tokens, h = batch * seq, m["hidden"]
-    blocks = m["layers"] if checkpoint == "on" else min(int(checkpoint or 0), m["layers"])
-    layers_kept = m["layers"] - blocks + (1 if blocks else 0)
+    blocks = m["layers"] if checkpoint == "on" else min(checkpoint or 0, m["layers"])
+    # the first blocks are checkpointed: one is recomputed after the others' are freed
+    layers_kept = max(m["layers"] - blocks, 1)
     dev += 34 * tokens * h * layers_kept + 6 * tokens * m["vocab"] + 2 * 2 * 12 * h * h
     host += 2 * tokens * h * blocks
     return {"device": dev, "host": host, "nvme": nvme}
@@ -457,8 +465,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="outcore config override for every outcore row, e.g. --set "
                          "zero.overlap_step_with_forward=true (repeatable)")
     ap.add_argument("--checkpoint", nargs="?", const="on", default=None, metavar="N",
-                    type=lambda v: v if v == "on" else int(v),
-                    help="outcore rows checkpoint every block, or N blocks spread over the model "
+                    type=_checkpoint_arg,
+                    help="outcore rows checkpoint every block, or the first N blocks "
                     "(more tokens fit the device)")
     ap.add_argument("--out", type=Path, help="also write the JSON here")
     ap.add_argument("--merge", nargs="+", type=Path, metavar="JSON",

@@ -10,9 +10,9 @@
 # only as many blocks as the tokens need:
 #   none      no offload at 12 x 2048, the most it fits
 #   part16    cpu+opt at 16 x 2048, no block checkpointed (3.4 GB of activations a sequence)
-#   part24    cpu+opt at 24 x 2048, 6 of 24 blocks checkpointed
-#   part32    cpu+opt at 32 x 2048, 12 blocks
-#   part48    cpu+opt at 48 x 2048, 17 blocks (predicted: 74 GB of the device)
+#   part24    cpu+opt at 24 x 2048, the first 5 of 24 blocks checkpointed
+#   part32    cpu+opt at 32 x 2048, 11 blocks
+#   part48    cpu+opt at 48 x 2048, 16 blocks (each predicted at most 75 GB of the device)
 # PLAN=tail (the seventh session's rows):
 #   tail      cpu+opt at 8 x 2048, 9 steps: does the optimizer's tail grow from step to step?
 #   overlap   the same with zero.overlap_step_with_forward
@@ -35,7 +35,7 @@ else
   bash bench/gpu/setup.sh >"$R/setup.txt" 2>&1
   G=("$PY" bench/gpu.py --models gpt-1.3b --seq 2048
      --probe-from bench/gpu/2026-11-26-h100/run1-gpt-1.3b.json)
-  B8=8 B12=12 B16=16 B24=24 B32=32 B48=48 BIG=32x2048,48x2048 SCALE=1 C24=6 C32=12 C48=17
+  B8=8 B12=12 B16=16 B24=24 B32=32 B48=48 BIG=32x2048,48x2048 SCALE=1 C24=5 C32=11 C48=16
 fi
 row() {  # name, seconds, bench/gpu.py arguments
   local name=$1 limit

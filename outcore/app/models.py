@@ -14,11 +14,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from outcore.device.accel import default_device
+from outcore.device.accel import Accelerator, default_device
 from outcore.device.machine import gpu_description
 from outcore.errors import ConfigError
 from outcore.guard.memory import available_memory
@@ -345,7 +346,7 @@ def checkpoint_blocks(model: nn.Module, mode: str | int, batch: int, seq: int) -
 
     ``mode`` is ``"off"``, ``"on"`` (every block), ``"auto"`` (as few blocks as bring the
     activations under ``ACTIVATIONS_SHARE`` of the memory, none where they are already), or a
-    number of blocks. A part of the blocks is spread evenly over the model.
+    number of blocks. A part of the blocks is taken from the model's first.
 
     [Note: when the job checkpoints activations]
     Without checkpointing, backward keeps every block's intermediate tensors: for a 30B
@@ -359,30 +360,49 @@ def checkpoint_blocks(model: nn.Module, mode: str | int, batch: int, seq: int) -
     use): the 30B run on a 24 GiB host, not the 13B one (2.3 GB). And only as many blocks as
     bring the estimate under that share, since each one checkpointed costs its forward again:
     recomputing every block of a GPT on a GPU cost a third more compute where a few blocks
-    would have fitted (bench/gpu/2026-11-27-h100-b). Which blocks does not change the memory
-    or the arithmetic; they are spread evenly. The blocks are a Hugging Face model's
-    ``_no_split_modules`` (its decoder layers) or a preset's ``Block``.
+    would have fitted (bench/gpu/2026-11-27-h100-b).
+    * Which blocks: the first ones. Backward reaches them last, when the later blocks'
+      activations are freed, so recomputing one adds nothing to the peak; a checkpointed last
+      block would be recomputed first, beside everything still held.
+    * Every rank takes the same count, the largest any rank's estimate asks for: recomputing
+      a block gathers its parameters, a collective, and each rank's free memory differs.
+    * The blocks are a Hugging Face model's ``_no_split_modules`` (its decoder layers) or a
+      preset's ``Block``; one nested in another counts as part of it (Mamba lists its layer
+      and the mixer inside it).
     """
     if mode == "off":
         return 0
-    if not (mode in ("on", "auto") or (isinstance(mode, int) and mode >= 0)):
+    if not (mode in ("on", "auto") or (type(mode) is int and mode >= 0)):
         raise ConfigError(f"checkpoint_activations: got {mode!r}; allowed: auto, on, off, or "
                           "a number of blocks")
     names: set[str] = set()
     for m in model.modules():  # a PEFT wrapper: the wrapped model says
         names |= set(getattr(m, "_no_split_modules", None) or ())
-    blocks = [m for m in model.modules() if type(m).__name__ in names or isinstance(m, Block)]
+    blocks: dict[str, nn.Module] = {}
+    for name, m in model.named_modules():  # parents come before their children
+        if ((type(m).__name__ in names or isinstance(m, Block))
+                and not any(p == "" or name.startswith(p + ".") for p in blocks)):
+            blocks[name] = m
     count = len(blocks) if mode == "on" else (
-        _blocks_needed(model, batch, seq, len(blocks)) if mode == "auto"
+        _agreed(_blocks_needed(model, batch, seq, len(blocks))) if mode == "auto"
         else min(int(mode), len(blocks)))
     if count == 0:
         return 0
     config = getattr(model, "config", None)
     if config is not None and getattr(config, "use_cache", False):
         config.use_cache = False  # a cache would be filled twice (activations.py's note)
-    chosen = {id(b) for i, b in enumerate(blocks)
-              if (i + 1) * count // len(blocks) > i * count // len(blocks)}
+    chosen = {id(b) for b in list(blocks.values())[:count]}
     return checkpoint_activations(model, lambda _, m: id(m) in chosen, offload="cpu")
+
+
+def _agreed(count: int) -> int:
+    """The largest ``count`` of any rank (this one's alone outside a process group)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return count
+    on = Accelerator.detect().device if dist.get_backend() == "nccl" else torch.device("cpu")
+    most = torch.tensor([count], device=on)
+    dist.all_reduce(most, op=dist.ReduceOp.MAX)
+    return int(most.item())
 
 
 def _blocks_needed(model: nn.Module, batch: int, seq: int, blocks: int) -> int:

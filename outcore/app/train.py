@@ -24,6 +24,7 @@ import argparse
 import json
 import math
 import os
+import re
 import shutil
 import sys
 import time
@@ -104,7 +105,7 @@ def _checkpoint_mode(text: str) -> str | int:
     """``--checkpoint-activations``: auto, on, off, or a number of blocks."""
     if text in ("auto", "on", "off"):
         return text
-    if text.isdigit():
+    if re.fullmatch(r"[0-9]+", text):
         return int(text)
     raise argparse.ArgumentTypeError(f"got {text!r}; allowed: auto, on, off, or a number of "
                                      "blocks")
@@ -134,7 +135,9 @@ def _job_settings(args: argparse.Namespace, file_job: dict[str, Any]) -> dict[st
             raise ConfigError(f"--{key.replace('_', '-')}: must be a whole number >= 1, "
                               f"got {value!r}")
     mode = job["checkpoint_activations"]
-    if isinstance(mode, str) and mode.isdigit():  # "4" in a config file, as on the command line
+    if isinstance(mode, bool):  # YAML reads an unquoted on / off as true / false
+        mode = job["checkpoint_activations"] = "on" if mode else "off"
+    elif isinstance(mode, str) and re.fullmatch(r"[0-9]+", mode):  # "4", as on the command line
         mode = job["checkpoint_activations"] = int(mode)
     if mode not in ("auto", "on", "off") and not (type(mode) is int and mode >= 0):
         raise ConfigError(f"train.checkpoint_activations: got {mode!r}; allowed: auto, on, off, "

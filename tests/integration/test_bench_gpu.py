@@ -3,6 +3,7 @@ here; under ``--device cuda`` the same run is a smoke test of the GPU rows)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import subprocess
@@ -83,6 +84,10 @@ def test_checkpointed_rows_checkpoint_every_block_and_train_the_same(tmp_path: P
     assert kept["device"] < whole["device"] / 3 and kept["host"] > whole["host"]
     assert kept["device"] < half["device"] < whole["device"]
     assert whole["host"] < half["host"] < kept["host"]
+    assert gpu._checkpoint_arg("on") == "on" and gpu._checkpoint_arg("12") == 12
+    for bad in ("-1", "²", "all"):
+        with pytest.raises(argparse.ArgumentTypeError, match="expected a number of blocks"):
+            gpu._checkpoint_arg(bad)
 
 
 def test_set_reaches_the_outcore_rows_engine(tmp_path: Path) -> None:

@@ -306,8 +306,11 @@ def test_checkpointed_activations_train_the_same(tmp_path: Path, text_file: Path
     assert losses["auto"] == losses["off"]
     with pytest.raises(ConfigError, match="train.checkpoint_activations: got 'yes'"):
         train._job_settings(_parse(), {"checkpoint_activations": "yes"})
-    assert train._job_settings(_parse(), {"checkpoint_activations": "3"}
-                               )["checkpoint_activations"] == 3  # a config file's string
+    for given, taken in (("3", 3), (True, "on"), (False, "off")):  # YAML: on / off are bools
+        assert train._job_settings(_parse(), {"checkpoint_activations": given}
+                                   )["checkpoint_activations"] == taken, given
+    with pytest.raises(ConfigError, match="got '²'; allowed"):
+        train._job_settings(_parse(), {"checkpoint_activations": "²"})
     with pytest.raises(ConfigError, match="got -2; allowed: auto, on, off, or a number"):
         train._job_settings(_parse(), {"checkpoint_activations": -2})
     with pytest.raises(SystemExit):  # argparse's one line: "... got 'some'; allowed: ..."

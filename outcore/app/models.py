@@ -14,16 +14,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from outcore.config.schema import CommConfig
 from outcore.device.accel import Accelerator, default_device
 from outcore.device.machine import gpu_description
 from outcore.errors import ConfigError
 from outcore.guard.memory import available_memory
 from outcore.memory.activations import checkpoint_activations
+from outcore.runtime.bootstrap import join_world
 from outcore.sizing.estimate import (
     MemoryEstimate,
     ModelShape,
@@ -396,13 +397,10 @@ def checkpoint_blocks(model: nn.Module, mode: str | int, batch: int, seq: int) -
 
 
 def _agreed(count: int) -> int:
-    """The largest ``count`` of any rank (this one's alone outside a process group)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return count
-    on = Accelerator.detect().device if dist.get_backend() == "nccl" else torch.device("cpu")
-    most = torch.tensor([count], device=on)
-    dist.all_reduce(most, op=dist.ReduceOp.MAX)
-    return int(most.item())
+    """The largest ``count`` of any rank. A job of several ranks joins its process group here
+    if nothing has yet (as the engine would), so that no rank decides alone."""
+    comm = join_world(Accelerator.detect().backend, CommConfig().timeout_s)
+    return int(comm.all_reduce_max(torch.tensor([count]))[0])
 
 
 def _blocks_needed(model: nn.Module, batch: int, seq: int, blocks: int) -> int:

@@ -224,7 +224,7 @@ class _Nested(torch.nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.layers = torch.nn.ModuleList(_Outer() for _ in range(4))
+        self.layers = torch.nn.ModuleList(_Outer() for _ in range(12))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:
@@ -236,13 +236,13 @@ def test_a_block_nested_in_another_counts_as_part_of_it() -> None:
     from outcore.app.models import checkpoint_blocks
 
     model = _Nested()
-    assert checkpoint_blocks(model, "on", 1, 1) == 4
+    assert checkpoint_blocks(model, "on", 1, 1) == 12
     assert [n for n, m in model.named_modules() if "forward" in m.__dict__] == [
-        f"layers.{i}" for i in range(4)]
-    model = _Nested()
-    assert checkpoint_blocks(model, 2, 1, 1) == 2
+        f"layers.{i}" for i in range(12)]
+    model = _Nested()  # "layers.10" is not inside "layers.1"
+    assert checkpoint_blocks(model, 11, 1, 1) == 11
     assert [n for n, m in model.named_modules() if "forward" in m.__dict__] == [
-        "layers.0", "layers.1"]
+        f"layers.{i}" for i in range(11)]
 
 
 def _auto_on_a_rank(memory_by_rank: list[int]) -> tuple[int, list[int], float]:
@@ -252,9 +252,10 @@ def _auto_on_a_rank(memory_by_rank: list[int]) -> tuple[int, list[int], float]:
 
     import outcore
     from outcore.app import models as app_models
+    from outcore.device.accel import Accelerator
     from outcore.runtime.bootstrap import join_world
 
-    join_world("gloo", 60)
+    join_world(Accelerator.detect().backend, 60)
     app_models._device_memory = lambda: memory_by_rank[dist.get_rank()]
     cfg = GPTConfig(layers=6, hidden=32, heads=2, vocab=256, seq_len=32)
     torch.manual_seed(0)

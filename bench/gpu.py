@@ -167,7 +167,7 @@ def predicted_bytes(row: str, m: dict, batch: int, seq: int, dtype: str = "bf16"
     """Bytes a row needs per tier: model states (an outcore row's as ``Config.auto`` prices
     them, sizing/placement.py's ``state_bytes``, plus the 16-bit gradients of parameters kept
     on the device), plus on the device the activations (34 bytes per token, layer and hidden unit; 6
-    per token and vocabulary entry for the logits) and two gathered layers. With every block
+    per token and vocabulary entry for the logits) and two gathered layers. With a block
     checkpointed (``checkpoint``: "on" for every block, or a number of the first ones), its
     activations are on the device only while it is recomputed, and its 16-bit input waits in
     host memory (``checkpoint_blocks`` offloads it there)."""

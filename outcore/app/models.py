@@ -347,7 +347,7 @@ def checkpoint_blocks(model: nn.Module, mode: str | int, batch: int, seq: int) -
 
     ``mode`` is ``"off"``, ``"on"`` (every block), ``"auto"`` (as few blocks as bring the
     activations under ``ACTIVATIONS_SHARE`` of the memory, none where they are already), or a
-    number of blocks. A part of the blocks is taken from the model's first.
+    number of blocks; a part of them is always the model's first blocks.
 
     [Note: when the job checkpoints activations]
     Without checkpointing, backward keeps every block's intermediate tensors: for a 30B

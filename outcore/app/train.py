@@ -92,9 +92,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--dtype", choices=["auto", "bf16", "fp16", "fp32"],
       help="compute dtype (default: auto, the fastest this device multiplies natively)")
     a("--checkpoint-activations", metavar="auto|on|off|N", type=_checkpoint_mode,
-      help="keep only a block's input for backward and recompute the rest, in every block, "
-      "none or N blocks (default: auto, as few as keep the model's activations under 1/8 of "
-      "the memory left to them)")
+      help="keep only a block's input for backward and recompute the rest: in every block "
+      "(on), in none (off) or in the first N (default: auto, the fewest first blocks that keep "
+      "the model's activations under 1/8 of the memory left to them)")
     a("--lora", metavar="SPEC", help="train LoRA adapters over the frozen --model HF_FOLDER, "
       "e.g. r=8,alpha=16,targets=q_proj,v_proj (keys r, alpha, dropout, targets; peft's "
       "module names); writes them in PEFT's format to OUT/adapter at the end")

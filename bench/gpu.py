@@ -157,8 +157,10 @@ PLAIN_PER_PARAM = {"plain": 8, "plain-master": 20}
 
 def _checkpoint_arg(text: str) -> str | int:
     """``--checkpoint [N]``: "on" (every block) or a number of blocks, 0 or more."""
-    if text == "on" or text.isascii() and text.isdigit():
-        return text if text == "on" else int(text)
+    if text == "on":
+        return text
+    if text.isascii() and text.isdigit():
+        return int(text)
     raise argparse.ArgumentTypeError(f"expected a number of blocks, got {text!r}")
 
 

@@ -125,7 +125,8 @@ class Engine:
         budget = build.prefetch_budget(cfg, self.groups, placement.nvme_fetch_share(self.rt))
         resident = build.keep_resident(self.groups, self.rt, budget)
         build.prepare_shards(self.params, resident)
-        budget -= sum(g.full_bytes for g in self.groups if g.index in resident)
+        kept = sum(g.full_bytes for g in self.groups if g.index in resident)
+        budget -= kept
         for g in self.groups:
             if g.zero_copy:  # its shards are the full tensors: show them once, for good
                 g.wait_unshard()
@@ -134,7 +135,8 @@ class Engine:
         # a tentative update writes a copy the model shows in place: taken back before any
         # forward, not only one to be backpropagated (speculation.py's note)
         self._shows_tentative = self.rt.plan.speculates and any(g.zero_copy for g in self.groups)
-        self.schedule = Schedule(budget, self.groups, carry=self.rt.plan.carries_head)
+        self.schedule = Schedule(budget, self.groups, carry=self.rt.plan.carries_head,
+                                 resident_bytes=kept)
         self.sharded_optimizer = ShardedOptimizer(self._optimizer_groups(param_groups),
                                                   cfg.optimizer, self.rt)
         self.optimizer = TorchOptimizer(self)  # torch's contract: torch_optimizer.py's note

@@ -66,8 +66,11 @@ class Schedule:
     """Fetch and release groups; prefetch along the recorded trace; count what happened."""
 
     def __init__(self, prefetch_bytes: int, groups: list[GatherGroup] | None = None,
-                 carry: bool = False) -> None:
+                 carry: bool = False, resident_bytes: int = 0) -> None:
         self.prefetch_bytes = prefetch_bytes
+        # training copies kept in host memory across steps, out of the budget (build.py's
+        # keep_resident); not the zero-copy groups of params that live in host memory anyway
+        self.resident_bytes = resident_bytes
         self.groups = groups or []
         self.mode = Mode.TRACING
         self.trace: list[int] | None = None
@@ -194,8 +197,7 @@ class Schedule:
         out["peak_ahead_bytes"] = self.peak_ahead_bytes
         out["ahead_bytes"] = self._ahead_bytes()  # now: fetched or kept ahead, in memory
         out["prefetch_bytes"] = self.prefetch_bytes
-        # training copies in host memory across steps (zero/build.py's keep_resident)
-        out["resident_bytes"] = sum(g.full_bytes for g in self.groups if g.zero_copy)
+        out["resident_bytes"] = self.resident_bytes
         out["trace_length"] = len(self.trace or [])
         return out
 

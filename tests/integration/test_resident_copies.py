@@ -77,6 +77,9 @@ def test_only_the_optimizer_state_moves_and_the_run_is_the_same(tmp_path: Path) 
     n = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     assert engine.schedule_stats()["resident_bytes"] == 2 * n  # bf16, the whole model
     assert other.schedule_stats()["resident_bytes"] == 0
+    in_memory = outcore.initialize(Quirky(), {"dtype": "bf16", "offload": {"params": "cpu"}})
+    assert in_memory.schedule_stats()["resident_bytes"] == 0  # zero-copy, but not this feature
+    in_memory.close()
 
     losses, moved = _train(engine, range(4))
     twin_losses, twin_moved = _train(other, range(4))

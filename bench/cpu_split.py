@@ -199,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
 
     dtype = resolve(args.dtype, torch.device("cpu")).name if args.dtype == "auto" \
         else args.dtype
+    os.makedirs(args.nvme_path, exist_ok=True)  # as bench/train.py makes its swap root
     folder = tempfile.mkdtemp(prefix="cpu-split-", dir=args.nvme_path)
     sets: dict = {}
     for one in args.outcore_set:  # --set a.b=1 --set a.c=2 both apply

@@ -267,12 +267,12 @@ def _decide(i: Inputs) -> Iterator[tuple[str, tuple[Any, str]]]:
         "(clipping or fp16), no gradient norm tracked and no zero-copy shards"))
 
     resident = (i.resident_copies and one and on_cpu and p is Tier.NVME and s is Tier.NVME
-                and not compute_is_master and not defer)
+                and not compute_is_master)
     yield "keeps_copies_resident", (resident, (
         "one rank on the CPU, everything on NVMe: groups that fit the prefetch budget keep "
         "their training copies in host memory, updated in place, never written or read back"
         if resident else "needs zero.resident_copies, one rank, a CPU device, params and "
-        "state on NVMe in separate shards and no deferred updates"))
+        "state on NVMe in separate shards"))
 
     kinds = optimizer_state_kinds(i.optimizer_type, i.momentum)
     yield "state_kinds", (kinds, f"{i.optimizer_type}"

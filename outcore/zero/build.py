@@ -54,8 +54,10 @@ def keep_resident(groups: list[GatherGroup], rt: Runtime, budget: int) -> set[in
     where keeping a group from forward to backward saves one read; so the budget goes to
     resident groups first, in the model's order, keeping room for the two largest groups
     still streamed, and the schedule gets what is left. Only where the plan allows it
-    (``keeps_copies_resident``): one rank on the CPU, no deferred tail (the next forward
-    would read a copy its update is writing). A tentative update (clipping, fp16: the
+    (``keeps_copies_resident``): one rank on the CPU. With the step's tail run into the next
+    forward (``zero.overlap_step_with_forward``) a copy may still be written after
+    ``step()``: the forward's fetch of its group waits for that update first, as a fetch
+    from disk does (group.py's ``refresh_after_step``). A tentative update (clipping, fp16: the
     speculative step) writes the copy in place too, so nothing reads the copy ahead of
     ``step()``: a read of the weight is served from its master, which keeps the old values
     until then (zero/access.py, ``ShardedParam.read_value``), and a forward, which reads the

@@ -335,13 +335,17 @@ class GatherGroup:
         A persistent group is needed by every forward, so its reads are issued again at once
         (local stages only; the all-gather still waits for the module to run). With
         ``updates`` still running on its shards, the group is only released: its next fetch
-        waits for them first.
+        waits for them first. A zero-copy group (its shards the tensors the model shows, as
+        the resident copies of zero/build.py's ``keep_resident`` are) keeps showing them: the
+        forward reads them only after its fetch, the same wait, and a read or write of a
+        weight waits as well (``ShardedParam.check_values``).
         """
-        if self.zero_copy:
-            return
         if updates:
             self._updates = list(updates)
-            self.reshard()
+            if not self.zero_copy:
+                self.reshard()
+            return
+        if self.zero_copy:
             return
         if self.state is GroupState.UNSHARDED and self.rt.plan.carries_head:
             # carried into the next iteration (schedule.py's [Note: carrying the head

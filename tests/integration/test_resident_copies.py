@@ -5,6 +5,8 @@ checkpoints and a second engine see the copies as they are."""
 
 from __future__ import annotations
 
+import threading
+import time
 import warnings
 from pathlib import Path
 
@@ -14,6 +16,8 @@ import torch
 import outcore
 from outcore.app.models import GPT, GPTConfig
 from outcore.device.accel import default_device
+from outcore.optim.optimizer import ShardedOptimizer
+from outcore.optim.pipeline import InFlight
 from tests.common import BATCH, SEQ, VOCAB, Quirky
 
 STATE_BYTES = 12  # fp32 master, exp_avg and exp_avg_sq per element
@@ -318,3 +322,61 @@ def test_a_submodule_call_that_fails_before_it_runs_leaves_the_model_usable(
     engine.backward(loss)
     engine.step()
     engine.close()
+
+
+@_CPU_ONLY
+def test_the_step_tail_run_into_the_next_forward_keeps_the_copies_in_memory(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``zero.overlap_step_with_forward`` with the copies kept in memory: ``step()`` returns
+    while updates still write copies the model shows. The next forward waits for each
+    group's own (the root's direct reads of ``gate.weight`` and ``scale`` too), and so does a
+    read of a weight right after ``step()``: the run is the run whose step waits, bit for
+    bit, and only the optimizer state moves."""
+    apply = ShardedOptimizer.apply
+    release = threading.Event()
+    release.set()
+
+    def slowed(self: ShardedOptimizer, work: InFlight, hp: dict) -> None:
+        time.sleep(0.005)  # updates that outlast the step
+        release.wait(30)  # held while the test looks at a step that returned early
+        apply(self, work, hp)
+
+    monkeypatch.setattr(ShardedOptimizer, "apply", slowed)
+    torch.manual_seed(0)
+    model, twin = Quirky(), Quirky()
+    twin.load_state_dict(model.state_dict())
+    cfg = _cfg(tmp_path / "a")
+    cfg["zero"]["overlap_step_with_forward"] = True
+    engine = outcore.initialize(model, cfg)
+    other = outcore.initialize(twin, _cfg(tmp_path / "b"))
+    assert engine.plan.defers_updates and engine.plan.keeps_copies_resident
+    assert not other.plan.defers_updates
+    kept = engine.schedule_stats()["resident_bytes"]
+    assert kept == other.schedule_stats()["resident_bytes"] > 0
+    start = [(e.rt.nvme.bytes_read, e.rt.nvme.bytes_written) for e in (engine, other)]
+
+    losses, _ = _train(engine, range(4))
+    twin_losses, _ = _train(other, range(4))
+    assert engine.schedule_stats()["updates_after_step"] > 0
+    assert losses == twin_losses
+
+    other.backward(other(*_batch(4)))
+    other.step()
+    release.clear()
+    engine.backward(engine(*_batch(4)))
+    engine.step()  # returns with the updates held
+    assert not all(job.done.done() for job in engine.sharded_optimizer.pending_jobs)
+    threading.Timer(0.2, release.set).start()
+    for (name, value), want in zip(_weights(model).items(), _weights(twin).values(),
+                                   strict=True):
+        assert torch.equal(value, want), name  # read after the updates, never mid-way
+
+    for e in (engine, other):
+        e.synchronize()
+    moved = [(e.rt.nvme.bytes_read - r, e.rt.nvme.bytes_written - w)
+             for e, (r, w) in zip((engine, other), start, strict=True)]
+    state = STATE_BYTES * sum(_updated_elements(model, s) for s in range(5))
+    assert moved[0] == moved[1] == (state, state)  # no copy on disk in either
+    assert engine.schedule_stats()["resident_bytes"] == kept
+    engine.close()
+    other.close()

@@ -91,8 +91,8 @@ TABLE = [
         speculates=True, keeps_copies_resident=True),
         id="resident copies under speculation (a tentative one is taken back before a read)"),
     pytest.param(Inputs(1, "cpu", "bf16", N, N, overlap_step_with_forward=True), dict(
-        defers_updates=True, keeps_copies_resident=False),
-        id="no resident copies with the tail in the next forward"),
+        defers_updates=True, keeps_copies_resident=True),
+        id="resident copies with the tail in the next forward (each fetch waits for its own)"),
     pytest.param(Inputs(2, "cpu", "bf16", N, N), dict(keeps_copies_resident=False),
                  id="no resident copies at two ranks (a shard is not the tensor)"),
     pytest.param(Inputs(1, "cuda", "bf16", N, N), dict(keeps_copies_resident=False),

@@ -290,7 +290,12 @@ class UpdatePipeline:
         wait) that needed it.
         Not done where the step must see every update first: with the gradient norm tracked
         (it sums gradients the updates free), and with shards that are the full tensors at
-        one rank (the forward would read them while they are written in place).
+        one rank (the forward would read them while they are written in place; fp32 ones are
+        read and written by plain torch calls outside a forward, with no wait). The training
+        copies kept in host memory (zero/build.py's ``keep_resident``) are full tensors too,
+        yet never the masters: every read of one outside a forward waits for its updates
+        (``ShardedParam.check_values``), and in a forward its fetch and every direct read of
+        it wait as well (overlap/hooks.py's ``_on_access``), so with those it is done.
         Off unless ``zero.overlap_step_with_forward`` asks. On a CPU host with few cores it makes
         no difference beyond noise (measured side by side: bench/RESULTS.md, 'update pipeline', the
         step's tail run into the next forward), because the forward running behind the updates

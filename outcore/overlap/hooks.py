@@ -181,9 +181,10 @@ class Hooks:
                 self.frames.pop()
                 self._sync_phase()
                 raise
-        if not self.schedule.movable:
+        if not self.schedule.movable and not self.schedule.updating:
             # Nothing is ever released (one rank, every shard resident on the device): every
-            # parameter is always present, so the per-op checks would find nothing to fetch.
+            # parameter is always present, so the per-op checks would find nothing to fetch,
+            # nor an update to wait for (none starts during a forward).
             try:
                 yield
             finally:
@@ -236,6 +237,8 @@ class Hooks:
         g = sp.group
         if g is not None and self._in_backward:  # a recomputation reads it: see the note
             self._pinned.add(g.index)
+        if g is not None and g.updating:  # a zero-copy group, shown while the step's tail
+            g.await_update()  # writes it (group.py's refresh_after_step), read directly
         if g is None or g.state is GroupState.UNSHARDED:
             return
         g.hold()

@@ -160,6 +160,13 @@ class Schedule:
             head.add(index)
         return head
 
+    @property
+    def updating(self) -> bool:
+        """Whether an update still writes a zero-copy group, which keeps showing its shards
+        (group.py's ``refresh_after_step``): a forward then checks each parameter it reads,
+        as it does where groups are released, so a read outside its module's call waits too."""
+        return any(g.zero_copy and g.updating for g in self.groups)
+
     # -- the three calls the hooks make --------------------------------------------------------
     def need(self, groups: list[GatherGroup], on_demand: bool = False) -> None:
         """Make ``groups`` unsharded before returning, then prefetch along the trace."""

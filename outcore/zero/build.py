@@ -56,8 +56,9 @@ def keep_resident(groups: list[GatherGroup], rt: Runtime, budget: int) -> set[in
     still streamed, and the schedule gets what is left. Only where the plan allows it
     (``keeps_copies_resident``): one rank on the CPU. With the step's tail run into the next
     forward (``zero.overlap_step_with_forward``) a copy may still be written after
-    ``step()``: the forward's fetch of its group waits for that update first, as a fetch
-    from disk does (group.py's ``refresh_after_step``). A tentative update (clipping, fp16: the
+    ``step()``: the forward waits for that update before it reads the copy, at its group's
+    fetch or at a direct read of the weight, as for a fetch from disk (group.py's
+    ``refresh_after_step``). A tentative update (clipping, fp16: the
     speculative step) writes the copy in place too, so nothing reads the copy ahead of
     ``step()``: a read of the weight is served from its master, which keeps the old values
     until then (zero/access.py, ``ShardedParam.read_value``), and a forward, which reads the

@@ -336,9 +336,10 @@ class GatherGroup:
         (local stages only; the all-gather still waits for the module to run). With
         ``updates`` still running on its shards, the group is only released: its next fetch
         waits for them first. A zero-copy group (its shards the tensors the model shows, as
-        the resident copies of zero/build.py's ``keep_resident`` are) keeps showing them: the
-        forward reads them only after its fetch, the same wait, and a read or write of a
-        weight waits as well (``ShardedParam.check_values``).
+        the resident copies of zero/build.py's ``keep_resident`` are) keeps showing them: a
+        forward waits for its updates at its fetch, or at a direct read of one of its
+        weights (overlap/hooks.py's ``_on_access``), and a user's read or write outside a
+        forward waits as well (``ShardedParam.check_values``).
         """
         if updates:
             self._updates = list(updates)

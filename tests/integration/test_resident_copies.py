@@ -329,19 +329,9 @@ def test_the_step_tail_run_into_the_next_forward_keeps_the_copies_in_memory(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``zero.overlap_step_with_forward`` with the copies kept in memory: ``step()`` returns
     while updates still write copies the model shows. The next forward waits for each
-    group's own (the root's direct reads of ``gate.weight`` and ``scale`` too), and so does a
-    read of a weight right after ``step()``: the run is the run whose step waits, bit for
-    bit, and only the optimizer state moves."""
-    apply = ShardedOptimizer.apply
-    release = threading.Event()
-    release.set()
-
-    def slowed(self: ShardedOptimizer, work: InFlight, hp: dict) -> None:
-        time.sleep(0.005)  # updates that outlast the step
-        release.wait(30)  # held while the test looks at a step that returned early
-        apply(self, work, hp)
-
-    monkeypatch.setattr(ShardedOptimizer, "apply", slowed)
+    group's own, and so does a read of a weight right after ``step()``: the run is the run
+    whose step waits, bit for bit, and only the optimizer state moves."""
+    release = _held_updates(monkeypatch)
     torch.manual_seed(0)
     model, twin = Quirky(), Quirky()
     twin.load_state_dict(model.state_dict())
@@ -378,5 +368,86 @@ def test_the_step_tail_run_into_the_next_forward_keeps_the_copies_in_memory(
     state = STATE_BYTES * sum(_updated_elements(model, s) for s in range(5))
     assert moved[0] == moved[1] == (state, state)  # no copy on disk in either
     assert engine.schedule_stats()["resident_bytes"] == kept
+    engine.close()
+    other.close()
+
+
+def _held_updates(monkeypatch: pytest.MonkeyPatch,
+                  only: list[torch.nn.Parameter] | None = None) -> threading.Event:
+    """Slow every update a little, and hold each (each of ``only``'s parameters) while the
+    returned event is clear."""
+    apply = ShardedOptimizer.apply
+    release = threading.Event()
+    release.set()
+    held = None if only is None else {id(p) for p in only}
+
+    def slowed(self: ShardedOptimizer, work: InFlight, hp: dict) -> None:
+        time.sleep(0.005)  # updates that outlast the step
+        if held is None or any(id(sl.sp.param) in held for sl in work.params):
+            release.wait(30)  # held while the test looks at a step that returned early
+        apply(self, work, hp)
+
+    monkeypatch.setattr(ShardedOptimizer, "apply", slowed)
+    return release
+
+
+class _ReadNotCalled(torch.nn.Module):
+    """Layers whose weights the root reads without calling them (as a fused projection
+    does), and, with ``frozen``, a frozen layer that stays on disk."""
+
+    def __init__(self, frozen: bool) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(VOCAB, 32)
+        self.block = torch.nn.Linear(32, 32)
+        self.gates = torch.nn.ModuleList(torch.nn.Linear(32, 32, bias=False) for _ in range(4))
+        self.frozen = torch.nn.Linear(32, 32).requires_grad_(False) if frozen else None
+        self.head = torch.nn.Linear(32, VOCAB)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.block(self.emb(idx)))
+        if self.frozen is not None:
+            h = h + self.frozen(h)
+        fused = torch.cat([g.weight for g in self.gates])  # read, never called
+        h = h + torch.tanh(h @ fused.T).unflatten(-1, (4, 32)).sum(-2)
+        logits = self.head(h).float()
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+
+
+@_CPU_ONLY
+@pytest.mark.parametrize("frozen", [False, True], ids=["every group resident", "one on disk"])
+def test_a_weight_read_without_its_module_waits_for_the_step_tail(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, frozen: bool) -> None:
+    """The forward after a step that returned early reads the gates' weights directly, not
+    through a call of their module: each read waits for that weight's update, whether every
+    group keeps its copies in memory (no forward fetches anything) or some stream from disk.
+    The losses are those of a step that waits."""
+    torch.manual_seed(0)
+    model, twin = _ReadNotCalled(frozen), _ReadNotCalled(frozen)
+    twin.load_state_dict(model.state_dict())
+    # the gates' updates are held past step(), the other layers' run, so the forward reaches
+    # the gates while theirs still wait
+    release = _held_updates(monkeypatch, only=[g.weight for g in model.gates])
+    cfg = _cfg(tmp_path / "a")
+    cfg["zero"]["overlap_step_with_forward"] = True
+    engine = outcore.initialize(model, cfg)
+    other = outcore.initialize(twin, _cfg(tmp_path / "b"))
+    assert engine.plan.defers_updates and engine.schedule_stats()["resident_bytes"] > 0
+    assert engine.schedule.movable is frozen  # all resident: no group is ever released
+
+    losses, twin_losses = [], []
+    for s in range(4):
+        for e, out in ((engine, losses), (other, twin_losses)):
+            if e is engine and s == 3:
+                release.clear()  # the last step's updates are held past step()
+            loss = e(*_batch(s))
+            e.backward(loss)
+            e.step()
+            out.append(loss.item())
+            if e is engine and s == 3:
+                assert not all(job.done.done() for job in engine.sharded_optimizer.pending_jobs)
+                threading.Timer(0.2, release.set).start()
+    for e, out in ((engine, losses), (other, twin_losses)):
+        out.append(e(*_batch(4)).item())  # the forward behind the held updates
+    assert losses == twin_losses
     engine.close()
     other.close()

@@ -494,11 +494,12 @@ def main(argv: list[str] | None = None) -> int:
                 args.sweep_points = [(1, 32), (2, 64)]
             args.batch, args.seq = args.batch or 2, args.seq or 64
         nvme_root = args.nvme_path.resolve()
+        made_root = not nvme_root.exists()  # removed at the end only if this run made it
         nvme_root.mkdir(parents=True, exist_ok=True)
         logs = REPO / "bench" / "out" / "logs" / f"gpu-{time.strftime('%Y%m%d-%H%M%S')}"
         logs.mkdir(parents=True, exist_ok=True)
         result = {**summarize(collect(args, nvme_root, logs)), "logs": str(logs)}
-        if not any(nvme_root.iterdir()):
+        if made_root and not any(nvme_root.iterdir()):
             nvme_root.rmdir()
     text = json.dumps(result, indent=1, default=str)
     if args.out:

@@ -303,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     logs = OUT / "logs" / stamp
     logs.mkdir(parents=True, exist_ok=True)
     nvme_root = args.nvme_path.resolve()
+    made_root = not nvme_root.exists()  # removed at the end only if this run made it
     nvme_root.mkdir(parents=True, exist_ok=True)
     disk = subprocess.run(["df", "-h", "--output=source,fstype,size", str(nvme_root)],
                           capture_output=True, text=True).stdout.split("\n")[1].split()
@@ -335,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
             for name in sweep_rows:
                 off = done.get((name, b, s)) or run_row(Row(name, b, s), args, nvme_root, logs)
                 pairs.append((ref, off))
-    if not any(nvme_root.iterdir()):
+    if made_root and not any(nvme_root.iterdir()):
         nvme_root.rmdir()  # every row's private folder is already gone
 
     points = report(main_rows, pairs, pr, args.model, args.warmup, args.steps,

@@ -92,8 +92,10 @@ def test_checkpointed_rows_checkpoint_every_block_and_train_the_same(tmp_path: P
 
 def test_set_reaches_the_outcore_rows_engine(tmp_path: Path) -> None:
     """``--set KEY=JSON`` (as bench/train.py's) overrides the config of every outcore row: with
-    a learning rate of 1e-30 (0 is refused) no weight moves, so the fixed batch's loss stays."""
+    a learning rate of 1e-30 (0 is refused) no weight moves, so the fixed batch's loss stays.
+    A swap folder that was there before the run stays after it (only what the run made goes)."""
     out = tmp_path / "gpu.json"
+    (tmp_path / "swap").mkdir()
     proc = subprocess.run(
         [sys.executable, str(REPO / "bench" / "gpu.py"), "--tiny", "--models", "tiny",
          "--rows", "none", "--no-sweep", "--set", "optimizer.lr=1e-30", "--set",
@@ -106,6 +108,7 @@ def test_set_reaches_the_outcore_rows_engine(tmp_path: Path) -> None:
     assert set(row["updates"]) >= {"updates_during_backward", "updates_at_step",
                                    "updates_after_step"}
     assert "overlap_step_with_forward" in result["settings"]["outcore_set"]
+    assert (tmp_path / "swap").is_dir() and not any((tmp_path / "swap").iterdir())
 
 
 def test_merged_runs_give_one_json(tmp_path: Path) -> None:

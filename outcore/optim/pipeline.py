@@ -295,7 +295,8 @@ class UpdatePipeline:
         copies kept in host memory (zero/build.py's ``keep_resident``) are full tensors too,
         yet never the masters: every read of one outside a forward waits for its updates
         (``ShardedParam.check_values``), and in a forward its fetch and every direct read of
-        it wait as well (overlap/hooks.py's ``_on_access``), so with those it is done.
+        it wait as well (overlap/hooks.py's ``_on_access``; a submodule called on its own
+        waits for all of them first, ``Schedule.await_updates``), so with those it is done.
         Off unless ``zero.overlap_step_with_forward`` asks. On a CPU host with few cores it makes
         no difference beyond noise (measured side by side: bench/RESULTS.md, 'update pipeline', the
         step's tail run into the next forward), because the forward running behind the updates

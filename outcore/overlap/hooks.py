@@ -182,9 +182,10 @@ class Hooks:
                 self._sync_phase()
                 raise
         if not self.schedule.movable and not self.schedule.updating:
-            # Nothing is ever released (one rank, every shard resident on the device): every
-            # parameter is always present, so the per-op checks would find nothing to fetch,
-            # nor an update to wait for (none starts during a forward).
+            # Nothing is ever released (one rank, every shard resident on the device, or its
+            # training copies kept in host memory): every parameter is always present, so the
+            # per-op checks would find nothing to fetch, nor an update to wait for (none
+            # starts during a forward).
             try:
                 yield
             finally:
@@ -222,6 +223,8 @@ class Hooks:
                 g.hold()
             if outer:  # what the model's call does first (engine/core.py's _before_forward)
                 self.rt.before_forward()
+                if self.schedule.updating:  # it may read any module's weights, unseen
+                    self.schedule.await_updates()
             if self._plain_backward() and torch._C._current_autograd_node() is not None:
                 self.refuse_plain_backward()  # a recomputation in loss.backward(): see its note
             self.schedule.need(groups)
@@ -237,8 +240,8 @@ class Hooks:
         g = sp.group
         if g is not None and self._in_backward:  # a recomputation reads it: see the note
             self._pinned.add(g.index)
-        if g is not None and g.updating:  # a zero-copy group, shown while the step's tail
-            g.await_update()  # writes it (group.py's refresh_after_step), read directly
+        if g is not None and g.awaits_update:  # a zero-copy group, shown while the step's
+            g.await_update()  # tail writes it (group.py's refresh_after_step), read directly
         if g is None or g.state is GroupState.UNSHARDED:
             return
         g.hold()

@@ -162,10 +162,19 @@ class Schedule:
 
     @property
     def updating(self) -> bool:
-        """Whether an update still writes a zero-copy group, which keeps showing its shards
-        (group.py's ``refresh_after_step``): a forward then checks each parameter it reads,
-        as it does where groups are released, so a read outside its module's call waits too."""
-        return any(g.zero_copy and g.updating for g in self.groups)
+        """Whether a zero-copy group, which keeps showing its shards, has updates from the
+        step not yet waited for (group.py's ``refresh_after_step``; a failed one stays): a
+        forward then checks each parameter it reads, as it does where groups are released,
+        so a read outside its module's call waits, or raises the update's error, too."""
+        return any(g.zero_copy and g.awaits_update for g in self.groups)
+
+    def await_updates(self) -> None:
+        """Wait for the updates of every zero-copy group (raising the first error): for a
+        submodule called on its own, which may read weights of modules it does not call
+        where no access mode sees them."""
+        for g in self.groups:
+            if g.zero_copy and g.awaits_update:
+                g.await_update()
 
     # -- the three calls the hooks make --------------------------------------------------------
     def need(self, groups: list[GatherGroup], on_demand: bool = False) -> None:

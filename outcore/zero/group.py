@@ -113,6 +113,12 @@ class GatherGroup:
         [Note: the step's tail runs into the next forward]); a prefetch passes it by."""
         return any(not fut.done() for fut in self._updates)
 
+    @property
+    def awaits_update(self) -> bool:
+        """Whether its next use must first wait for updates handed to it after a step (or
+        raise their error: a failed one stays, so every later use raises it again)."""
+        return bool(self._updates)
+
     def await_update(self) -> None:
         """Wait until the optimizer has finished with its shards; raise the update's error
         (again at every later fetch: the shards are not to be trusted after it)."""
@@ -338,8 +344,10 @@ class GatherGroup:
         waits for them first. A zero-copy group (its shards the tensors the model shows, as
         the resident copies of zero/build.py's ``keep_resident`` are) keeps showing them: a
         forward waits for its updates at its fetch, or at a direct read of one of its
-        weights (overlap/hooks.py's ``_on_access``), and a user's read or write outside a
-        forward waits as well (``ShardedParam.check_values``).
+        weights (overlap/hooks.py's ``_on_access``; a submodule called on its own waits for
+        every such group's first), and a user's read or write outside a forward waits as
+        well (``ShardedParam.check_values``). A failed update stays recorded, so each of
+        those raises it again.
         """
         if updates:
             self._updates = list(updates)

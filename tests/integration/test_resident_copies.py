@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 import time
 import warnings
+from concurrent import futures
 from pathlib import Path
 
 import pytest
@@ -391,24 +392,33 @@ def _held_updates(monkeypatch: pytest.MonkeyPatch,
     return release
 
 
+class _Fused(torch.nn.Module):
+    """Four layers whose weights it reads without calling them, as a fused projection does,
+    and a scale of its own: frozen (so on disk, with no update to wait for) if asked."""
+
+    def __init__(self, frozen: bool) -> None:
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.ones(32), requires_grad=not frozen)
+        self.gates = torch.nn.ModuleList(torch.nn.Linear(32, 32, bias=False) for _ in range(4))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        fused = torch.cat([g.weight for g in self.gates])  # read, never called
+        return torch.tanh(h @ fused.T).unflatten(-1, (4, 32)).sum(-2) * self.scale
+
+
 class _ReadNotCalled(torch.nn.Module):
-    """Layers whose weights the root reads without calling them (as a fused projection
-    does), and, with ``frozen``, a frozen layer that stays on disk."""
+    """A fused projection between two layers (its scale frozen with ``frozen``)."""
 
     def __init__(self, frozen: bool) -> None:
         super().__init__()
         self.emb = torch.nn.Embedding(VOCAB, 32)
         self.block = torch.nn.Linear(32, 32)
-        self.gates = torch.nn.ModuleList(torch.nn.Linear(32, 32, bias=False) for _ in range(4))
-        self.frozen = torch.nn.Linear(32, 32).requires_grad_(False) if frozen else None
+        self.mix = _Fused(frozen)
         self.head = torch.nn.Linear(32, VOCAB)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         h = torch.tanh(self.block(self.emb(idx)))
-        if self.frozen is not None:
-            h = h + self.frozen(h)
-        fused = torch.cat([g.weight for g in self.gates])  # read, never called
-        h = h + torch.tanh(h @ fused.T).unflatten(-1, (4, 32)).sum(-2)
+        h = h + self.mix(h)
         logits = self.head(h).float()
         return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
 
@@ -419,14 +429,15 @@ def test_a_weight_read_without_its_module_waits_for_the_step_tail(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, frozen: bool) -> None:
     """The forward after a step that returned early reads the gates' weights directly, not
     through a call of their module: each read waits for that weight's update, whether every
-    group keeps its copies in memory (no forward fetches anything) or some stream from disk.
-    The losses are those of a step that waits."""
+    group keeps its copies in memory (no forward fetches anything) or some stream from disk,
+    and so does the fused projection called on its own. The losses and its output are those
+    of a step that waits."""
     torch.manual_seed(0)
     model, twin = _ReadNotCalled(frozen), _ReadNotCalled(frozen)
     twin.load_state_dict(model.state_dict())
     # the gates' updates are held past step(), the other layers' run, so the forward reaches
     # the gates while theirs still wait
-    release = _held_updates(monkeypatch, only=[g.weight for g in model.gates])
+    release = _held_updates(monkeypatch, only=[g.weight for g in model.mix.gates])
     cfg = _cfg(tmp_path / "a")
     cfg["zero"]["overlap_step_with_forward"] = True
     engine = outcore.initialize(model, cfg)
@@ -449,5 +460,57 @@ def test_a_weight_read_without_its_module_waits_for_the_step_tail(
     for e, out in ((engine, losses), (other, twin_losses)):
         out.append(e(*_batch(4)).item())  # the forward behind the held updates
     assert losses == twin_losses
+
+    h = torch.randn(BATCH, SEQ, 32, generator=torch.Generator().manual_seed(5)).bfloat16()
+    release.clear()  # (only the engine's gates: the twin's are other parameters)
+    for e in (engine, other):
+        e.backward(e(*_batch(5)))
+        e.step()
+    assert not all(job.done.done() for job in engine.sharded_optimizer.pending_jobs)
+    threading.Timer(0.2, release.set).start()
+    with torch.no_grad():  # the submodule alone, which no access mode watches (its frozen
+        alone = model.mix(h)  # scale has no update to wait for)
+        assert torch.equal(alone, twin.mix(h))
     engine.close()
     other.close()
+
+
+@_CPU_ONLY
+def test_a_failed_update_of_a_weight_read_directly_is_raised_by_every_later_forward(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The gates' update fails after ``step()`` returned: the next forward, which reads their
+    weights without calling their modules, raises it, and so does the one after (their
+    copies are not to be trusted), and a read of the weight; never a forward on them as
+    they are."""
+    torch.manual_seed(0)
+    model = _ReadNotCalled(frozen=False)
+    gates = {id(g.weight) for g in model.mix.gates}
+    release = _held_updates(monkeypatch, only=[g.weight for g in model.mix.gates])
+    held = ShardedOptimizer.apply
+    failing = [False]
+
+    def failing_apply(self: ShardedOptimizer, work: InFlight, hp: dict) -> None:
+        held(self, work, hp)  # waits while held
+        if failing[0] and any(id(sl.sp.param) in gates for sl in work.params):
+            raise RuntimeError("injected update failure")
+
+    monkeypatch.setattr(ShardedOptimizer, "apply", failing_apply)
+    cfg = _cfg(tmp_path)
+    cfg["zero"]["overlap_step_with_forward"] = True
+    engine = outcore.initialize(model, cfg)
+    assert not engine.schedule.movable
+    engine.backward(engine(*_batch(0)))
+    engine.step()
+    engine.synchronize()  # that step's updates all land before the failure is armed
+    failing[0] = True
+    engine.backward(engine(*_batch(1)))
+    release.clear()
+    engine.step()  # returns with the gates' update held
+    release.set()
+    futures.wait([job.done for job in engine.sharded_optimizer.pending_jobs])  # it failed
+    for s in (2, 3):
+        with pytest.raises(RuntimeError, match="injected update failure"):
+            engine(*_batch(s))
+    with pytest.raises(RuntimeError, match="injected update failure"):
+        model.mix.gates[0].weight.float().sum()
+    engine.close()

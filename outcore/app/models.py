@@ -9,6 +9,7 @@ unchanged, which is the point (the paper's "ease-inspired implementation").
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,8 @@ from outcore.sizing.estimate import (
     shape_from_hf_config,
 )
 
-__all__ = ["GPT", "GPTConfig", "PRESETS", "build_model", "chunked_cross_entropy",
+__all__ = ["GPT", "GPTConfig", "PRESETS", "build_model", "checkpoint_mode",
+           "chunked_cross_entropy",
            "hf_has_weights", "is_hf_folder", "load_hf_model", "load_hf_tokenizer",
            "loss_chunk_rows", "num_params", "preset_shape", "resolve_config"]
 
@@ -342,6 +344,28 @@ ACTIVATIONS_SHARE = 1 / 8
 share of the compute device's memory (on a CPU, the host memory this process may still use)."""
 
 
+CHECKPOINT_MODES = "auto, on, off, or a number of blocks"
+"""What ``checkpoint_activations`` takes, as its errors name it."""
+
+
+def _is_checkpoint_mode(mode: object) -> bool:
+    return mode in ("auto", "on", "off") or (type(mode) is int and mode >= 0)
+
+
+def checkpoint_mode(value: object) -> str | int:
+    """A ``checkpoint_activations`` setting as a config file or the command line gives it:
+    "auto", "on", "off" or a number of blocks, where YAML's unquoted on / off (booleans) and a
+    string of digits count as those; anything else raises ``ConfigError`` naming the value."""
+    if isinstance(value, bool):
+        value = "on" if value else "off"
+    elif isinstance(value, str) and re.fullmatch(r"[0-9]+", value):
+        value = int(value)
+    if not _is_checkpoint_mode(value):
+        raise ConfigError(f"got {value!r}; allowed: {CHECKPOINT_MODES}")
+    assert isinstance(value, (str, int))  # what _is_checkpoint_mode lets through
+    return value
+
+
 def checkpoint_blocks(model: nn.Module, mode: str | int, batch: int, seq: int) -> int:
     """Checkpoint the model's repeated blocks as ``mode`` says; return how many.
 
@@ -373,9 +397,8 @@ def checkpoint_blocks(model: nn.Module, mode: str | int, batch: int, seq: int) -
     """
     if mode == "off":
         return 0
-    if not (mode in ("on", "auto") or (type(mode) is int and mode >= 0)):
-        raise ConfigError(f"checkpoint_activations: got {mode!r}; allowed: auto, on, off, or "
-                          "a number of blocks")
+    if not _is_checkpoint_mode(mode):  # strict: a Python caller's True is not "on"
+        raise ConfigError(f"checkpoint_activations: got {mode!r}; allowed: {CHECKPOINT_MODES}")
     names: set[str] = set()
     for m in model.modules():  # a PEFT wrapper: the wrapped model says
         names |= set(getattr(m, "_no_split_modules", None) or ())

@@ -24,7 +24,6 @@ import argparse
 import json
 import math
 import os
-import re
 import shutil
 import sys
 import time
@@ -103,12 +102,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 # -- settings ------------------------------------------------------------------------------
 def _checkpoint_mode(text: str) -> str | int:
     """``--checkpoint-activations``: auto, on, off, or a number of blocks."""
-    if text in ("auto", "on", "off"):
-        return text
-    if re.fullmatch(r"[0-9]+", text):
-        return int(text)
-    raise argparse.ArgumentTypeError(f"got {text!r}; allowed: auto, on, off, or a number of "
-                                     "blocks")
+    try:
+        return models.checkpoint_mode(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _read_config_file(path: str | None) -> dict[str, Any]:
@@ -134,14 +131,10 @@ def _job_settings(args: argparse.Namespace, file_job: dict[str, Any]) -> dict[st
         if value is not None and (not isinstance(value, int) or value < 1):
             raise ConfigError(f"--{key.replace('_', '-')}: must be a whole number >= 1, "
                               f"got {value!r}")
-    mode = job["checkpoint_activations"]
-    if isinstance(mode, bool):  # YAML reads an unquoted on / off as true / false
-        mode = job["checkpoint_activations"] = "on" if mode else "off"
-    elif isinstance(mode, str) and re.fullmatch(r"[0-9]+", mode):  # "4", as on the command line
-        mode = job["checkpoint_activations"] = int(mode)
-    if mode not in ("auto", "on", "off") and not (type(mode) is int and mode >= 0):
-        raise ConfigError(f"train.checkpoint_activations: got {mode!r}; allowed: auto, on, off, "
-                          "or a number of blocks")
+    try:  # YAML's unquoted on / off arrive as booleans, "4" as on the command line
+        job["checkpoint_activations"] = models.checkpoint_mode(job["checkpoint_activations"])
+    except ConfigError as e:
+        raise ConfigError(f"train.checkpoint_activations: {e}") from None
     if job["offload"] not in ("none", "cpu", "nvme", "auto"):
         raise ConfigError(f"train.offload: got {job['offload']!r}; allowed: none, cpu, nvme, auto")
     job["out"] = Path(job["out"])

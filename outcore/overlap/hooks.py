@@ -109,6 +109,8 @@ class Hooks:
     def __init__(self, module_groups: dict[nn.Module, list[GatherGroup]],
                  groups: list[GatherGroup], schedule: Schedule, rt: Runtime) -> None:
         self.rt = rt  # its ``phase`` is moved here only: _sync_phase
+        # only a step that returns early leaves zero-copy groups with updates to wait for
+        self._defers = rt.plan.defers_updates
         self.module_groups = module_groups
         self.groups = groups
         self.schedule = schedule
@@ -181,7 +183,7 @@ class Hooks:
                 self.frames.pop()
                 self._sync_phase()
                 raise
-        if not self.schedule.movable and not self.schedule.updating:
+        if not self.schedule.movable and not (self._defers and self.schedule.updating):
             # Nothing is ever released (one rank, every shard resident on the device, or its
             # training copies kept in host memory): every parameter is always present, so the
             # per-op checks would find nothing to fetch, nor an update to wait for (none
@@ -223,7 +225,7 @@ class Hooks:
                 g.hold()
             if outer:  # what the model's call does first (engine/core.py's _before_forward)
                 self.rt.before_forward()
-                if self.schedule.updating:  # it may read any module's weights, unseen
+                if self._defers:  # it may read any module's weights, unseen
                     self.schedule.await_updates()
             if self._plain_backward() and torch._C._current_autograd_node() is not None:
                 self.refuse_plain_backward()  # a recomputation in loss.backward(): see its note

@@ -8,9 +8,10 @@ loss's logits, freed memory kept for reuse).
 
 ``--lean`` is the small-footprint setting: ``offload.reuse_freed_memory: false`` and 64 MiB
 each of host buffers and prefetch. ``--checkpoint`` checkpoints every block's activations (as
-``outcore train --checkpoint-activations on`` does). Prints one JSON object with the machine;
-the peaks are ``VmHWM``, reset before the build and before the measured steps (bench/
-cpu_split.py's helpers).
+``outcore train --checkpoint-activations on`` does); ``--offload-activations`` keeps every
+block's saved tensors on NVMe instead (as ``--offload-activations nvme`` does). Prints one
+JSON object with the machine; the peaks are ``VmHWM``, reset before the build and before the
+measured steps (bench/cpu_split.py's helpers).
 The rest is the peak's growth above the imports less the ledger's peaks. The ledger counts
 bytes reserved, and its peaks need not fall at the same moment; on a small model whose I/O
 buffers are never filled, the rest can come out negative.
@@ -45,13 +46,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--host-buffer-mib", type=int, help="offload.host_buffer_bytes in MiB")
     ap.add_argument("--prefetch-mib", type=int, help="zero.prefetch_bytes in MiB")
     ap.add_argument("--checkpoint", action="store_true", help="checkpoint every block")
+    ap.add_argument("--offload-activations", action="store_true",
+                    help="every block's saved tensors on NVMe (outcore.offload_activations)")
     ap.add_argument("--nvme-path", default="bench/out/rss-swap")
     args = ap.parse_args(argv)
 
     proc = psutil.Process()
     torch_rss = proc.memory_info().rss
     import outcore
-    from outcore.app.models import build_model, checkpoint_blocks, num_params, resolve_config
+    from outcore.app.models import (
+        build_model,
+        checkpoint_blocks,
+        num_params,
+        offload_blocks,
+        resolve_config,
+    )
     from outcore.device.machine import describe
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -74,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     with outcore.init(cfg):
         model = build_model(args.model)
+    offloaded = offload_blocks(model, "nvme") if args.offload_activations else 0
     blocks = checkpoint_blocks(model, "on", args.batch, args.seq) if args.checkpoint else 0
     engine = outcore.initialize(model, cfg)
     build_peak = peak_rss_bytes()
@@ -99,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({
         "model": args.model, "tokens": args.batch * args.seq,
         "settings": {"offload": offload, "zero": zero},
-        "checkpointed_blocks": blocks, "model_state_bytes": states,
+        "checkpointed_blocks": blocks, "offloaded_blocks": offloaded,
+        "model_state_bytes": states,
         "rss_MiB": {"python_torch": torch_rss // MIB, "outcore_imported": base_rss // MIB,
                     "build_peak": build_peak // MIB, "steps_peak": step_peak // MIB,
                     "ru_maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024},

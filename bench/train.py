@@ -29,6 +29,8 @@ model, avx512_bf16/amx, cores, torch, dtype, threads, date). Rows:
                                 back, 64 MiB of host buffers and of prefetch
     nvme+opt-small              nvme+opt-lean's 64 MiB buffers with freed memory kept
                                 for reuse where the host has room (the default policy)
+    nvme+opt-act, nvme+opt-lean-act   nvme+opt and nvme+opt-lean with every block's saved
+                                tensors on NVMe (``outcore.offload_activations``)
     deepspeed    DeepSpeed ZeRO-3, params and optimizer on NVMe (bench/ds_contender.py, run in
                  DeepSpeed's own venv; skipped if that venv is missing)
 

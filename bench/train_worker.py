@@ -28,6 +28,7 @@ PLACEMENT = {  # row -> (offload.params, offload.optimizer, prefetch on)
     "nvme+opt-reuse": ("nvme", "nvme", True), "nvme+opt-early": ("nvme", "nvme", True),
     "nvme+opt-return": ("nvme", "nvme", True), "nvme+opt-wait": ("nvme", "nvme", True),
     "nvme+opt-lean": ("nvme", "nvme", True), "nvme+opt-small": ("nvme", "nvme", True),
+    "nvme+opt-act": ("nvme", "nvme", True), "nvme+opt-lean-act": ("nvme", "nvme", True),
     "opt-cpu": ("none", "cpu", True), "cpu+opt": ("cpu", "cpu", True),
     "nvme+opt-cpu": ("nvme", "cpu", True),
 }
@@ -43,6 +44,9 @@ ROW_SET = {"nvme+opt-reuse": {"offload": {"reuse_freed_memory": True}},
            # the small buffers of -lean, freed memory kept where the host has room (the default)
            "nvme+opt-small": {"offload": {"host_buffer_bytes": 64 << 20},
                               "zero": {"prefetch_bytes": 64 << 20}}}
+ROW_SET["nvme+opt-lean-act"] = ROW_SET["nvme+opt-lean"]
+# rows whose blocks keep what they save for backward on NVMe (outcore.offload_activations)
+ROW_ACTIVATIONS = {"nvme+opt-act": "nvme", "nvme+opt-lean-act": "nvme"}
 HP = {"lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.0}
 
 
@@ -225,7 +229,7 @@ def outcore_engine(spec: dict):
     import torch
 
     import outcore
-    from outcore.app.models import build_model, checkpoint_blocks
+    from outcore.app.models import build_model, checkpoint_blocks, offload_blocks
     from outcore.config import merge_mappings
 
     params, optim, prefetch = PLACEMENT[spec["row"]]
@@ -243,6 +247,8 @@ def outcore_engine(spec: dict):
     torch.manual_seed(0)
     with outcore.init(cfg):
         model = build_model(spec["model"])
+    if spec["row"] in ROW_ACTIVATIONS:  # before checkpointing, which replaces it on a block
+        spec["offloaded_blocks"] = offload_blocks(model, ROW_ACTIVATIONS[spec["row"]])
     if spec.get("checkpoint"):  # "on" (every block) or a number of blocks: no estimate asked
         spec["checkpointed_blocks"] = checkpoint_blocks(model, spec["checkpoint"], 1, 1)
     engine = outcore.initialize(model, cfg)

@@ -22,7 +22,7 @@ from outcore.guard.preemption import Preemption, preemption
 from outcore.io.checkpoint import latest_checkpoint
 from outcore.io.full_weights import consolidate
 from outcore.io.pretrained import load_pretrained
-from outcore.memory.activations import checkpoint_activations
+from outcore.memory.activations import checkpoint_activations, offload_activations
 from outcore.memory.tiling import TiledLinear, tile_linears
 from outcore.sizing import placement as _placement  # noqa: F401 - answers Config.auto
 from outcore.zero.gathered import gathered_parameters
@@ -52,6 +52,7 @@ __all__ = [
     "initialize",
     "latest_checkpoint",
     "load_pretrained",
+    "offload_activations",
     "preemption",
     "tile_linears",
 ]

@@ -24,7 +24,7 @@ from outcore.device.accel import Accelerator, default_device
 from outcore.device.machine import gpu_description
 from outcore.errors import ConfigError
 from outcore.guard.memory import available_memory
-from outcore.memory.activations import checkpoint_activations
+from outcore.memory.activations import checkpoint_activations, offload_activations
 from outcore.runtime.bootstrap import join_world
 from outcore.sizing.estimate import (
     MemoryEstimate,
@@ -391,22 +391,15 @@ def checkpoint_blocks(model: nn.Module, mode: str | int, batch: int, seq: int) -
       block would be recomputed first, beside everything still held.
     * Every rank takes the same count, the largest any rank's estimate asks for: recomputing
       a block gathers its parameters, a collective, and each rank's free memory differs.
-    * The blocks are a Hugging Face model's ``_no_split_modules`` (its decoder layers) or a
-      preset's ``Block``; one nested in another counts as part of it (Mamba lists its layer
-      and the mixer inside it).
+    * The blocks are ``repeated_blocks``: a Hugging Face model's ``_no_split_modules`` (its
+      decoder layers) or a preset's ``Block``; one nested in another counts as part of it
+      (Mamba lists its layer and the mixer inside it).
     """
     if mode == "off":
         return 0
     if not _is_checkpoint_mode(mode):  # strict: a Python caller's True is not "on"
         raise ConfigError(f"checkpoint_activations: got {mode!r}; allowed: {CHECKPOINT_MODES}")
-    names: set[str] = set()
-    for m in model.modules():  # a PEFT wrapper: the wrapped model says
-        names |= set(getattr(m, "_no_split_modules", None) or ())
-    blocks: dict[str, nn.Module] = {}
-    for name, m in model.named_modules():  # parents come before their children
-        if ((type(m).__name__ in names or isinstance(m, Block))
-                and not any(p == "" or name.startswith(p + ".") for p in blocks)):
-            blocks[name] = m
+    blocks = repeated_blocks(model)
     count = len(blocks) if mode == "on" else (
         _agreed(_blocks_needed(model, batch, seq, len(blocks))) if mode == "auto"
         else min(int(mode), len(blocks)))
@@ -415,8 +408,39 @@ def checkpoint_blocks(model: nn.Module, mode: str | int, batch: int, seq: int) -
     config = getattr(model, "config", None)
     if config is not None and getattr(config, "use_cache", False):
         config.use_cache = False  # a cache would be filled twice (activations.py's note)
-    chosen = {id(b) for b in list(blocks.values())[:count]}
+    chosen = {id(b) for b in blocks[:count]}
     return checkpoint_activations(model, lambda _, m: id(m) in chosen, offload="cpu")
+
+
+def repeated_blocks(model: nn.Module) -> list[nn.Module]:
+    """The model's repeated blocks in order: a Hugging Face model's ``_no_split_modules`` (its
+    decoder layers) or a preset's ``Block``; one nested in another counts as part of it."""
+    names: set[str] = set()
+    for m in model.modules():  # a PEFT wrapper: the wrapped model says
+        names |= set(getattr(m, "_no_split_modules", None) or ())
+    blocks: dict[str, nn.Module] = {}
+    for name, m in model.named_modules():  # parents come before their children
+        if ((type(m).__name__ in names or isinstance(m, Block))
+                and not any(p == "" or name.startswith(p + ".") for p in blocks)):
+            blocks[name] = m
+    return list(blocks.values())
+
+
+ACTIVATION_PLACES = ("off", "cpu", "nvme")
+"""What ``offload_blocks`` (``outcore train --offload-activations``) takes."""
+
+
+def offload_blocks(model: nn.Module, to: str) -> int:
+    """Keep every repeated block's saved tensors at ``to`` ("cpu", "nvme"; "off": in memory)
+    with ``offload_activations``, the model's own swap file for "nvme"; return how many."""
+    if to not in ACTIVATION_PLACES:
+        raise ConfigError(f"offload_activations: got {to!r}; allowed: "
+                          + ", ".join(ACTIVATION_PLACES))
+    if to == "off":
+        return 0
+    chosen = {id(b) for b in repeated_blocks(model)}
+    return offload_activations(model, lambda _, m: id(m) in chosen,
+                               to="cpu" if to == "cpu" else "nvme")
 
 
 def _agreed(count: int) -> int:

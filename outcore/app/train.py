@@ -56,7 +56,7 @@ __all__ = ["JOB_DEFAULTS", "add_arguments", "run"]
 JOB_DEFAULTS: dict[str, Any] = {
     "model": "small", "data": None, "steps": 300, "save_every": 100, "out": "./outcore-run",
     "batch": 8, "seq": None, "offload": "nvme", "lr_schedule": "cosine", "lora": None,
-    "checkpoint_activations": "auto",
+    "checkpoint_activations": "auto", "offload_activations": "off",
 }
 """The job's own settings when neither a flag nor the config file's ``train:`` section sets them."""
 
@@ -94,6 +94,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="keep only a block's input for backward and recompute the rest: in every block "
       "(on), in none (off) or in the first N (default: auto, the fewest first blocks that keep "
       "the model's activations under 1/8 of the memory left to them)")
+    a("--offload-activations", choices=list(models.ACTIVATION_PLACES),
+      help="keep what each block saves for backward in the swap folder (nvme) or, on a GPU, "
+      "in host memory (cpu) instead of in memory, recomputing nothing; blocks checkpointed "
+      "keep their input only, and auto then checkpoints none (default: off)")
     a("--lora", metavar="SPEC", help="train LoRA adapters over the frozen --model HF_FOLDER, "
       "e.g. r=8,alpha=16,targets=q_proj,v_proj (keys r, alpha, dropout, targets; peft's "
       "module names); writes them in PEFT's format to OUT/adapter at the end")
@@ -135,6 +139,11 @@ def _job_settings(args: argparse.Namespace, file_job: dict[str, Any]) -> dict[st
         job["checkpoint_activations"] = models.checkpoint_mode(job["checkpoint_activations"])
     except ConfigError as e:
         raise ConfigError(f"train.checkpoint_activations: {e}") from None
+    if job["offload_activations"] is False:  # YAML's unquoted off
+        job["offload_activations"] = "off"
+    if job["offload_activations"] not in models.ACTIVATION_PLACES:
+        raise ConfigError(f"train.offload_activations: got {job['offload_activations']!r}; "
+                          "allowed: " + ", ".join(models.ACTIVATION_PLACES))
     if job["offload"] not in ("none", "cpu", "nvme", "auto"):
         raise ConfigError(f"train.offload: got {job['offload']!r}; allowed: none, cpu, nvme, auto")
     job["out"] = Path(job["out"])
@@ -232,6 +241,19 @@ def _lr_at(step: int, total: int, peak: float, schedule: str) -> float:
 
 
 # -- the job -------------------------------------------------------------------------------
+def _activations_line(checkpointed: int, offloaded: int, place: str) -> str:
+    """The banner's line on activations, or nothing where every block keeps its own."""
+    parts = []
+    if checkpointed:  # a checkpointed block is no longer offloaded: checkpointing replaced it
+        parts.append(f"{checkpointed} block{'s' * (checkpointed != 1)} checkpointed (inputs "
+                     "kept, the rest recomputed in backward)")
+    if offloaded > checkpointed:
+        parts.append(f"{offloaded - checkpointed} block{'s' * (offloaded - checkpointed != 1)}"
+                     f" offloaded to {'NVMe' if place == 'nvme' else 'host memory'} "
+                     "(everything saved for backward)")
+    return f"\n  activations: {'; '.join(parts)}" if parts else ""
+
+
 def _say(text: str) -> None:
     """Print on rank 0 only; before the process group exists, torchrun's RANK tells."""
     rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
@@ -300,8 +322,11 @@ def _run_holding_out(args: argparse.Namespace, job: dict[str, Any], cfg: Config,
     if lora is not None:  # before the engine: its optimizer gets the adapters only
         torch.manual_seed(cfg.seed)  # the adapters' init, whatever the base's build drew
         model = loramod.wrap(model, lora, job["model"])
-    checkpointed = models.checkpoint_blocks(model, job["checkpoint_activations"],
-                                            job["batch"], seq)
+    # offloaded blocks keep no activations in memory: auto has nothing to checkpoint then
+    offloaded = models.offload_blocks(model, job["offload_activations"])
+    mode = job["checkpoint_activations"]
+    checkpointed = models.checkpoint_blocks(model, "off" if offloaded and mode == "auto"
+                                            else mode, job["batch"], seq)
     # SIGTERM or Ctrl-C: finish the step, save, close (swap removed), then exit 75 or 130
     with preemption() as stop, initialize(model, cfg) as engine:
         rank, world = engine.rank, engine.world_size
@@ -328,8 +353,7 @@ def _run_holding_out(args: argparse.Namespace, job: dict[str, Any], cfg: Config,
              f"batch {job['batch']}x{seq} per rank x{accum} accumulation\n  out: {out}"
              + (f" (resuming at step {start})" if start else "")
              + (f"\n  {loramod.describe(model, lora)}" if lora is not None else "")
-             + (f"\n  activations: {checkpointed} block{'s' * (checkpointed != 1)} checkpointed "
-                "(inputs kept, the rest recomputed in backward)" if checkpointed else ""))
+             + _activations_line(checkpointed, offloaded, job["offload_activations"]))
         metrics = MetricsWriter(out / "metrics.jsonl", resume_step=start) if rank == 0 else None
         try:
             stopped_at = _loop(engine, sampler, job, seq, start, state, metrics, is_hf, stop)

@@ -316,3 +316,30 @@ def test_checkpointed_activations_train_the_same(tmp_path: Path, text_file: Path
     with pytest.raises(SystemExit):  # argparse's one line: "... got 'some'; allowed: ..."
         _parse("--checkpoint-activations", "some")
     assert "got 'some'; allowed: auto, on, off, or a number" in capsys.readouterr().err
+
+
+@needs_engine
+def test_offloaded_activations_train_the_same(tmp_path: Path, text_file: Path,
+                                              capsys: pytest.CaptureFixture) -> None:
+    """``--offload-activations nvme``: the banner says how many blocks, the losses are those
+    of the run without it, bit for bit; with ``--checkpoint-activations 1`` the first block is
+    checkpointed instead; a bad value is refused in one line naming the key."""
+    losses = {}
+    for name, extra, banner in (
+            ("off", (), ""),
+            ("nvme", ("--offload-activations", "nvme"), "2 blocks offloaded to NVMe"),
+            ("both", ("--offload-activations", "nvme", "--checkpoint-activations", "1"),
+             "1 block checkpointed (inputs kept, the rest recomputed in backward); 1 block "
+             "offloaded to NVMe")):
+        out = tmp_path / name
+        assert train.run(_parse(*_job(out, text_file, "--steps", "2", "--dtype", "fp32",
+                                      *extra))) == 0
+        losses[name] = _losses(out)
+        err = capsys.readouterr().err
+        assert (f"activations: {banner}" in err) if banner else "activations:" not in err, err
+    assert losses["nvme"] == losses["off"]
+    assert losses["both"] == pytest.approx(losses["off"], rel=1e-6)
+    assert train._job_settings(_parse(), {"offload_activations": False}
+                               )["offload_activations"] == "off"  # YAML's unquoted off
+    with pytest.raises(ConfigError, match="train.offload_activations: got 'disk'; allowed: off"):
+        train._job_settings(_parse(), {"offload_activations": "disk"})

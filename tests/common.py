@@ -342,3 +342,58 @@ def nvme(tmp: Path) -> dict:
     """Everything on NVMe, the swap in ``tmp / "swap"``."""
     return {"offload": {"params": "nvme", "optimizer": "nvme", "nvme_path": str(tmp / "swap")}}
 
+
+
+# -- a transformer-like model for activation checkpointing and offloading --------------------
+# It has the parts that make saving activations under ZeRO-3 tricky: a block owning a
+# parameter directly (only the block's own hook fetches it), a block reading a child's weight
+# outside the child, a root parameter passed into every block (a saved input in parameter
+# storage), a keyword tensor input, and dropout (the recomputation must restore its RNG).
+ACT_VOCAB, ACT_DIM, ACT_HEADS, ACT_BATCH, ACT_SEQ, ACT_LAYERS = 64, 32, 4, 2, 16, 3
+
+
+class ActAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(ACT_DIM, 3 * ACT_DIM)
+        self.proj = nn.Linear(ACT_DIM, ACT_DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, ACT_HEADS, ACT_DIM // ACT_HEADS).unbind(2)
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                           v.transpose(1, 2), is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, ACT_DIM))
+
+
+class ActBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(ACT_DIM), nn.LayerNorm(ACT_DIM)
+        self.attn = ActAttention()
+        self.fc1, self.fc2 = nn.Linear(ACT_DIM, 4 * ACT_DIM), nn.Linear(4 * ACT_DIM, ACT_DIM)
+        self.gain = nn.Parameter(torch.ones(ACT_DIM))  # owned by the block itself
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor, *, bias: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        # reads a child's weight outside the child
+        x = x + 0.05 * torch.tanh(x @ self.fc2.weight @ self.fc2.weight.T)
+        h = self.fc2(self.drop(F.gelu(self.fc1(self.ln2(x)))))
+        return x + h * self.gain * scale + bias
+
+
+class ActNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(ACT_VOCAB, ACT_DIM)
+        self.blocks = nn.ModuleList(ActBlock() for _ in range(ACT_LAYERS))
+        self.scale = nn.Parameter(torch.full((ACT_DIM,), 0.9))  # passed into every block
+        self.head = nn.Linear(ACT_DIM, ACT_VOCAB)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.emb(idx)
+        bias = torch.linspace(-0.01, 0.01, ACT_DIM, device=h.device)
+        for b in self.blocks:
+            h = b(h, self.scale, bias=bias)
+        return F.cross_entropy(self.head(h).reshape(-1, ACT_VOCAB), idx.roll(-1, 1).reshape(-1))

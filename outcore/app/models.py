@@ -436,8 +436,8 @@ def offload_blocks(model: nn.Module, to: str) -> int:
     if to not in ACTIVATION_PLACES:
         raise ConfigError(f"offload_activations: got {to!r}; allowed: "
                           + ", ".join(ACTIVATION_PLACES))
-    if to == "off":
-        return 0
+    if to == "off" or (to == "cpu" and default_device().type == "cpu"):
+        return 0  # a CPU device's activations are in host memory already
     chosen = {id(b) for b in repeated_blocks(model)}
     return offload_activations(model, lambda _, m: id(m) in chosen,
                                to="cpu" if to == "cpu" else "nvme")

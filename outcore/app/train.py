@@ -251,6 +251,12 @@ def _activations_line(checkpointed: int, offloaded: int, place: str) -> str:
         parts.append(f"{offloaded - checkpointed} block{'s' * (offloaded - checkpointed != 1)}"
                      f" offloaded to {'NVMe' if place == 'nvme' else 'host memory'} "
                      "(everything saved for backward)")
+    elif place == "cpu" and not offloaded:
+        parts.append("in host memory already on a CPU device (--offload-activations cpu moves "
+                     "nothing)")
+    elif place != "off" and not offloaded:
+        parts.append("no repeated blocks found to offload (a Hugging Face model's "
+                     "_no_split_modules, a preset's blocks)")
     return f"\n  activations: {'; '.join(parts)}" if parts else ""
 
 

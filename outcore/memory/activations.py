@@ -53,7 +53,7 @@ import contextlib
 import threading
 import weakref
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, get_args
+from typing import Any, get_args
 
 import torch
 from torch import nn
@@ -62,14 +62,13 @@ from torch.overrides import _get_current_function_mode_stack
 from torch.utils.checkpoint import checkpoint
 
 from outcore.config import Placement
-from outcore.errors import ConfigError
+from outcore.engine import Engine
+from outcore.errors import ConfigError, EngineClosedError
 from outcore.memory.saved_disk import SavedOnDisk
+from outcore.overlap.saved import Kept
+from outcore.runtime import Runtime
 from outcore.zero.access_mode import ParamAccessMode
 from outcore.zero.registry import managed, owner
-
-if TYPE_CHECKING:
-    from outcore.engine import Engine
-    from outcore.runtime import Runtime
 
 Offload = Placement  # the same three places as the offload config
 BlockSpec = type[nn.Module] | tuple[type[nn.Module], ...] | Callable[[str, nn.Module], bool]
@@ -232,12 +231,13 @@ _top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", Non
 
 
 class _Outer:
-    """A parameter-storage tensor handed to the hooks that were active outside ours."""
+    """A parameter-storage tensor handed to the hooks that were active outside ours (without
+    any, kept as it is and checked at unpack: overlap/saved.py's note)."""
 
     __slots__ = ("packed", "unpack")
 
     def __init__(self, t: torch.Tensor, outer: tuple[Callable, Callable] | None) -> None:
-        self.packed, self.unpack = (outer[0](t), outer[1]) if outer else (t, lambda x: x)
+        self.packed, self.unpack = (outer[0](t), outer[1]) if outer else (Kept(t), Kept.get)
 
 
 class _Offloading(_Place):
@@ -283,15 +283,15 @@ class _ToHost(_Offloading):
         return super().hooks(inputs)
 
     def pack(self, t: torch.Tensor) -> Any:
-        if t.device.type == "cpu":
-            return t
-        host = torch.empty(t.size(), dtype=t.dtype, layout=t.layout, pin_memory=True)
+        if t.device.type == "cpu" or t.layout is not torch.strided:
+            return Kept(t)
+        host = torch.empty(t.size(), dtype=t.dtype, pin_memory=True)
         host.copy_(t, non_blocking=True)
         return (t.device, host)
 
     def unpack(self, x: Any) -> torch.Tensor:
-        if isinstance(x, torch.Tensor):
-            return x
+        if type(x) is Kept:
+            return x.get()
         device, host = x
         return host.to(device, non_blocking=True)
 
@@ -301,7 +301,10 @@ class _ToDisk(_Offloading):
 
     def __init__(self, model: nn.Module, source: Any, keep_small: bool) -> None:
         self._model = weakref.ref(model)
-        self._rt: Runtime | None = getattr(source, "rt", source)
+        if not (source is None or isinstance(source, (Engine, Runtime))):
+            raise TypeError("engine_or_runtime must be an outcore Engine or Runtime (or None), "
+                            f"got {type(source).__name__}")
+        self._rt: Runtime | None = source.rt if isinstance(source, Engine) else source
         self._saver: SavedOnDisk | None = None
         self._keep_small = keep_small
         if self._rt is not None:
@@ -333,5 +336,8 @@ class _ToDisk(_Offloading):
 
 
 def _check_nvme_path(rt: Runtime) -> None:
+    if rt.closed:
+        raise EngineClosedError("offload='nvme' for activations needs an open engine: this "
+                                "one is closed")
     if rt.cfg.offload.nvme_path is None:
         raise ConfigError("offload='nvme' for activations needs offload.nvme_path in the config")

@@ -60,6 +60,7 @@ import torch
 from torch import nn
 
 from outcore.errors import OutcoreError
+from outcore.overlap.saved import Kept
 from outcore.runtime.phase import Phase
 from outcore.zero.access_mode import ParamAccessMode
 from outcore.zero.group import GatherGroup, PendingReduce
@@ -257,9 +258,10 @@ class Hooks:
                 self.schedule.done(g)
 
     # -- backward ------------------------------------------------------------------------------
-    def _unpack(self, saved: torch.Tensor | _SavedParam) -> torch.Tensor:
-        if type(saved) is not _SavedParam:  # narrowed to a tensor: _SavedParam is final
-            return saved
+    def _unpack(self, saved: Kept | _SavedParam) -> torch.Tensor:
+        if type(saved) is Kept:
+            return saved.get()
+        assert type(saved) is _SavedParam
         g = saved.sp.group
         if g is None:
             return saved.tensor
@@ -470,6 +472,6 @@ class _SavedParam:
         self.tensor, self.sp = tensor, sp
 
 
-def _pack(t: torch.Tensor) -> torch.Tensor | _SavedParam:
+def _pack(t: torch.Tensor) -> Kept | _SavedParam:
     sp = owner(t)
-    return t if sp is None else _SavedParam(t, sp)
+    return Kept(t) if sp is None else _SavedParam(t, sp)  # saved.py's note

@@ -14,6 +14,7 @@ import torch
 import outcore
 from outcore.app import train
 from outcore.app.report import read_metrics
+from outcore.device.accel import default_device
 from outcore.errors import ConfigError
 from outcore.offload.storage import Tier
 
@@ -330,14 +331,17 @@ def test_offloaded_activations_train_the_same(tmp_path: Path, text_file: Path,
             ("nvme", ("--offload-activations", "nvme"), "2 blocks offloaded to NVMe"),
             ("both", ("--offload-activations", "nvme", "--checkpoint-activations", "1"),
              "1 block checkpointed (inputs kept, the rest recomputed in backward); 1 block "
-             "offloaded to NVMe")):
+             "offloaded to NVMe"),
+            *([("cpu", ("--offload-activations", "cpu"),
+                "in host memory already on a CPU device")]
+              if default_device().type == "cpu" else [])):
         out = tmp_path / name
         assert train.run(_parse(*_job(out, text_file, "--steps", "2", "--dtype", "fp32",
                                       *extra))) == 0
         losses[name] = _losses(out)
         err = capsys.readouterr().err
         assert (f"activations: {banner}" in err) if banner else "activations:" not in err, err
-    assert losses["nvme"] == losses["off"]
+    assert losses["nvme"] == losses.get("cpu", losses["off"]) == losses["off"]
     assert losses["both"] == pytest.approx(losses["off"], rel=1e-6)
     assert train._job_settings(_parse(), {"offload_activations": False}
                                )["offload_activations"] == "off"  # YAML's unquoted off

@@ -14,62 +14,22 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import outcore
+from outcore.memory import saved_disk
 from outcore.memory.activations import checkpoint_activations
+from tests.common import ACT_BATCH as BATCH
+from tests.common import ACT_DIM as DIM
+from tests.common import ACT_LAYERS as LAYERS
+from tests.common import ACT_SEQ as SEQ
+from tests.common import ACT_VOCAB as VOCAB
+from tests.common import ActAttention as Attention
+from tests.common import ActBlock as Block
+from tests.common import ActNet as Net
 from tests.distributed import run_world
 
-VOCAB, DIM, HEADS, BATCH, SEQ, LAYERS = 64, 32, 4, 2, 16, 3
 MODES = ["off", "none", "cpu", "nvme"]
-
-
-class Attention(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.qkv = nn.Linear(DIM, 3 * DIM)
-        self.proj = nn.Linear(DIM, DIM)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, _ = x.shape
-        q, k, v = self.qkv(x).view(b, t, 3, HEADS, DIM // HEADS).unbind(2)
-        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
-                                           v.transpose(1, 2), is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(b, t, DIM))
-
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ln1, self.ln2 = nn.LayerNorm(DIM), nn.LayerNorm(DIM)
-        self.attn = Attention()
-        self.fc1, self.fc2 = nn.Linear(DIM, 4 * DIM), nn.Linear(4 * DIM, DIM)
-        self.gain = nn.Parameter(torch.ones(DIM))  # owned by the block itself
-        self.drop = nn.Dropout(0.1)
-
-    def forward(self, x: torch.Tensor, scale: torch.Tensor, *, bias: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
-        # reads a child's weight outside the child
-        x = x + 0.05 * torch.tanh(x @ self.fc2.weight @ self.fc2.weight.T)
-        h = self.fc2(self.drop(F.gelu(self.fc1(self.ln2(x)))))
-        return x + h * self.gain * scale + bias
-
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(VOCAB, DIM)
-        self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
-        self.scale = nn.Parameter(torch.full((DIM,), 0.9))  # passed into every block
-        self.head = nn.Linear(DIM, VOCAB)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        h = self.emb(idx)
-        bias = torch.linspace(-0.01, 0.01, DIM, device=h.device)
-        for b in self.blocks:
-            h = b(h, self.scale, bias=bias)
-        return F.cross_entropy(self.head(h).reshape(-1, VOCAB), idx.roll(-1, 1).reshape(-1))
 
 
 def _input_bytes() -> int:
@@ -99,6 +59,7 @@ def _run(params: str, swap: str, steps: int) -> dict:
             idx = torch.randint(0, VOCAB, (BATCH * engine.world_size, SEQ), generator=gen)
             mine = idx[engine.rank * BATCH : (engine.rank + 1) * BATCH].to(engine.device)
             store = engine.rt.nvme if mode == "nvme" else None
+            saved_disk.settle()
             before = (store.bytes_written, store.bytes_allocated) if store else (0, 0)
             loss = engine(mine)
             written = 0
@@ -109,6 +70,7 @@ def _run(params: str, swap: str, steps: int) -> dict:
                     time.sleep(0.01)
                 written = store.bytes_written - before[0]
             engine.backward(loss)
+            saved_disk.settle()  # the extents go on the saver's reaper thread
             allocated_after = store.bytes_allocated - before[1] if store else 0
             disk.append((written, allocated_after))
             grads.append(torch.cat([sp.grad.reshape(-1) for sp in engine.params]))

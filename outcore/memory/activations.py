@@ -102,11 +102,12 @@ def offload_activations(model: nn.Module, blocks: BlockSpec, to: Offload = "nvme
     Checkpointing keeps a block's input and pays for the rest with its forward again in
     backward; offloading keeps everything and pays with the disk: each saved tensor written in
     forward, where the disk has little else to do, and read back a block ahead of backward
-    (saved_disk.py). On gpt-335m at 512 tokens on 2 cores (bench/results, Zen 5) offloading
-    every block took the peak RSS down by about as much as checkpointing every block did, at
-    under half the added step time. Where compute is slow against the disk, offload; where the
-    disk is the bound already (a short sequence, a frozen base streamed every step), the bytes
-    it adds cost more than the recomputation.
+    (saved_disk.py). On gpt-335m with everything on NVMe, 2 cores (bench/results, 2026-11-28,
+    Zen 5): at 2048 tokens offloading every block took 1.3-1.4 GiB off the peak for 5-7% a
+    step, checkpointing 1.5 GiB for 18-22%; at 512 tokens, where the optimizer's transfers
+    keep the disk busy through backward, both cost about the same. Where compute is long
+    against the disk, offload; where the disk is the bound already (a short sequence, a frozen
+    base streamed every step), the bytes it adds cost more than the recomputation.
 
     ``to`` is ``"nvme"`` (this rank's swap file, through the I/O engine: needs
     ``offload.nvme_path``), ``"cpu"`` (pinned host memory on CUDA; on a CPU device the

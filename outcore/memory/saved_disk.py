@@ -32,7 +32,11 @@ buffer and the extent, so nothing stays on disk after a step.
   its transfers and frees it (``settle`` waits for that).
 * **Changed in place.** A view records its tensor's version; unpack raises autograd's own
   error if the tensor, still alive, was changed in place since (overlap/saved.py's note).
-  Tensors kept in memory are checked the same way.
+  Tensors kept in memory are checked the same way. One nothing holds after forward cannot
+  be checked; backward then uses the bytes saved, the values the forward computed with.
+* **Nothing holds an entry but autograd.** The write's callback holds it weakly, and a tensor
+  kept in memory is held detached (overlap/saved.py), so a graph dropped without backward
+  frees its extents with it.
 * **What stays in memory.** Of an offloaded block, tensors under ``SMALL_BYTES`` (layer-norm
   statistics, small masks): a transfer each would cost more than the memory (a checkpointed
   block's inputs all go, as one per block is what checkpointing keeps). Parameter storage
@@ -42,10 +46,11 @@ buffer and the extent, so nothing stays on disk after a step.
 from __future__ import annotations
 
 import contextlib
+import os
 import queue
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -121,14 +126,15 @@ class _Entry:
         self.copy: torch.Tensor | None = copy  # unpack may use it until the write completes
         self.loaded: tuple[torch.Tensor, IOFuture] | torch.Tensor | None = None
         # [write, read]: the reaper waits for both before it frees the extent
+        # the callback holds the entry weakly: a graph dropped mid-write frees it at once (the
+        # request holds the buffer; the reaper waits for the write)
         self.io: list[IOFuture | None] = [
-            store.write(self.extent, copy).then(self._written, self.nbytes), None]
+            store.write(self.extent, copy).then(_forget_copy(weakref.ref(self)), self.nbytes),
+            None]
         # released by its own finalizer with the entry (the ledger's finalizers take no lock)
         self.charge = rt.ledger.charge(Tier.NVME, Kind.ACTIVATIONS, self.extent.capacity)
-        weakref.finalize(self, _REAPER.put, (store, self.extent, self.io))
+        weakref.finalize(self, _reap_later, (store, self.extent, self.io))
 
-    def _written(self, ok: bool) -> None:  # on an I/O thread: no I/O here
-        self.copy = None
 
     def start_read(self) -> None:
         """Start reading the bytes back, unless they are in memory or being read."""
@@ -162,11 +168,24 @@ class _Entry:
         return loaded[: self.nbytes]
 
 
+def _forget_copy(entry: weakref.ref[_Entry]) -> Callable[[bool], None]:
+    def written(ok: bool) -> None:  # on an I/O thread: no I/O here
+        e = entry()
+        if e is not None:
+            e.copy = None
+    return written
+
+
 # -- the reaper: frees the extents of dropped entries, outside any finalizer ------------------
 _REAPER: queue.SimpleQueue[tuple[NvmeStore, Extent, list[IOFuture | None]] | threading.Event] \
     = queue.SimpleQueue()
 _reaper_lock = threading.Lock()
 _reaper: threading.Thread | None = None
+
+
+def _reap_later(item: tuple[NvmeStore, Extent, list[IOFuture | None]]) -> None:
+    """An entry's finalizer: queue its extent (a reentrant put; no lock taken)."""
+    _REAPER.put(item)
 
 
 def _start_reaper() -> None:
@@ -191,6 +210,14 @@ def _reap() -> None:
         with contextlib.suppress(Exception):  # a store closed meanwhile deleted its file
             if not store.closed:
                 store.free(extent)
+
+
+def _forked() -> None:  # a child has no reaper thread: its first pack starts one
+    global _REAPER, _reaper
+    _REAPER, _reaper = queue.SimpleQueue(), None
+
+
+os.register_at_fork(after_in_child=_forked)
 
 
 def settle(timeout: float | None = None) -> bool:
@@ -281,6 +308,9 @@ class SavedOnDisk:
         if type(x) is Kept:
             return x.get()
         view: _View = x
+        if view.entry.store.closed:
+            raise EngineClosedError("backward needs activations from the swap file of an "
+                                    "engine that was closed since forward")
         view.check()
         self._read_ahead(view.entry)
         typed = view.entry.bytes().view(view.dtype)

@@ -25,7 +25,11 @@ class Kept:
     __slots__ = ("tensor", "version")
 
     def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor, self.version = tensor, tensor._version
+        # detached: the same storage and version counter without the grad_fn, which would
+        # close a loop (output -> its grad_fn -> the saved variable -> this -> the output)
+        # that autograd holds from C++, where the collector cannot see it: a graph dropped
+        # without backward would never be freed
+        self.tensor, self.version = tensor.detach(), tensor._version
 
     def get(self) -> torch.Tensor:
         """The tensor, unless it was changed in place since it was saved (torch's error)."""

@@ -386,3 +386,35 @@ def test_a_closed_engine_or_a_wrong_object_is_refused(tmp_path: Path) -> None:
     engine.close()
     with pytest.raises(outcore.EngineClosedError, match="open engine"):
         offload_activations(Net(), Block, "nvme", engine)
+
+
+class _Gated(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln, self.lin, self.gate = nn.LayerNorm(256), nn.Linear(256, 256), nn.Linear(256, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.ln(x)  # sigmoid's output (2 KiB) stays in memory, saved by sigmoid itself
+        return torch.tanh(self.lin(h)) * torch.sigmoid(self.gate(h))
+
+
+def test_a_graph_dropped_without_backward_frees_its_extents(tmp_path: Path) -> None:
+    """Forwards whose outputs are dropped unused: a small output kept in memory must not hold
+    its graph (and with it every extent on disk) in a loop the collector cannot see."""
+    cfg = outcore.Config.from_dict({"dtype": "fp32", "offload": {"nvme_path": str(tmp_path)}})
+    engine = outcore.initialize(nn.Linear(4, 4), cfg)
+    model = nn.Sequential(_Gated(), _Gated())
+    offload_activations(model, _Gated, "nvme", engine)
+    x = torch.randn(512, 256, requires_grad=True)
+    store = engine.rt.nvme
+    for _ in range(3):
+        out = model(x)
+        del out
+    gc.collect()
+    saved_disk.settle()
+    assert store.bytes_written > 0
+    assert store.bytes_allocated == 0
+    out = model(x)
+    engine.close()
+    with pytest.raises(outcore.EngineClosedError, match="closed since forward"):
+        out.sum().backward()

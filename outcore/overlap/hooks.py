@@ -10,7 +10,8 @@
 * ``saved_tensors_hooks`` see each tensor autograd keeps for backward. A saved parameter is
   kept as the parameter object, and when backward unpacks it, its group is fetched if it is
   not already there. So backward is correct however modules are nested, reused or skipped,
-  and needs no per-module backward hook; the schedule only makes it faster.
+  and needs no per-module backward hook; the schedule only makes it faster. Any other saved
+  tensor is kept as it is, its version checked at unpack as autograd would (saved.py).
 After backward, a per-parameter post-accumulate-grad hook reduces a group's gradients as soon
 as all of them are final, and the group is released.
 

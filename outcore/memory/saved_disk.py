@@ -117,24 +117,22 @@ class _Entry:
         # whole pages: the padded buffer goes to disk in one direct transfer, none through the
         # store's pool
         self.extent: Extent = store.allocate(round_up(max(self.nbytes, 1)))
+        self.loaded: tuple[torch.Tensor, IOFuture] | torch.Tensor | None = None
         try:
             copy = aligned_empty(self.extent.capacity, huge_pages=False)
             copy[: self.nbytes].copy_(src)
+            self.copy: torch.Tensor | None = copy  # unpack may use it until the write is done
+            # [write, read]: the reaper waits for both before it frees the extent. The write's
+            # callback holds the entry weakly, so a graph dropped mid-write frees it at once
+            # (the request holds the buffer meanwhile)
+            self.io: list[IOFuture | None] = [store.write(self.extent, copy).then(
+                _forget_copy(weakref.ref(self)), self.nbytes), None]
         except BaseException:
             store.free(self.extent)
             raise
-        self.copy: torch.Tensor | None = copy  # unpack may use it until the write completes
-        self.loaded: tuple[torch.Tensor, IOFuture] | torch.Tensor | None = None
-        # [write, read]: the reaper waits for both before it frees the extent
-        # the callback holds the entry weakly: a graph dropped mid-write frees it at once (the
-        # request holds the buffer; the reaper waits for the write)
-        self.io: list[IOFuture | None] = [
-            store.write(self.extent, copy).then(_forget_copy(weakref.ref(self)), self.nbytes),
-            None]
         # released by its own finalizer with the entry (the ledger's finalizers take no lock)
         self.charge = rt.ledger.charge(Tier.NVME, Kind.ACTIVATIONS, self.extent.capacity)
         weakref.finalize(self, _reap_later, (store, self.extent, self.io))
-
 
     def start_read(self) -> None:
         """Start reading the bytes back, unless they are in memory or being read."""

@@ -50,3 +50,12 @@ def test_rss_split_reports_the_ledger_under_the_peak(tmp_path: Path,
     assert lean["ledger_peaks_MiB"]["host.io_buffers"] <= 64
     assert default["ledger_peaks_MiB"]["host.io_buffers"] > 128
     assert not list((tmp_path / "swap").glob("*")), "the engine removes its swap file"
+
+
+def test_rss_split_offloads_every_block_and_says_so(tmp_path: Path) -> None:
+    """``--offload-activations`` reaches the model: every block offloaded, none checkpointed,
+    and the swap folder left empty."""
+    split = _split(tmp_path, "--offload-activations")
+    assert split["offloaded_blocks"] == 4 and split["checkpointed_blocks"] == 0
+    assert len(split["steps_s"]) == 2
+    assert not list((tmp_path / "swap").glob("*")), "the engine removes its swap file"

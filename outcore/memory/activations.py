@@ -132,15 +132,15 @@ def _wrap(model: nn.Module, blocks: BlockSpec, place: _Place | None, recompute: 
     for name, m in model.named_modules():
         if match(name, m):
             current = m.__dict__.get("forward")
-            if isinstance(current, _Checkpointed):
+            if isinstance(current, _BlockForward):
                 original, own = current.original, current.own
             else:  # own: a forward set on the instance (another library's wrapper) before us
                 original, own = m.forward, current is not None
             if place is not None:
-                m.forward = _Checkpointed(m, original, place, recompute, own)
+                m.forward = _BlockForward(m, original, place, recompute, own)
             elif own:
                 m.forward = original
-            elif isinstance(current, _Checkpointed):
+            elif isinstance(current, _BlockForward):
                 del m.forward  # the class's forward again
             count += 1
     return count
@@ -170,9 +170,9 @@ def _inside_block() -> Iterator[None]:
         _ACTIVE.depth -= 1
 
 
-class _Checkpointed:
-    """A block's replacement ``forward``: checkpoint the original, offloading its inputs, or
-    (``recompute`` False) run it with everything it saves offloaded."""
+class _BlockForward:
+    """A block's replacement ``forward``: checkpoint the original, offloading its inputs
+    (``recompute``), or run it with everything it saves offloaded."""
 
     def __init__(self, module: nn.Module, original: Callable[..., Any], place: _Place,
                  recompute: bool, own: bool) -> None:
@@ -219,6 +219,9 @@ class _Place:
 
     @staticmethod
     def create(offload: Offload, model: nn.Module, source: Any, keep_small: bool) -> _Place:
+        if not (source is None or isinstance(source, (Engine, Runtime))):
+            raise TypeError("engine_or_runtime must be an outcore Engine or Runtime (or None), "
+                            f"got {type(source).__name__}")
         if offload == "nvme":
             return _ToDisk(model, source, keep_small)
         return _ToHost() if offload == "cpu" else _Place()
@@ -302,9 +305,7 @@ class _ToDisk(_Offloading):
 
     def __init__(self, model: nn.Module, source: Any, keep_small: bool) -> None:
         self._model = weakref.ref(model)
-        if not (source is None or isinstance(source, (Engine, Runtime))):
-            raise TypeError("engine_or_runtime must be an outcore Engine or Runtime (or None), "
-                            f"got {type(source).__name__}")
+        self._found = source is None  # the runtime is the model's: found again after close()
         self._rt: Runtime | None = source.rt if isinstance(source, Engine) else source
         self._saver: SavedOnDisk | None = None
         self._keep_small = keep_small
@@ -312,6 +313,8 @@ class _ToDisk(_Offloading):
             _check_nvme_path(self._rt)
 
     def saver(self) -> SavedOnDisk:
+        if self._found and self._rt is not None and self._rt.closed:  # a second engine's now
+            self._rt = self._saver = None
         if self._saver is None:
             if self._rt is None:
                 model = self._model()

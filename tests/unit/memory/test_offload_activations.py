@@ -157,16 +157,51 @@ def test_one_write_per_storage_and_the_activation_freed_after_forward(
         assert torch.equal(grads2[name], g), name
 
 
-def test_small_tensors_stay_in_memory_and_no_grad_writes_nothing(tmp_path: Path) -> None:
+def test_small_tensors_stay_in_memory_and_no_grad_writes_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     engine, model = _engine("none", str(tmp_path))
     offload_activations(model, Block, "nvme", engine)
     store = engine.rt.nvme
     idx = torch.randint(0, VOCAB, (BATCH, SEQ))
+    engine.backward(engine(idx))  # every saved tensor here is under SMALL_BYTES
+    store.wait_idle()
+    assert store.bytes_written == 0
+    monkeypatch.setattr(saved_disk, "SMALL_BYTES", 0)  # now every one would go
     with torch.no_grad():
         engine(idx)
-    engine.backward(engine(idx))  # every saved tensor here is under SMALL_BYTES
+    store.wait_idle()
     assert store.bytes_written == 0
+    engine.backward(engine(idx))
+    store.wait_idle()
+    assert store.bytes_written > 0
     engine.close()
+
+
+def test_a_model_reused_by_a_second_engine(tmp_path: Path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Offloaded without naming an engine, the model's own runtime is used; after close() a
+    second engine on the same model trains with its own swap file, as it came."""
+    monkeypatch.setattr(saved_disk, "SMALL_BYTES", 0)
+    engine, model = _engine("nvme", str(tmp_path))
+    offload_activations(model, Block, "nvme")
+    idx = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(3))
+    engine.backward(engine(idx))
+    engine.step()
+    engine.close()
+    cfg = outcore.Config.from_dict({"dtype": "fp32", "optimizer": {"lr": 1e-2, "eps": 1e-6},
+                                    "zero": {"overlap_optimizer": False},
+                                    "offload": {"params": "nvme", "nvme_path": str(tmp_path)}})
+    second = outcore.initialize(model, cfg)
+    torch.manual_seed(5)  # the blocks' dropout
+    loss = second(idx)
+    second.backward(loss)
+    second.rt.nvme.wait_idle()
+    assert second.rt.nvme.bytes_written > 0 and torch.isfinite(loss)
+    offload_activations(model, Block, "none")
+    torch.manual_seed(5)
+    ref = second(idx)
+    assert torch.equal(loss.detach(), ref.detach())  # no step between: the same weights
+    second.close()
 
 
 def test_to_none_gives_each_block_its_forward_back_and_checkpointing_replaces_it() -> None:
@@ -381,8 +416,9 @@ def test_conjugate_and_negative_views_keep_their_values(tmp_path: Path,
 def test_a_closed_engine_or_a_wrong_object_is_refused(tmp_path: Path) -> None:
     cfg = outcore.Config.from_dict({"dtype": "fp32", "offload": {"nvme_path": str(tmp_path)}})
     engine = outcore.initialize(nn.Linear(4, 4), cfg)
-    with pytest.raises(TypeError, match="Engine or Runtime.*got Sequential"):
-        offload_activations(Net(), Block, "nvme", nn.Sequential())  # type: ignore[arg-type]
+    for to in ("nvme", "cpu"):
+        with pytest.raises(TypeError, match="Engine or Runtime.*got Sequential"):
+            offload_activations(Net(), Block, to, nn.Sequential())  # type: ignore[arg-type]
     engine.close()
     with pytest.raises(outcore.EngineClosedError, match="open engine"):
         offload_activations(Net(), Block, "nvme", engine)

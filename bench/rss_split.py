@@ -7,7 +7,8 @@ loss's logits, freed memory kept for reuse).
     .venv/bin/python bench/rss_split.py --model gpt-335m --lean --checkpoint
 
 ``--lean`` is the small-footprint setting: ``offload.reuse_freed_memory: false`` and 64 MiB
-each of host buffers and prefetch. ``--checkpoint`` checkpoints every block's activations (as
+each of host buffers and prefetch; ``--reuse``, ``--host-buffer-mib`` and ``--prefetch-mib``
+given beside it take precedence. ``--checkpoint`` checkpoints every block's activations (as
 ``outcore train --checkpoint-activations on`` does); ``--offload-activations`` keeps every
 block's saved tensors on NVMe instead (as ``--offload-activations nvme`` does). Prints one
 JSON object with the machine; the peaks are ``VmHWM``, reset before the build and before the
@@ -40,7 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--lean", action="store_true", help="reuse off, 64 MiB buffers and prefetch")
+    ap.add_argument("--lean", action="store_true",
+                    help="reuse off, 64 MiB buffers and prefetch (each unless set by its flag)")
     ap.add_argument("--reuse", choices=["auto", "true", "false"], default=None,
                     help="offload.reuse_freed_memory (auto: unset)")
     ap.add_argument("--host-buffer-mib", type=int, help="offload.host_buffer_bytes in MiB")
@@ -68,8 +70,10 @@ def main(argv: list[str] | None = None) -> int:
 
     base_rss = proc.memory_info().rss
     reset_peak_rss()
-    if args.lean:
-        args.reuse, args.host_buffer_mib, args.prefetch_mib = "false", 64, 64
+    if args.lean:  # the smallest footprint, except where a flag says otherwise
+        args.reuse = args.reuse or "false"
+        args.host_buffer_mib = 64 if args.host_buffer_mib is None else args.host_buffer_mib
+        args.prefetch_mib = 64 if args.prefetch_mib is None else args.prefetch_mib
     offload: dict = {} if args.reuse in (None, "auto") else {
         "reuse_freed_memory": args.reuse == "true"}
     if args.host_buffer_mib is not None:

@@ -59,3 +59,11 @@ def test_rss_split_offloads_every_block_and_says_so(tmp_path: Path) -> None:
     assert split["offloaded_blocks"] == 4 and split["checkpointed_blocks"] == 0
     assert len(split["steps_s"]) == 2
     assert not list((tmp_path / "swap").glob("*")), "the engine removes its swap file"
+
+
+def test_a_flag_beside_lean_takes_precedence(tmp_path: Path) -> None:
+    """``--lean`` fills in only what no flag set: a prefetch budget given beside it is used."""
+    split = _split(tmp_path, "--lean", "--prefetch-mib", "96")
+    assert split["settings"] == {"offload": {"reuse_freed_memory": False,
+                                             "host_buffer_bytes": 64 << 20},
+                                 "zero": {"prefetch_bytes": 96 << 20}}

@@ -12,7 +12,7 @@ given beside it take precedence. ``--checkpoint`` checkpoints every block's acti
 ``outcore train --checkpoint-activations on`` does); ``--offload-activations`` keeps every
 block's saved tensors on NVMe instead (as ``--offload-activations nvme`` does). Prints one
 JSON object with the machine; the peaks are ``VmHWM``, reset before the build and before the
-measured steps (bench/cpu_split.py's helpers).
+measured steps (bench/cpu_split.py's helpers), and so are the ledger's peaks.
 The rest is the peak's growth above the imports less the ledger's peaks. The ledger counts
 bytes reserved, and its peaks need not fall at the same moment; on a small model whose I/O
 buffers are never filled, the rest can come out negative.
@@ -92,6 +92,10 @@ def main(argv: list[str] | None = None) -> int:
     engine = outcore.initialize(model, cfg)
     build_peak = peak_rss_bytes()
     reset_peak_rss()
+    # the ledger's peaks too: the build fills and frees every full tensor once (the parameter
+    # cache peaks there), and a build-time peak beside the steps' RSS peak overstates what the
+    # steps hold and understates the rest
+    engine.rt.ledger.reset_peaks()
     shape = resolve_config(args.model)
     ids = torch.randint(0, shape.vocab, (args.batch, args.seq + 1),
                         generator=torch.Generator().manual_seed(0))

@@ -213,32 +213,12 @@ class Runtime:
         not page-aligned: ragged tails, shards built or checkpointed outside the hot path) and
         the optimizer's sub-group buffers (master weights, moments and the cast
         training-dtype copy of a slice). Both are allocated once and reused, so every step
-        runs without page faults, and together they never exceed the one budget the user set.
-        When the optimizer streams anything from NVMe, the pool keeps what the I/O threads can
-        have in flight (``io_threads`` x ``io_block_bytes``, 32 MiB by default) or half the
-        budget if that is less, and the optimizer takes the rest; otherwise the pool takes it
-        all. (One exception: the optimizer's three buffers hold at least 2048 elements each, a
-        few hundred KB, so a budget below that is exceeded by the difference.)
-
-        [Note: the update pipeline gets what the pool cannot use]
-        In training the pool is idle: the step's transfers land in page-aligned memory of their
-        own, and the pool's pages are given back ([Note: a pool idle in training keeps no
-        pages]). It serves the build and checkpoints, whose transfers go no faster with more
-        buffers than the I/O threads can fill. The sub-group buffers, by contrast, pace every
-        step: a sub-group is read, updated and written in turn, and the larger each is, the more
-        bytes are in flight on the disk. With an even split of the default 256 MiB, a step kept
-        128 MiB of slots beside a pool it never touched; with the pool at 32 MiB, gpt-335m with
-        everything on NVMe stepped in 2.73-2.93 s against 3.04-3.08 s at 512 tokens (3 rounds,
-        alternating), for 46-123 MiB more peak RSS, and the same at 128 tokens (2.29-2.35
-        against 2.34-2.39 s); the smallest footprint's 64 MiB is split evenly as before
-        (bench/results/2026-11-28-amd-zen5-bf16-deepspeed-by-tokens.md, section 3).
+        runs without page faults, and together they never exceed the one budget the user set:
+        the optimizer takes half when it streams anything from NVMe, nothing otherwise. (One
+        exception: the optimizer's three buffers hold at least 2048 elements each, a few
+        hundred KB, so a budget below that is exceeded by the difference.)
         """
-        if not self.plan.streams:
-            return 0
-        off = self.cfg.offload
-        budget = off.host_buffer_bytes
-        pool = min(budget // 2, off.io_threads * off.io_block_bytes)
-        return (budget - pool) // 4096 * 4096
+        return self.cfg.offload.host_buffer_bytes // 2 // 4096 * 4096 if self.plan.streams else 0
 
     def store(self, tensor: torch.Tensor, tier: Tier, kind: Kind) -> StoredShard:
         """Give ``tensor``'s bytes a home in ``tier`` (memory tiers keep the tensor itself when

@@ -87,8 +87,7 @@ class ExecutionPlan:
     state_in_host_memory: bool
     """The optimizer state occupies host memory, so the host is sized for it."""
     streams: bool
-    """Something streams from NVMe, so the optimizer stages sub-groups in the host buffer
-    budget, all but the I/O pool's share (runtime/context.py's ``staging_bytes``)."""
+    """Something streams from NVMe, so the optimizer takes half the host buffer budget."""
     loss_scaling: bool
     """fp16's dynamic loss scaling is on."""
     speculates: bool
@@ -231,8 +230,7 @@ def _decide(i: Inputs) -> Iterator[tuple[str, tuple[Any, str]]]:
 
     streams = s is Tier.NVME or p is Tier.NVME
     yield "streams", (streams, (
-        "NVMe traffic: the optimizer stages sub-groups in the host buffer budget beside the "
-        "I/O pool"
+        "NVMe traffic: the optimizer stages sub-groups in half the host buffer budget"
         if streams else "nothing on NVMe: the host buffer budget is unused"))
 
     loss_scaling = i.dtype == "fp16"

@@ -93,22 +93,6 @@ def test_one_host_budget_is_split_between_pool_and_optimizer(nvme_rt: Runtime) -
     assert nvme_rt.nvme.pool.capacity_bytes <= BUDGET - nvme_rt.staging_bytes
 
 
-@pytest.mark.parametrize(("budget_mib", "staging_mib"), [(256, 224), (64, 32), (40, 20)])
-def test_the_pool_keeps_what_the_io_threads_fill_and_the_optimizer_the_rest(
-        tmp_path: Path, budget_mib: int, staging_mib: int) -> None:
-    """runtime/context.py's [Note: the update pipeline gets what the pool cannot use]: the
-    default 4 threads x 8 MiB blocks leave the pool 32 MiB, at most half the budget."""
-    rt = _runtime({"params": "nvme", "optimizer": "nvme", "nvme_path": str(tmp_path),
-                   "host_buffer_bytes": budget_mib << 20})
-    try:
-        assert rt.staging_bytes == staging_mib << 20
-        pool = rt.nvme.pool  # whole 8 MiB buffers (io_block_bytes) within its share
-        assert pool.count == (budget_mib - staging_mib) // 8
-        assert pool.capacity_bytes == pool.count << 23
-    finally:
-        rt.close()
-
-
 def test_nvme_store_saves_and_verifies(nvme_rt: Runtime) -> None:
     t = torch.randn(3000, generator=torch.Generator().manual_seed(0))
     stored = nvme_rt.store(t, Tier.NVME, Kind.MASTER)

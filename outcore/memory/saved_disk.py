@@ -70,6 +70,12 @@ SMALL_BYTES = 128 << 10
 """Saved tensors below this many bytes stay in memory ([Note: saved tensors on NVMe])."""
 
 
+def _sweep_due(size: int, swept: int) -> bool:
+    """Whether a record of weak references has doubled (past a floor of 64) since its last
+    sweep left ``swept``: swept then, its cost stays proportional to what it adds."""
+    return size > 2 * swept + 64
+
+
 class _Generation:
     """The segments of one forward (or of forwards run before one backward), in pack order:
     segment number -> the entries packed in it (held weakly)."""
@@ -95,7 +101,7 @@ class _Generation:
             if any(r() is not None for r in self.segments[first]):
                 break
             del self.segments[first]
-        if len(self.segments) > 2 * self.swept + 64:
+        if _sweep_due(len(self.segments), self.swept):
             last = self.next - 1
             self.segments = {k: refs for k, refs in self.segments.items()
                              if k == last or any(r() is not None for r in refs)}
@@ -329,7 +335,7 @@ class SavedOnDisk:
         """Record ``entry`` as ``base``'s (caller holds the lock); forget dead ones as the
         record doubles, so a generation that never ends does not grow it without bound."""
         self._by_base[id(base)] = (weakref.ref(base), base._version, weakref.ref(entry))
-        if len(self._by_base) > 2 * self._swept + 64:
+        if _sweep_due(len(self._by_base), self._swept):
             self._by_base = {k: v for k, v in self._by_base.items()
                              if v[0]() is not None and v[2]() is not None}
             self._swept = len(self._by_base)

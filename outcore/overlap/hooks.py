@@ -62,6 +62,7 @@ from torch import nn
 
 from outcore.errors import OutcoreError
 from outcore.overlap.saved import Kept
+from outcore.overlap.tied_rows import TiedRows
 from outcore.runtime.phase import Phase
 from outcore.zero.access_mode import ParamAccessMode
 from outcore.zero.group import GatherGroup, PendingReduce
@@ -133,6 +134,9 @@ class Hooks:
         self._tied = {g.index: g.full_bytes for g in groups if g.trainable and sum(
             g in gs for gs in module_groups.values()) > 1}
         self._unseen: dict[int, int] = {}
+        me = weakref.ref(self)  # the graph holds this; see _make_grad_hook on a strong one
+        self.tied_rows = TiedRows(module_groups, set(self._tied),
+                                  lambda: (h := me()) is not None and h._in_backward)
         # per thread, the autograd node whose unpack recomputes now (see the note)
         self._recomputing: dict[int, object] = {}
         self._handles: list[RemovableHandle] = []
@@ -233,12 +237,14 @@ class Hooks:
                 self.refuse_plain_backward()  # a recomputation in loss.backward(): see its note
             self.schedule.need(groups)
 
-    def _post_forward(self, module: nn.Module, args: tuple[object, ...], output: object) -> None:
+    def _post_forward(self, module: nn.Module, args: tuple[object, ...], output: object) -> object:
         if self.inert:
-            return
+            return None
         with self.mode.suspended():
             self._release(self.frames.pop())
             self._sync_phase()
+            # a tied embedding's output: tied_rows.py's note
+            return self.tied_rows.wrap(module, args, output) if self.tied_rows.modules else None
 
     def _on_access(self, sp: ShardedParam, func: object) -> None:
         g = sp.group
@@ -322,6 +328,7 @@ class Hooks:
                 hooks.refuse_plain_backward()
             g = sp.group
             assert g is not None  # grouped before install, ungrouped only after remove()
+            hooks.tied_rows.add_kept(sp)  # a tied embedding's rows: tied_rows.py's note
             if g.grad_arrived(sp):
                 hooks._unseen.pop(g.index, None)
                 with hooks.mode.suspended():
@@ -373,11 +380,12 @@ class Hooks:
         hook fires once, after the last part. That buffer exists from the first use backward
         reaches (the head, at its start) to the last (the embedding, at its end). It was 62
         MiB on gpt-335m, on top of the gradients queued for updates
-        (bench/results/2026-11-26-intel-amx-bf16-small-buffers.md). The optimizer's limit on
-        waiting gradients counts it from the start of backward until the weight's gradient
-        arrives. Only weights tied between modules are known ahead: a module called twice in
-        one forward, or a weight read by a function instead of its module, also leaves a
-        buffer like it, and is not counted."""
+        (bench/results/2026-11-26-intel-amx-bf16-small-buffers.md); a tied ``nn.Embedding``
+        adds its part as rows, not as a second full buffer and a sum (tied_rows.py's note).
+        The optimizer's limit on waiting gradients counts it from the start of backward until
+        the weight's gradient arrives. Only weights tied between modules are known ahead: a
+        module called twice in one forward, or a weight read by a function instead of its
+        module, also leaves a buffer like it, and is not counted."""
         return sum(self._unseen.values())
 
     def _reduce(self, g: GatherGroup) -> None:
@@ -444,6 +452,7 @@ class Hooks:
         self.pending.clear()
         for g in self.groups:
             g.forget_grads_seen()
+        self.tied_rows.clear()
         self._frozen_held, self._pinned, self._recomputing = [], set(), {}
         self.schedule.end_iteration()
 
@@ -451,6 +460,7 @@ class Hooks:
         """Reduce what autograd left partial (params without grads), finish every reduction
         in flight, and release everything fetched for this iteration."""
         self._unseen = {}  # what is left is reduced here: nothing waits unseen any more
+        self.tied_rows.flush()
         for g in self.groups:
             if g.has_pending_grads:
                 self._reduce(g)

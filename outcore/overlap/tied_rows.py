@@ -25,14 +25,22 @@ Only where the saving is sure and nothing else can tell: a module whose type is 
 ``nn.Embedding`` (a subclass may change the output after the lookup) with no ``max_norm``
 (which writes the weight in forward), ``scale_grad_by_freq`` or ``sparse``, whose weight is
 tied, trained, and carries no hook of the user's (``weight.register_hook`` would otherwise
-see the head's part alone: masking the gradient of some rows is a common use). An untied
-embedding is left to torch: its one gradient is full-size either way. The output is a copy
+see the head's part alone: masking the gradient of some rows is a common use; checked at
+the forward and again in backward, for a hook added between them). The flags are checked at
+each call, since they can be set after ``initialize``. Two limits: a hook put on the weight's
+gradient accumulator node itself (``torch.autograd.graph.get_gradient_edge(weight).node``,
+as DeepSpeed does) is not seen, and sees the head's part alone; and a
+``torch.autograd.grad`` through the embedding from inside the engine's own backward (a
+custom function's backward calling it) would have its rows kept for the weight instead of
+returned. An untied embedding is left to torch: its one gradient is full-size either way.
+The output is a copy
 (a custom function that returned its input would return a view, which an in-place change
 in the model would refuse), one activation-sized copy per forward.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -53,9 +61,8 @@ class TiedRows:
         self.modules: dict[nn.Module, ShardedParam] = {}
         for m in module_groups:
             sp = managed(getattr(m, "weight", None))
-            if (type(m) is nn.Embedding and m.max_norm is None and not m.sparse
-                    and not m.scale_grad_by_freq and sp is not None and sp.group is not None
-                    and sp.group.index in tied and sp.trainable):
+            if (type(m) is nn.Embedding and sp is not None and sp.group is not None
+                    and sp.group.index in tied):
                 self.modules[m] = sp
         self._in_backward = in_backward
         self._kept: dict[int, tuple[ShardedParam, list[tuple[torch.Tensor, torch.Tensor]]]] = {}
@@ -68,15 +75,19 @@ class TiedRows:
                 or not args or not isinstance(args[0], torch.Tensor)):
             return output
         assert isinstance(module, nn.Embedding)
+        if module.max_norm is not None or module.sparse or module.scale_grad_by_freq:
+            return output  # checked at each call: a user may set them after initialize
         pad = -1 if module.padding_idx is None else module.padding_idx
         # the parameter as autograd sees it (its edge is the gradient accumulator the head's
         # use shares), not as outcore's access rules dress it: nothing here reads its values
         with torch._C.DisableTorchFunctionSubclass():
             weight = module.weight
-            if weight._backward_hooks or not sp.trainable:  # the user's hook must see the sum
+            if _has_hooks(weight) or not sp.trainable:  # the user's hook must see the sum
                 return output
+            # weakly: a loss kept after engine.close() must not keep the engine's state alive
+            where = (weakref.ref(self), weakref.ref(sp), module.num_embeddings, pad)
             return _Rows.apply(  # type: ignore[no-untyped-call]  # torch leaves it untyped
-                output.detach(), weight, args[0], (self, sp, module.num_embeddings, pad))
+                output.detach(), weight, args[0], where)
 
     def keep(self, sp: ShardedParam, ids: torch.Tensor, rows: torch.Tensor) -> None:
         self._kept.setdefault(id(sp), (sp, []))[1].append((ids, rows))
@@ -112,7 +123,8 @@ class _Rows(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, out: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor,
-                where: tuple[TiedRows, ShardedParam, int, int]) -> torch.Tensor:
+                where: tuple[weakref.ref[TiedRows], weakref.ref[ShardedParam], int, int]
+                ) -> torch.Tensor:
         ctx.save_for_backward(ids)
         ctx.where = where
         return out.clone()
@@ -120,17 +132,23 @@ class _Rows(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor | None, None, None]:
         (ids,) = ctx.saved_tensors
-        rows_of, sp, num_weights, pad = ctx.where
+        rows_ref, sp_ref, num_weights, pad = ctx.where
+        rows_of, sp = rows_ref(), sp_ref()
         grad = grad.reshape(-1, grad.shape[-1])
         ids = ids.reshape(-1)
-        if not rows_of._in_backward():
+        if (rows_of is None or sp is None or not rows_of._in_backward()
+                or _has_hooks(sp.param)):  # a hook of the user's added after the forward
             full = torch.ops.aten.embedding_dense_backward(grad, ids, num_weights, pad, False)
             return None, full, None, None
         distinct, inverse = torch.unique(ids, return_inverse=True)
-        # padding_idx in the compact table: where it sits among the distinct ids, if it does
-        at = int(torch.searchsorted(distinct, pad)) if pad >= 0 else -1
-        if at >= distinct.numel() or (at >= 0 and int(distinct[at]) != pad):
-            at = -1
-        rows = torch.ops.aten.embedding_dense_backward(grad, inverse, distinct.numel(), at, False)
+        rows = torch.ops.aten.embedding_dense_backward(grad, inverse, distinct.numel(), -1, False)
+        if pad >= 0:  # the padding row gets no gradient, as in torch (no sync with a device)
+            rows.masked_fill_((distinct == pad).unsqueeze(1), 0)
         rows_of.keep(sp, distinct, rows)
         return None, None, None, None
+
+
+def _has_hooks(weight: torch.Tensor) -> bool:
+    """Whether the user registered a hook on the weight (``weight.register_hook``)."""
+    with torch._C.DisableTorchFunctionSubclass():
+        return bool(weight._backward_hooks)

@@ -157,3 +157,65 @@ def test_a_hook_on_the_weight_sees_the_whole_gradient() -> None:
         assert got == want
         with engine.gathered_parameters():
             assert torch.equal(model.emb.weight.detach().cpu(), ref.emb.weight.detach())
+
+
+def test_a_loss_kept_after_close_keeps_no_engine_state() -> None:
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    model = TiedLM()
+    engine = outcore.initialize(model, {"dtype": "fp32"})
+    runtime = weakref.ref(engine.rt)
+    loss = engine(_batches(1, 1)[0][0].to(engine.device))
+    engine.close()
+    del engine
+    gc.collect()
+    assert runtime() is None  # the loss's graph holds the tied rows' state weakly
+    loss.backward()  # a plain backward now: torch's own gradient, into the plain model
+    assert model.emb.weight.grad is not None
+
+
+def _one_step_weights(change, after_forward: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tied weight after one SGD step, plain and through outcore, with ``change(model)``
+    applied after ``initialize`` (before the forward, or between it and backward)."""
+    idx = _batches(1, 1)[0][0]
+    torch.manual_seed(0)
+    ref = TiedLM()
+    change(ref)
+    ref(idx).backward()
+    with torch.no_grad():
+        want = ref.emb.weight - 0.5 * ref.emb.weight.grad
+    torch.manual_seed(0)
+    model = TiedLM()
+    with outcore.initialize(model, {"dtype": "fp32", "optimizer": {"type": "sgd", "lr": 0.5}}
+                            ) as engine:
+        if not after_forward:
+            change(model)
+        loss = engine(idx.to(engine.device))
+        if after_forward:
+            change(model)
+        engine.backward(loss)
+        engine.step()
+        with engine.gathered_parameters():
+            got = model.emb.weight.detach().cpu().clone()
+    return got, want
+
+
+def test_a_hook_added_between_forward_and_backward_sees_the_whole_gradient() -> None:
+    mask = torch.zeros(VOCAB, 1)
+    mask[4:] = 1
+
+    def hook(m: nn.Module) -> None:
+        m.emb.weight.register_hook(lambda g: g * mask.to(g.device))
+
+    got, want = _one_step_weights(hook, after_forward=True)
+    assert torch.equal(got, want)
+
+
+def test_scale_grad_by_freq_set_after_initialize_is_honoured() -> None:
+    def by_freq(m: nn.Module) -> None:
+        m.emb.scale_grad_by_freq = True
+
+    got, want = _one_step_weights(by_freq, after_forward=False)
+    assert torch.equal(got, want)

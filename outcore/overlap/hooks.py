@@ -134,7 +134,7 @@ class Hooks:
         self._tied = {g.index: g.full_bytes for g in groups if g.trainable and sum(
             g in gs for gs in module_groups.values()) > 1}
         self._unseen: dict[int, int] = {}
-        me = weakref.ref(self)  # the graph holds this; see _make_grad_hook on a strong one
+        me = weakref.ref(self)  # no cycle from the rows' state back to these hooks
         self.tied_rows = TiedRows(module_groups, set(self._tied),
                                   lambda: (h := me()) is not None and h._in_backward)
         # per thread, the autograd node whose unpack recomputes now (see the note)

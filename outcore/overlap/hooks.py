@@ -135,7 +135,7 @@ class Hooks:
             g in gs for gs in module_groups.values()) > 1}
         self._unseen: dict[int, int] = {}
         me = weakref.ref(self)  # no cycle from the rows' state back to these hooks
-        self.tied_rows = TiedRows(module_groups, set(self._tied),
+        self.tied_rows = TiedRows(module_groups.keys(), set(self._tied),
                                   lambda: (h := me()) is not None and h._in_backward)
         # per thread, the autograd node whose unpack recomputes now (see the note)
         self._recomputing: dict[int, object] = {}

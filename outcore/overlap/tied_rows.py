@@ -33,15 +33,14 @@ as DeepSpeed does) is not seen, and sees the head's part alone; and a
 ``torch.autograd.grad`` through the embedding from inside the engine's own backward (a
 custom function's backward calling it) would have its rows kept for the weight instead of
 returned. An untied embedding is left to torch: its one gradient is full-size either way.
-The output is a copy
-(a custom function that returned its input would return a view, which an in-place change
-in the model would refuse), one activation-sized copy per forward.
+The output is a copy (a custom function that returned its input would return a view, which
+an in-place change in the model would refuse), one activation-sized copy per forward.
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -56,16 +55,16 @@ if TYPE_CHECKING:
 class TiedRows:
     """The tied embeddings of one engine's model and, per backward, the rows kept for them."""
 
-    def __init__(self, module_groups: dict[nn.Module, list[Any]], tied: set[int],
+    def __init__(self, modules: Iterable[nn.Module], tied: set[int],
                  in_backward: Callable[[], bool]) -> None:
         self.modules: dict[nn.Module, ShardedParam] = {}
-        for m in module_groups:
+        for m in modules:
             sp = managed(getattr(m, "weight", None))
             if (type(m) is nn.Embedding and sp is not None and sp.group is not None
                     and sp.group.index in tied):
                 self.modules[m] = sp
         self._in_backward = in_backward
-        self._kept: dict[int, tuple[ShardedParam, list[tuple[torch.Tensor, torch.Tensor]]]] = {}
+        self._kept: dict[ShardedParam, list[tuple[torch.Tensor, torch.Tensor]]] = {}
 
     def wrap(self, module: nn.Module, args: tuple[object, ...], output: object) -> object:
         """The module's output, passed through ``_Rows`` where the note says so."""
@@ -90,20 +89,20 @@ class TiedRows:
                 output.detach(), weight, args[0], where)
 
     def keep(self, sp: ShardedParam, ids: torch.Tensor, rows: torch.Tensor) -> None:
-        self._kept.setdefault(id(sp), (sp, []))[1].append((ids, rows))
+        self._kept.setdefault(sp, []).append((ids, rows))
 
     def add_kept(self, sp: ShardedParam) -> None:
         """Add the rows kept for ``sp`` in this backward into its gradient (its hook runs this
         before the group's reduction)."""
-        kept = self._kept.pop(id(sp), None)
+        kept = self._kept.pop(sp, None)
         if kept is None:
             return
         grad = sp.param.grad
         if grad is None:  # the head was not in this backward: the rows over zeros, as torch
-            rows = kept[1][0][1]
+            rows = kept[0][1]
             grad = torch.zeros(sp.param.shape, dtype=rows.dtype, device=rows.device)
             sp.param.grad = grad
-        for ids, rows in kept[1]:
+        for ids, rows in kept:
             # the ids are distinct: one add per element, as in torch's sum; index_put_, unlike
             # index_add_, also runs where torch is told to be deterministic on a GPU
             grad.index_put_((ids,), rows, accumulate=True)
@@ -111,7 +110,7 @@ class TiedRows:
     def flush(self) -> None:
         """At the end of a backward, rows no hook took (the head was not in it): the weight's
         gradient is those rows over zeros, as torch's would be."""
-        for sp, _ in list(self._kept.values()):
+        for sp in list(self._kept):
             self.add_kept(sp)
 
     def clear(self) -> None:

@@ -303,8 +303,9 @@ class BufferPool:
         each checkpoint save or load, which stage every shard through the pool again. The buffers
         stay valid and the pool keeps its count and budget: a released page comes back, zeroed, on
         its next touch (a first-touch fault, once). So peak RSS drops by the idle pool's pages and
-        the step time does not change (measured side by side: bench/RESULTS.md, 'the I/O pool's idle
-        pages given back'). Pinned buffers are never released (page-locked memory is what makes them
+        the step time does not change (measured side by side:
+        bench/results/2026-11-22-intel-amx-bf16-training-profile.md). Pinned buffers are never
+        released (page-locked memory is what makes them
         pinned); elsewhere than Linux nothing is.
         """
         if self.pinned or not _LINUX:

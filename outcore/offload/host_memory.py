@@ -8,7 +8,8 @@ with ``mmap`` and everything below from its heap; each time a large block is fre
 threshold rises to that block's size (up to 32 MiB). After the first few frees, most
 shard-sized blocks come from the heap, and a heap returns memory to the system only from
 its top, so freed shards stay resident below live blocks and peak RSS grows well past what
-is in flight, for no gain in step time (measured: bench/RESULTS.md, 'mmap thresholds').
+is in flight, for no gain in step time (measured:
+bench/results/2026-11-22-intel-amx-bf16-training-host-path.md).
 Fixing the threshold at 1 MiB (what ``MALLOC_MMAP_THRESHOLD_`` does from the environment)
 keeps every large block in its own mapping, returned to the system by ``free``. Small
 objects (Python's, torch's metadata) are unaffected.
@@ -29,7 +30,7 @@ where torch's CPU compute allocates (forward and CPU backward run on the calling
 glibc still maps blocks over 64 MiB fresh for other threads' heaps. With the state in GPU
 memory the host is not sized for the model, so the setting is only applied where the state
 lives in host memory. With it a step takes almost no page faults and runs as fast as plain
-PyTorch's (measured: bench/RESULTS.md, 'in-memory page reuse').
+PyTorch's (measured: bench/results/2026-11-22-intel-amx-bf16-training-page-reuse.md).
 
 [Note: reuse on a small host, when asked]
 With the optimizer state on NVMe the first setting costs time in proportion to the

@@ -298,8 +298,9 @@ class UpdatePipeline:
         it wait as well (overlap/hooks.py's ``_on_access``; a submodule called on its own
         waits for all of them first, ``Schedule.await_updates``), so with those it is done.
         Off unless ``zero.overlap_step_with_forward`` asks. On a CPU host with few cores it makes
-        no difference beyond noise (measured side by side: bench/RESULTS.md, 'update pipeline', the
-        step's tail run into the next forward), because the forward running behind the updates
+        no difference beyond noise (measured side by side at two settings:
+        bench/results/2026-11-27-amd-zen5-bf16-pipeline-ab.md, section 3, and
+        2026-11-28-amd-zen5-bf16-offload-cpu.md), because the forward running behind the updates
         takes the cores their digests and page zeroing need; and it moves a failed update's error
         from ``step()`` to a later call. Where the forward runs on an accelerator it would not
         compete for the host's cores, so there it applies to a state in host memory too, whose
@@ -378,8 +379,9 @@ class UpdatePipeline:
         drain between jobs: the worker's jobs are single modules, a sub-group or two each, and
         draining after each leaves the disk idle through every update and every digest of the
         writes, a large part of the step's tail after backward with the state on NVMe; one
-        pipeline shortens that tail and the step (measured: bench/RESULTS.md, 'update
-        pipeline'). Only when no job is queued does it wait for all of its writes, so a job is
+        pipeline shortens that tail and the step (measured:
+        bench/results/2026-11-22-intel-amx-bf16-training-update-pipeline.md). Only when no job
+        is queued does it wait for all of its writes, so a job is
         done, and ``wait()`` returns, once its bytes are on disk. A failed sub-group fails its
         job; the pipeline goes on with the others.
         """

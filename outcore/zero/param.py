@@ -344,7 +344,8 @@ class ShardedParam:
         own gradient, in backward's dtype, which the update casts slice by slice into a
         reused staging buffer (optimizer.py); copying it into a fresh fp32 tensor instead costs
         twice its bytes in new memory each step, every page of it a page fault (measured:
-        bench/RESULTS.md, 'gradients held, not copied'). The values the update sees are the
+        bench/results/2026-11-22-intel-amx-bf16-training-held-gradients.md). The values the
+        update sees are the
         same (a bf16 to fp32 cast is exact). At more ranks it is the parameter's slice of
         the reduce-scatter's fp32 output (where the state is in memory, that slice becomes
         the kept buffer of the note above). A second gradient (accumulation) first turns

@@ -339,19 +339,18 @@ class ShardedParam:
         as soon as the update consumed it (``drop_grad``), which bounds host memory.
 
         [Note: gradients are held, not copied]
-        With the optimizer on NVMe an owned gradient is not copied at all: the shard *is*
-        that tensor until the update reads it. At one rank on the host that is autograd's
-        own gradient, in backward's dtype, which the update casts slice by slice into a
-        reused staging buffer (optimizer.py); copying it into a fresh fp32 tensor instead costs
-        twice its bytes in new memory each step, every page of it a page fault (measured:
+        With the optimizer on NVMe an owned gradient is not copied at all: the shard *is* that
+        tensor until the update reads it. At one rank on the host that is autograd's own
+        gradient, in backward's dtype, which the update casts slice by slice into a reused
+        staging buffer (optimizer.py); copying it into a fresh fp32 tensor instead costs twice
+        its bytes in new memory each step, every page of it a page fault (measured:
         bench/results/2026-11-22-intel-amx-bf16-training-held-gradients.md). The values the
-        update sees are the
-        same (a bf16 to fp32 cast is exact). At more ranks it is the parameter's slice of
-        the reduce-scatter's fp32 output (where the state is in memory, that slice becomes
-        the kept buffer of the note above). A second gradient (accumulation) first turns
-        the shard into fp32, and where fp16 unscaling will scale gradients in place, a 16-bit
-        gradient is cast on arrival as before (clipping scales a gradient in fp32 as its
-        update reads it: staging.py's [Note: the gradient an update reads]).
+        update sees are the same (a bf16 to fp32 cast is exact). At more ranks it is the
+        parameter's slice of the reduce-scatter's fp32 output (where the state is in memory,
+        that slice becomes the kept buffer of the note above). A second gradient (accumulation)
+        first turns the shard into fp32, and where fp16 unscaling will scale gradients in place,
+        a 16-bit gradient is cast on arrival as before (clipping scales a gradient in fp32 as
+        its update reads it: staging.py's [Note: the gradient an update reads]).
         """
         # the first gradient is taken or copied (cast) rather than added to zeros
         if self.grad is None and self._grad_buffer is not None:

@@ -1,7 +1,9 @@
-"""CPU seconds a step by what the CPU did, over the last ``window`` seconds of a perf script.
+"""CPU seconds a step by what the CPU did, between two sample times of a perf script.
 
 Lab script of the 2026-11-28 Zen 5 offload-CPU record:
-    python3 catsum.py perf512.txt <sample Hz> <window s> <steps in the window>
+    python3 catsum.py perf512.txt <sample Hz> <start> <end> <steps between them>
+(start and end as perf's timestamps: the measured steps' window, from the first sample of
+cpu_split's disk sampler, which starts with them, for the steps' wall time.)
 """
 
 import collections
@@ -40,26 +42,25 @@ def category(sym: str, dso: str) -> str:
 
 def main() -> None:
     path = sys.argv[1]
-    hz, window, steps = (float(v) for v in sys.argv[2:5])
+    hz, start, end, steps = (float(v) for v in sys.argv[2:6])
     rows = []
     with open(path) as f:
         for line in f:
             m = LINE.match(line)
             if m:
                 rows.append((float(m.group(2)), m.group(3), m.group(4)))
-    start = max(r[0] for r in rows) - window
     cats: collections.Counter[str] = collections.Counter()
     syms: collections.Counter[tuple[str, str]] = collections.Counter()
     n = 0
     for t, sym, dso in rows:
-        if t < start:
+        if not start <= t <= end:
             continue
         c = category(sym, dso)
         cats[c] += 1
         n += 1
         if c in ("kernel-other", "torch-other", "python"):
             syms[(c, re.sub(r"\+0x[0-9a-f]+", "", sym)[:50])] += 1
-    print(f"window {window}s, {n / hz:.2f} CPU-s, per step:")
+    print(f"{start}-{end} ({end - start:.2f} s), {n / hz:.2f} CPU-s, per step:")
     for c, v in cats.most_common():
         print(f"  {v / hz / steps:6.3f} {c}")
     for (c, s), v in syms.most_common(25):

@@ -8,8 +8,8 @@ with ``mmap`` and everything below from its heap; each time a large block is fre
 threshold rises to that block's size (up to 32 MiB). After the first few frees, most
 shard-sized blocks come from the heap, and a heap returns memory to the system only from
 its top, so freed shards stay resident below live blocks and peak RSS grows well past what
-is in flight, for no gain in step time (measured:
-bench/results/2026-11-22-intel-amx-bf16-training-host-path.md).
+is in flight, for no gain in step time (measured, thresholds side by side:
+bench/results/2026-11-22-intel-amx-bf16-training-held-gradients.md).
 Fixing the threshold at 1 MiB (what ``MALLOC_MMAP_THRESHOLD_`` does from the environment)
 keeps every large block in its own mapping, returned to the system by ``free``. Small
 objects (Python's, torch's metadata) are unaffected.

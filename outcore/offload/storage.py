@@ -218,15 +218,14 @@ class NvmeShard(StoredShard):
     checks what came back (on the I/O thread that finished the read, so the check overlaps
     the caller's compute and a failed check is the read's error), so a bit flipped on disk
     or a torn write surfaces as a ``StorageError`` naming the swap file and offset, never as
-    silently wrong weights. Ranges
-    are tracked because the optimizer writes slices: a later load of any range that the saved
-    pieces tile exactly is verified piece by piece. Hashing runs several times faster than
-    the disk reads (xxh3 at 20-27 GiB/s on one core), so it costs a fraction of the I/O
-    time, but that time is a core's: 0.23 CPU-s of a gpt-335m step that moves 8 GB (measured:
-    bench/results/2026-11-26-intel-amx-bf16-cpu-split.md,
-    2026-11-28-amd-zen5-bf16-offload-cpu.md). On a host with few cores and a trusted
-    disk that core may be worth more than the check: ``offload.verify_swap: false`` neither
-    hashes nor verifies.
+    silently wrong weights. Ranges are tracked because the optimizer writes slices: a later
+    load of any range that the saved pieces tile exactly is verified piece by piece. Hashing
+    runs several times faster than the disk reads (xxh3 at 20-27 GiB/s on one core), so it
+    costs a fraction of the I/O time, but that time is a core's: 0.24 CPU-s of a gpt-335m
+    step that moves 8 GB (measured: bench/results/2026-11-26-intel-amx-bf16-cpu-split.md,
+    2026-11-27-amd-zen5-bf16-pipeline-ab.md, 2026-11-28-amd-zen5-bf16-offload-cpu.md). On a
+    host with few cores and a trusted disk that core may be worth more than the check:
+    ``offload.verify_swap: false`` neither hashes nor verifies.
     """
 
     def __init__(self, store: NvmeStore, numel: int, dtype: torch.dtype, kind: Kind,

@@ -193,11 +193,12 @@ class Runtime:
         state in host memory, sized for 8x the parameters, unless a frozen base on disk is the
         bulk of the model; or freed memory kept for reuse, host_memory.py's notes), half of
         it on a small host; at least a few layers' worth either way. A cap of half or one
-        budget still maps fresh memory for many fills (34 and 7 a step where 2 budgets left
-        none). Capped at the configured 128 MiB's half while the budget had grown to ~1.1
-        GiB, gpt-335m with everything on NVMe mapped 610 MiB afresh every step, and its I/O
-        threads spent 0.73-1.20 CPU-s a step in the kernel, most of it faulting them in;
-        kept, 0.21-0.26 (bench/results/2026-11-26-intel-amx-bf16-fault-free-steps.md)."""
+        budget still maps fresh memory for many fills (everything on NVMe, a 256 MiB budget
+        forced: 34 and 7 a step, 2 budgets none). Capped at the configured 128 MiB's half
+        while the budget had grown to ~1.1 GiB, gpt-335m with everything on NVMe mapped 610
+        MiB afresh every step, and its I/O threads spent 0.73-1.20 CPU-s a step in the
+        kernel, most of it faulting them in; kept, 0.21-0.26
+        (bench/results/2026-11-26-intel-amx-bf16-fault-free-steps.md)."""
         budget = (self.cfg.zero.prefetch_bytes if self.prefetch_budget is None
                   else self.prefetch_budget)
         roomy = self.reusing or (self.state_tier is not Tier.NVME and not self.frozen_base)

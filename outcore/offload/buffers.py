@@ -305,8 +305,8 @@ class BufferPool:
         its next touch (a first-touch fault, once). So peak RSS drops by the idle pool's pages and
         the step time does not change (measured side by side:
         bench/results/2026-11-22-intel-amx-bf16-training-profile.md). Pinned buffers are never
-        released (page-locked memory is what makes them
-        pinned); elsewhere than Linux nothing is.
+        released (page-locked memory is what makes them pinned); elsewhere than Linux nothing
+        is.
         """
         if self.pinned or not _LINUX:
             return 0

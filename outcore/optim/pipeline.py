@@ -381,9 +381,9 @@ class UpdatePipeline:
         writes, a large part of the step's tail after backward with the state on NVMe; one
         pipeline shortens that tail and the step (measured:
         bench/results/2026-11-22-intel-amx-bf16-training-update-pipeline.md). Only when no job
-        is queued does it wait for all of its writes, so a job is
-        done, and ``wait()`` returns, once its bytes are on disk. A failed sub-group fails its
-        job; the pipeline goes on with the others.
+        is queued does it wait for all of its writes, so a job is done, and ``wait()``
+        returns, once its bytes are on disk. A failed sub-group fails its job; the pipeline goes
+        on with the others.
         """
         count = self._slot_count
         staged = self._kernel.slots()

@@ -39,7 +39,8 @@ and on a host with few cores that time is taken from compute.
 ``offload.reuse_freed_memory: true`` serves every block from the heap there too (and where
 the state is in device memory, for which nothing is set by default), so most of a step's
 pages are reused: steps get shorter at every batch size, and peak RSS higher, the more so
-the larger the batch (measured side by side: bench/RESULTS.md, 'reuse_freed_memory'). A
+the larger the batch (measured side by side:
+bench/results/2026-11-22-intel-amx-bf16-training-reuse-freed-memory.md). A
 free heap top beyond a bound still goes back to the system, so one huge transient at the
 top (an evaluation batch, say) is not kept for good; but blocks freed below a live one
 (torch allocates small blocks after large ones) stay, so this bounds the top, not the RSS.
@@ -68,10 +69,10 @@ this rank is at least ``REUSE_ROOM`` times that working set. Reuse makes the hea
 about one working set more (measured on gpt-335m at 512 tokens: peak RSS 1.28 -> 1.80 GiB),
 so the factor leaves the host several working sets of room beyond it: a host with room to
 spare spends it on fewer page faults (a third of an offloaded step's CPU time on two
-cores: bench/RESULTS.md, 'reuse_freed_memory'), and a host that is short, the case NVMe
-offload exists for, keeps giving memory back. The available memory is the machine's or the
-cgroup's, whichever is smaller (guard/memory.py), shared by the ranks on this host. The
-decision is logged; ``false`` keeps the smallest footprint whatever the room.
+cores: bench/results/2026-11-26-intel-amx-bf16-cpu-split.md), and a host that is short, the
+case NVMe offload exists for, keeps giving memory back. The available memory is the
+machine's or the cgroup's, whichever is smaller (guard/memory.py), shared by the ranks on
+this host. The decision is logged; ``false`` keeps the smallest footprint whatever the room.
 
 [Note: a frozen base does not size the host]
 The second note's premise, a host sized for the whole model because the optimizer state is

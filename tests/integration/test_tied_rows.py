@@ -4,6 +4,9 @@ in backward beyond the head's."""
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 from torch import nn
@@ -160,9 +163,6 @@ def test_a_hook_on_the_weight_sees_the_whole_gradient() -> None:
 
 
 def test_a_loss_kept_after_close_keeps_no_engine_state() -> None:
-    import gc
-    import weakref
-
     torch.manual_seed(0)
     model = TiedLM()
     engine = outcore.initialize(model, {"dtype": "fp32"})

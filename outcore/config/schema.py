@@ -77,7 +77,7 @@ class OffloadConfig(_Section):
     io_threads: int = Field(4, ge=1, le=64, description="I/O threads per rank")
     verify_swap: bool = Field(
         True, description="check every swap read against the xxh3 digest of what was written"
-        " (about one core-second per 8 GB moved; offload/storage.py)")
+        " (about 0.2-0.4 CPU-seconds per 8 GB moved; docs/offload.md)")
     reuse_freed_memory: bool | None = Field(
         None, description="keep host memory freed by one step for the next (fewer page "
         "faults, higher RSS); default: where the optimizer state is in host memory, and "

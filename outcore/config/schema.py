@@ -119,7 +119,8 @@ class ZeroConfig(_Section):
         "next forward waits for each layer's own"
     )
     resident_copies: bool = Field(
-        True, description="with one rank on a CPU and params and optimizer state on NVMe, "
+        True, description="with one rank on a CPU, params and optimizer state on NVMe and a "
+        "16-bit training dtype (in fp32 the masters are the training copies), "
         "the training copies of the groups that fit prefetch_bytes stay in host memory, "
         "updated in place, never written to or read from disk (zero/build.py); false "
         "streams every copy"

@@ -7,7 +7,10 @@ computed (half its time waiting, as a thread waiting for the disk). Printed per 
 compute's wall, the worker's wall, their makespan, against the compute alone and the worker
 alone.
 
-    python makespan.py [--n 60] [--k 40] [--rounds 2]
+    python makespan.py [--n 60] [--k 40] [--rounds 2] [--worker-threads 2 --policies normal]
+
+With ``--worker-threads 2`` the printed worker CPU is its own thread's only (``thread_time``),
+not its OpenMP helper's.
 """
 from __future__ import annotations
 

@@ -5,8 +5,9 @@ thread runs elementwise fp32 work with one intra-op thread (as outcore's update 
 does) for as long as the compute loop runs, releasing the GIL inside each op. Printed: the
 loop's wall alone and beside the worker, the worker's CPU seconds over the loop, and the
 ratio extra wall / worker CPU: 0.5 would mean the two cores are shared evenly, 1.0 that
-each CPU-second of the worker costs the compute a full second (the compute's threads
-wait at each op's end for the one that lost its core).
+each CPU-second of the worker costs the compute a full second (likely because the compute's
+threads wait at each op's end for the one that lost its core; not measured apart). The
+worker's CPU includes its last pass after the loop ends, which lowers the ratio a little.
 
     python share.py [--n 60] [--size 2048] [--work-mib 64] [--rounds 3]
 """

@@ -16,9 +16,9 @@ and applies the error policy.
 * ``StorageError`` and every other ``OutcoreError`` (disk full, corrupt checkpoint, a part of
   outcore missing from this build): exit 1 and one line.
 * Ctrl-C: exit 130, the shell's code for SIGINT. During ``outcore train`` the first Ctrl-C
-  finishes the step and saves first (a second one stops at once), and SIGTERM does the same
-  with exit 75, ``EX_TEMPFAIL`` (guard/preemption.py's [Note: a signal is a request,
-  answered at the step boundary]).
+  finishes the step and saves first (a second one stops at once), and SIGTERM (or SIGUSR1:
+  train.py's ``STOP_SIGNALS``) does the same with exit 75, ``EX_TEMPFAIL``
+  (guard/preemption.py's [Note: a signal is a request, answered at the step boundary]).
 * Any other exception is a bug and keeps its traceback.
 """
 

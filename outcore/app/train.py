@@ -25,6 +25,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import sys
 import time
 from pathlib import Path
@@ -50,6 +51,15 @@ from outcore.sizing.estimate import shape_from_hf_config
 from outcore.sizing.placement import check_fits
 from outcore.units import format_bytes, format_count
 from outcore.zero.init import init
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+"""What ``outcore train`` answers with a stop at the next step boundary and a checkpoint.
+
+SIGUSR1 too, because SLURM's ``--signal=USR1@<seconds>`` is the usual way to ask for a
+warning before the time limit, and the signal's default action would end the run at once,
+without a checkpoint and with its swap file left behind (run as ``python -m outcore train``
+on 2026-11-28: killed mid-step, no checkpoint, ``swap/`` left). It stops as SIGTERM does
+(exit 75: preempted)."""
 
 __all__ = ["JOB_DEFAULTS", "add_arguments", "run"]
 
@@ -333,8 +343,9 @@ def _run_holding_out(args: argparse.Namespace, job: dict[str, Any], cfg: Config,
     mode = job["checkpoint_activations"]
     checkpointed = models.checkpoint_blocks(model, "off" if offloaded and mode == "auto"
                                             else mode, job["batch"], seq)
-    # SIGTERM or Ctrl-C: finish the step, save, close (swap removed), then exit 75 or 130
-    with preemption() as stop, initialize(model, cfg) as engine:
+    # SIGTERM, SIGUSR1 or Ctrl-C: finish the step, save, close (swap removed), then exit 75
+    # or 130 (see STOP_SIGNALS)
+    with preemption(STOP_SIGNALS) as stop, initialize(model, cfg) as engine:
         rank, world = engine.rank, engine.world_size
         client: dict[str, Any] = {}
         if latest is not None:

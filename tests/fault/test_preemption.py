@@ -1,6 +1,6 @@
-"""Preemption: real SIGTERM and SIGINT, sent by the OS to real ``outcore train`` runs (one rank
-and two) and to the library context. A preempted run saves its step, removes its swap, exits
-75, and ``--resume`` reproduces the uninterrupted losses bit for bit."""
+"""Preemption: real SIGTERM, SIGUSR1 and SIGINT, sent by the OS to real ``outcore train`` runs
+(one rank and two) and to the library context. A preempted run saves its step, removes its
+swap, exits 75, and ``--resume`` reproduces the uninterrupted losses bit for bit."""
 
 from __future__ import annotations
 
@@ -140,6 +140,16 @@ def test_ctrl_c_finishes_the_step_saves_and_exits_130(tmp_path: Path) -> None:
     os.kill(procs[0].pid, signal.SIGINT)
     _check_stopped_cleanly(out, 1, _wait(procs), EXIT_INTERRUPTED, "interrupted (SIGINT)")
     assert "press Ctrl-C again to stop at once" in (out / "stderr-rank0.txt").read_text()
+
+
+def test_sigusr1_slurms_warning_stops_like_sigterm(tmp_path: Path) -> None:
+    # SLURM's --signal=USR1@<seconds>: by default SIGUSR1 ends a process at once (no checkpoint,
+    # the swap left behind); outcore train saves and exits 75 as for SIGTERM
+    out = tmp_path / "run"
+    procs = _start(1, out, _corpus(tmp_path))
+    _wait_for_step(out, 2, procs)
+    os.kill(procs[0].pid, signal.SIGUSR1)
+    _check_stopped_cleanly(out, 1, _wait(procs), EXIT_PREEMPTED, "preempted (SIGUSR1)")
 
 
 # -- the library context ---------------------------------------------------------------------

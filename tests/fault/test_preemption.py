@@ -133,23 +133,21 @@ def test_sigterm_to_one_rank_stops_both_at_one_step_and_resume_is_bit_exact(
     assert f"resuming at step {step}" in (cut / "stderr-rank0.txt").read_text()
 
 
-def test_ctrl_c_finishes_the_step_saves_and_exits_130(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("sig", "code", "why"), [
+    (signal.SIGINT, EXIT_INTERRUPTED, "interrupted (SIGINT)"),
+    # SLURM's --signal=USR1@<seconds>: by default SIGUSR1 ends a process at once (no
+    # checkpoint, the swap left behind); outcore train saves and exits 75 as for SIGTERM
+    (signal.SIGUSR1, EXIT_PREEMPTED, "preempted (SIGUSR1)"),
+], ids=["ctrl-c", "sigusr1"])
+def test_one_signal_finishes_the_step_saves_and_exits(tmp_path: Path, sig: signal.Signals,
+                                                      code: int, why: str) -> None:
     out = tmp_path / "run"
     procs = _start(1, out, _corpus(tmp_path))
     _wait_for_step(out, 2, procs)
-    os.kill(procs[0].pid, signal.SIGINT)
-    _check_stopped_cleanly(out, 1, _wait(procs), EXIT_INTERRUPTED, "interrupted (SIGINT)")
-    assert "press Ctrl-C again to stop at once" in (out / "stderr-rank0.txt").read_text()
-
-
-def test_sigusr1_slurms_warning_stops_like_sigterm(tmp_path: Path) -> None:
-    # SLURM's --signal=USR1@<seconds>: by default SIGUSR1 ends a process at once (no checkpoint,
-    # the swap left behind); outcore train saves and exits 75 as for SIGTERM
-    out = tmp_path / "run"
-    procs = _start(1, out, _corpus(tmp_path))
-    _wait_for_step(out, 2, procs)
-    os.kill(procs[0].pid, signal.SIGUSR1)
-    _check_stopped_cleanly(out, 1, _wait(procs), EXIT_PREEMPTED, "preempted (SIGUSR1)")
+    os.kill(procs[0].pid, sig)
+    _check_stopped_cleanly(out, 1, _wait(procs), code, why)
+    said = "press Ctrl-C again to stop at once" in (out / "stderr-rank0.txt").read_text()
+    assert said == (sig == signal.SIGINT)
 
 
 # -- the library context ---------------------------------------------------------------------

@@ -209,6 +209,8 @@ def _preset_shape(name: str) -> est.ModelShape:
 
 
 def _run_estimate(args: argparse.Namespace) -> int:
+    if args.gpus % args.nodes:  # every estimate divides the GPUs among the nodes
+        raise ConfigError(f"--gpus ({args.gpus}) must be a multiple of --nodes ({args.nodes})")
     shape = _shape(args)
     if shape is None and not args.max_model and args.probe is None:
         raise ConfigError("give a model (--model, --params or --layers/--hidden), "

@@ -303,21 +303,32 @@ def is_hf_folder(path: str | Path) -> bool:
 
 
 def load_hf_model(path: str | Path) -> nn.Module:
-    """A randomly initialised causal LM from a local Hugging Face folder's ``config.json``.
+    """A randomly initialised causal LM from a local Hugging Face folder's ``config.json``: the
+    architecture only (no download, no weights; loading weights is outcore.init's job)."""
+    hf_config = load_hf_config(path)  # checks that transformers is installed
+    from transformers import AutoModelForCausalLM
+    try:
+        return AutoModelForCausalLM.from_config(hf_config)
+    except ValueError as e:  # an architecture transformers has no causal LM class for
+        raise ConfigError(f"model: {path} is not a causal language model transformers can "
+                          f"build: {str(e).splitlines()[0]}") from None
 
-    Only the architecture is read (no download, no weights): loading pretrained weights into
-    the tiers is outcore.init's job.
-    """
+
+def load_hf_config(path: str | Path) -> Any:
+    """The folder's ``transformers`` config; one it cannot read is a one-line ConfigError."""
     p = Path(path)
     if not is_hf_folder(p):
         raise ConfigError(f"model: {p} is not a folder with a Hugging Face config.json")
     try:
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoConfig
     except ImportError:
         raise ConfigError(f"model: {p} is a Hugging Face model folder, which needs the "
                           "'transformers' package: pip install transformers") from None
-    hf_config = AutoConfig.from_pretrained(str(p), local_files_only=True)
-    return AutoModelForCausalLM.from_config(hf_config)
+    try:
+        return AutoConfig.from_pretrained(str(p), local_files_only=True)
+    except (ValueError, KeyError, OSError) as e:
+        raise ConfigError(f"model: transformers cannot read {p / 'config.json'}: "
+                          f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
 
 
 def hf_has_weights(path: str | Path) -> bool:

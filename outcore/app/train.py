@@ -21,6 +21,7 @@ resume without ``--seed`` uses the original one.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -38,6 +39,8 @@ from torch import nn
 from outcore.app import data as datamod
 from outcore.app import lora as loramod
 from outcore.app import models
+from outcore.app.job import JOB_DEFAULTS, LR_SCHEDULES
+from outcore.app.job import job_settings as _job_settings
 from outcore.app.report import MetricsWriter, read_metrics, write_report
 from outcore.config import Config, merge_mappings, read_mapping
 from outcore.config.deepspeed import is_deepspeed
@@ -53,22 +56,12 @@ from outcore.units import format_bytes, format_count
 from outcore.zero.init import init
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
-"""What ``outcore train`` answers with a stop at the next step boundary and a checkpoint.
-
-SIGUSR1 too, because SLURM's ``--signal=USR1@<seconds>`` is the usual way to ask for a
-warning before the time limit, and the signal's default action would end the run at once,
-without a checkpoint and with its swap file left behind (run as ``python -m outcore train``
-on 2026-11-28: killed mid-step, no checkpoint, ``swap/`` left). It stops as SIGTERM does
-(exit 75: preempted)."""
+"""Signals answered with a stop and a checkpoint at the next step boundary. SIGUSR1 is SLURM's
+usual ``--signal=USR1@<seconds>`` warning; its default action ends a run mid-step, with no
+checkpoint and its swap left behind. It stops as SIGTERM does (exit 75: preempted)."""
 
 __all__ = ["JOB_DEFAULTS", "add_arguments", "run"]
 
-JOB_DEFAULTS: dict[str, Any] = {
-    "model": "small", "data": None, "steps": 300, "save_every": 100, "out": "./outcore-run",
-    "batch": 8, "seq": None, "offload": "nvme", "lr_schedule": "cosine", "lora": None,
-    "checkpoint_activations": "auto", "offload_activations": "off",
-}
-"""The job's own settings when neither a flag nor the config file's ``train:`` section sets them."""
 
 _ENGINE_DEFAULTS: dict[str, Any] = {
     "dtype": "auto",  # compute_dtype.py: bf16 where native, else fp32 (fp16 on older GPUs)
@@ -96,7 +89,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--batch", type=int, help="sequences per rank per micro-step (default: 8)")
     a("--seq", type=int, help="tokens per sequence (default: the model's, at most 256)")
     a("--lr", type=float, help="peak learning rate (default: 1e-3 for small presets)")
-    a("--lr-schedule", choices=["cosine", "constant"],
+    a("--lr-schedule", choices=LR_SCHEDULES,
       help="warmup then cosine decay to 10%%, or constant (default: cosine)")
     a("--dtype", choices=["auto", "bf16", "fp16", "fp32"],
       help="compute dtype (default: auto, the fastest this device multiplies natively)")
@@ -131,35 +124,6 @@ def _read_config_file(path: str | None) -> dict[str, Any]:
     return loaded
 
 
-def _job_settings(args: argparse.Namespace, file_job: dict[str, Any]) -> dict[str, Any]:
-    unknown = set(file_job) - set(JOB_DEFAULTS)
-    if unknown:
-        raise ConfigError(f"unknown config key 'train.{sorted(unknown)[0]}'; allowed keys here: "
-                          + ", ".join(sorted(JOB_DEFAULTS)))
-    job = {**JOB_DEFAULTS, **file_job}
-    for key in JOB_DEFAULTS:
-        if getattr(args, key, None) is not None:
-            job[key] = getattr(args, key)
-    for key in ("steps", "save_every", "batch", "seq"):
-        value = job[key]
-        if value is not None and (not isinstance(value, int) or value < 1):
-            raise ConfigError(f"--{key.replace('_', '-')}: must be a whole number >= 1, "
-                              f"got {value!r}")
-    try:  # YAML's unquoted on / off arrive as booleans, "4" as on the command line
-        job["checkpoint_activations"] = models.checkpoint_mode(job["checkpoint_activations"])
-    except ConfigError as e:
-        raise ConfigError(f"train.checkpoint_activations: {e}") from None
-    if job["offload_activations"] is False:  # YAML's unquoted off
-        job["offload_activations"] = "off"
-    if job["offload_activations"] not in models.ACTIVATION_PLACES:
-        raise ConfigError(f"train.offload_activations: got {job['offload_activations']!r}; "
-                          "allowed: " + ", ".join(models.ACTIVATION_PLACES))
-    if job["offload"] not in ("none", "cpu", "nvme", "auto"):
-        raise ConfigError(f"train.offload: got {job['offload']!r}; allowed: none, cpu, nvme, auto")
-    job["out"] = Path(job["out"])
-    return job
-
-
 def _default_lr(model: str, n_params: int) -> float:
     if models.is_hf_folder(model):
         return 1e-4  # fine-tuning: a pretrained-sized model wants a gentle step
@@ -176,7 +140,9 @@ def _engine_config(args: argparse.Namespace, file_cfg: dict[str, Any], job: dict
     """
     def section(key: str) -> dict[str, Any]:
         value = file_cfg.get(key)
-        return value if isinstance(value, dict) else {}  # a non-mapping fails validation below
+        if value is not None and not isinstance(value, dict):  # merged below, it would vanish
+            raise ConfigError(f"{key}: expected a mapping of {key} settings, got {value!r}")
+        return value or {}
 
     file_off, over = section("offload"), {"offload": {}}
     if args.nvme_path is not None or not file_off.get("nvme_path"):
@@ -208,10 +174,12 @@ def _engine_config(args: argparse.Namespace, file_cfg: dict[str, Any], job: dict
 def _describe_model(name: str) -> tuple[int, int, int]:
     """(parameter count, longest sequence, vocabulary size) without building the model."""
     if models.is_hf_folder(name):
+        params = int(shape_from_hf_config(Path(name)).params)  # a broken file: one line
+        models.load_hf_config(name)  # an architecture transformers cannot build: one line
         hf = json.loads((Path(name) / "config.json").read_text())
         seq = int(hf.get("max_position_embeddings") or hf.get("n_positions") or 1024)
         vocab = int(hf.get("vocab_size") or 0)
-        return int(shape_from_hf_config(Path(name)).params), seq, vocab
+        return params, seq, vocab
     cfg = models.resolve_config(name)
     return models.num_params(cfg), cfg.seq_len, cfg.vocab
 
@@ -289,7 +257,8 @@ def run(args: argparse.Namespace) -> int:
     """Train as ``args`` say; returns the exit code. User mistakes raise ConfigError/DataError."""
 
     file_cfg = _read_config_file(args.config)
-    job = _job_settings(args, file_cfg.pop("train", None) or {})
+    file_job = file_cfg.pop("train", None)  # YAML's empty "train:" is None
+    job = _job_settings(args, {} if file_job is None else file_job)
     lora = loramod.prepare(job["lora"], job["model"])  # a typo fails before the build
     n_params, max_seq, vocab = _describe_model(job["model"])
     seq = job["seq"] or min(256, max_seq)
@@ -302,9 +271,18 @@ def run(args: argparse.Namespace) -> int:
     if caution:
         _say(caution)
     # a second run on OUT stops here (guard/lock.py's [Note: two runs, one folder]); whatever
-    # ends the run below, the folder is given back
-    with lock_run_folder(job["out"], cfg.comm.timeout_s):
-        return _run_holding_out(args, job, cfg, n_params, vocab, seq, lora)
+    # ends the run below, the folder is given back, and removed if this run made it and a
+    # failure left it empty
+    made = not job["out"].exists()
+    try:
+        with lock_run_folder(job["out"], cfg.comm.timeout_s):
+            return _run_holding_out(args, job, cfg, n_params, vocab, seq, lora)
+    except BaseException:
+        if made:
+            for folder in (job["out"] / "swap", job["out"]):
+                with contextlib.suppress(OSError):  # not empty, or another rank's: kept
+                    folder.rmdir()
+        raise
 
 
 def _run_holding_out(args: argparse.Namespace, job: dict[str, Any], cfg: Config, n_params: int,

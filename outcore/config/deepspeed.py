@@ -146,12 +146,27 @@ def number(path: str, value: Any, kind: type = float) -> Any:
                           f"{value!r}") from None
 
 
+_OBJECTS = ("optimizer", "zero_optimization", "aio")
+"""Sections read here that are JSON objects in DeepSpeed's schema (the precision sections are
+checked by _enabled_precisions, with the form they take)."""
+
+
+def _need_object(path: str, value: Any) -> None:
+    if not isinstance(value, dict):
+        raise ConfigError(f"{path}: expected a JSON object, got {value!r}")
+
+
 def translate(ds: dict[str, Any], auto: Auto | None = None) -> tuple[dict[str, Any], list[str]]:
     """Return (outcore config dict, ignored keys with reasons) for a DeepSpeed config dict."""
     if not isinstance(ds, dict):
         raise ConfigError(f"a DeepSpeed config is a JSON object, got {type(ds).__name__}")
     r = _Reader(auto or Auto())
     out: dict[str, Any] = {}
+    for key in _OBJECTS:
+        _need_object(key, ds.get(key, {}))
+    if isinstance(ds.get("zero_optimization"), dict):
+        for key in ("offload_param", "offload_optimizer"):
+            _need_object(f"zero_optimization.{key}", ds["zero_optimization"].get(key, {}))
     enabled = _enabled_precisions(ds, r)
     for key, value in ds.items():
         if key in ("bf16", "bfloat16", "fp16"):

@@ -42,11 +42,11 @@ class OptimizerConfig(_Section):
     type: Literal["adamw", "adam", "sgd", "adafactor"] = Field(
         "adamw", description="torch's AdamW, Adam (L2 weight decay) or SGD kernel, or "
         "transformers' Adafactor (state in memory), run over this rank's fp32 shards")
-    lr: float = Field(1e-4, gt=0, description="learning rate")
+    lr: float = Field(1e-4, gt=0, allow_inf_nan=False, description="learning rate")
     betas: tuple[float, float] = Field((0.9, 0.999), description="Adam(W) betas, each in [0, 1)")
-    eps: float = Field(1e-8, gt=0, description="Adam(W) epsilon")
-    weight_decay: float = Field(0.0, ge=0, description="decoupled weight decay (AdamW) or L2 "
-                                "(Adam, SGD)")
+    eps: float = Field(1e-8, gt=0, allow_inf_nan=False, description="Adam(W) epsilon")
+    weight_decay: float = Field(0.0, ge=0, allow_inf_nan=False,
+                                description="decoupled weight decay (AdamW) or L2 (Adam, SGD)")
     momentum: float = Field(0.0, ge=0, lt=1, description="SGD momentum")
     nesterov: bool = Field(False, description="SGD Nesterov momentum")
 
@@ -155,7 +155,8 @@ class Config(_Section):
     loss_scale: LossScaleConfig = Field(default_factory=LossScaleConfig)
     comm: CommConfig = Field(default_factory=CommConfig)
     gradient_accumulation_steps: int = Field(1, ge=1, description="micro-steps per optimizer step")
-    gradient_clipping: float = Field(0.0, ge=0, description="max global grad norm; 0 = off")
+    gradient_clipping: float = Field(0.0, ge=0, allow_inf_nan=False,
+                                     description="max global grad norm; 0 = off")
     track_grad_norm: bool = Field(
         False, description="compute the global gradient norm every step (engine.last_grad_norm)"
         " even without clipping; it reads every gradient once more")

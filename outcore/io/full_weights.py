@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from outcore.errors import ConfigError
 from outcore.io import base_record
 from outcore.io import safetensors_stream as sts
 from outcore.io.checkpoint import check_file, rank_file, read_manifest
@@ -41,6 +42,9 @@ def consolidate(ckpt: str | os.PathLike[str], out: str | os.PathLike[str]) -> Pa
     folder, out = Path(ckpt), Path(out)
     if out.is_dir():
         out = out / "model.safetensors"
+    if out.resolve().is_relative_to(folder.resolve()):  # over a rank file it would ruin it
+        raise ConfigError(f"consolidate: {out} is inside the checkpoint {folder} it reads; "
+                          "write the weights somewhere outside it")
     man = read_manifest(folder)
     old = man["world_size"]
     for r in range(old):

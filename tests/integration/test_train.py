@@ -148,7 +148,55 @@ def test_bad_data_is_one_line_and_exit_2(tmp_path: Path, capsys: pytest.CaptureF
                  "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and str(missing) in err
-    assert not (tmp_path / "o" / "swap").exists()  # failed before any swap file was made
+    assert not (tmp_path / "o").exists()  # the folder this run made, left empty, is removed
+    kept = tmp_path / "mine"  # a folder the user made is kept, with what is in it
+    (kept / "notes.txt").parent.mkdir()
+    (kept / "notes.txt").write_text("keep")
+    assert main(["train", "--model", "tiny", "--data", str(missing), "--out", str(kept)]) == 2
+    assert [p.name for p in kept.iterdir()] == ["notes.txt"]
+
+
+_GPT2_KEYS = {"n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 300, "n_positions": 64}
+
+
+@pytest.mark.parametrize(("config", "argv", "words"), [
+    ("train: 5\n", [], ["train:", "mapping"]),
+    ("train: {model: 5}\n", [], ["--model", "5"]),
+    ("train: {data: [a, b]}\n", [], ["--data"]),
+    ("train: {lr_schedule: linear}\n", [], ["lr_schedule", "linear", "cosine"]),
+    ("train: {steps: true}\n", [], ["--steps", "True"]),
+    ("offload: cpu\n", [], ["offload:", "mapping"]),  # was run with the job's own tiers
+    ("optimizer: 3\n", [], ["optimizer:", "mapping"]),  # was dropped
+    (None, ["--lr", "inf"], ["lr", "finite"]),  # ran to a NaN loss and saved it
+    ('{"zero_optimization": 5}', [], ["zero_optimization", "JSON object"]),
+    (None, ["--model", "{hf_broken}"], ["config.json"]),
+    (None, ["--model", "{hf_unknown}"], ["config.json", "nonsense"]),
+], ids=["train-int", "model-int", "data-list", "lr-schedule", "steps-bool", "offload-str",
+        "optimizer-int", "lr-inf", "deepspeed-section", "hf-broken-json", "hf-unknown-type"])
+def test_bad_job_settings_are_one_line_and_leave_nothing(
+        tmp_path: Path, capsys: pytest.CaptureFixture, text_file: Path, config: str | None,
+        argv: list[str], words: list[str]) -> None:
+    from outcore.app.cli import main
+
+    broken, unknown = tmp_path / "hf-broken", tmp_path / "hf-unknown"
+    for folder, text in ((broken, "{"), (unknown, json.dumps(
+            {"model_type": "nonsense", **_GPT2_KEYS}))):
+        folder.mkdir()
+        (folder / "config.json").write_text(text)
+    args = [a.format(hf_broken=broken, hf_unknown=unknown) for a in argv]
+    if config is not None:
+        cfg = tmp_path / ("ds.json" if config.startswith("{") else "job.yaml")
+        cfg.write_text(config)
+        args += ["--config", str(cfg)]
+    out = tmp_path / "run"
+    for flag, value in (("model", "tiny"), ("data", str(text_file)), ("steps", "2")):
+        if f"{flag}:" not in (config or "") and f"--{flag}" not in args:  # a flag would win
+            args += [f"--{flag}", value]
+    assert main(["train", "--out", str(out), *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert all(w in err for w in words), err
+    assert not out.exists()
 
 
 # -- the job end to end ------------------------------------------------------------------------

@@ -78,15 +78,18 @@ def _check_text(path: Path) -> None:
                         "give UTF-8 text") from None
 
 
-def _text_files(folder: Path) -> list[Path]:
-    """Regular files under folder, recursively, sorted; hidden files and folders are skipped."""
+def _text_files(folder: Path, skip: Path | None = None) -> list[Path]:
+    """Regular files under folder, recursively, sorted; hidden files and folders are skipped,
+    and so is ``skip`` (the run's own --out, when it lies inside the data folder)."""
+    away = skip.resolve() if skip is not None else None
     files = [p for p in folder.rglob("*")
              if p.is_file() and not any(part.startswith(".")
-                                        for part in p.relative_to(folder).parts)]
+                                        for part in p.relative_to(folder).parts)
+             and not (away is not None and p.resolve().is_relative_to(away))]
     return sorted(files, key=lambda p: p.relative_to(folder).as_posix())
 
 
-def load_text(path: str | Path) -> bytes:
+def load_text(path: str | Path, skip: Path | None = None) -> bytes:
     """The bytes of a text file, or of every text file in a folder (recursively, sorted).
 
     Raises DataError naming the path if it is missing, holds no text, or holds a binary file,
@@ -98,7 +101,7 @@ def load_text(path: str | Path) -> bytes:
     if p.is_file():
         files = [p]
     elif p.is_dir():
-        files = _text_files(p)
+        files = _text_files(p, skip)
         if not files:
             raise DataError(f"data: folder {p} holds no files")
     else:
@@ -117,10 +120,11 @@ def load_text(path: str | Path) -> bytes:
     return text
 
 
-def load_tokens(path: str | Path | None = None,
-                max_bytes: int = DEFAULT_CORPUS_BYTES) -> torch.Tensor:
-    """Byte-level tokens (uint8) of ``path``, or of the default corpus when path is None."""
-    raw = default_corpus(max_bytes) if path is None else load_text(path)
+def load_tokens(path: str | Path | None = None, max_bytes: int = DEFAULT_CORPUS_BYTES,
+                skip: Path | None = None) -> torch.Tensor:
+    """Byte-level tokens (uint8) of ``path`` (less ``skip``: load_text), or of the default
+    corpus when path is None."""
+    raw = default_corpus(max_bytes) if path is None else load_text(path, skip)
     return torch.from_numpy(np.frombuffer(raw, dtype=np.uint8).copy())
 
 

@@ -48,7 +48,7 @@ from outcore.engine import initialize
 from outcore.errors import ConfigError
 from outcore.guard.lock import lock_run_folder
 from outcore.guard.preemption import EXIT_PREEMPTED, Preemption, preemption
-from outcore.io.checkpoint import latest_checkpoint
+from outcore.io.checkpoint import latest_checkpoint, read_manifest
 from outcore.offload.storage import Tier
 from outcore.sizing.estimate import shape_from_hf_config
 from outcore.sizing.placement import check_fits
@@ -198,8 +198,9 @@ def _tokens(job: dict[str, Any], vocab: int) -> tuple[torch.Tensor, str]:
         if vocab < 256:
             raise ConfigError(f"--model: {job['model']} has a vocabulary of {vocab} and no "
                               "tokenizer; byte tokens need at least 256")
-        return datamod.load_tokens(job["data"]), "bytes"
-    raw = datamod.load_text(job["data"]) if job["data"] else datamod.default_corpus(4 << 20)
+        return datamod.load_tokens(job["data"], skip=job["out"]), "bytes"
+    raw = (datamod.load_text(job["data"], skip=job["out"]) if job["data"]
+           else datamod.default_corpus(4 << 20))
     return datamod.encode(raw, tokenizer), f"{type(tokenizer).__name__} from {job['model']}"
 
 
@@ -285,6 +286,21 @@ def run(args: argparse.Namespace) -> int:
         raise
 
 
+def _check_resume(latest: Path, model: str) -> None:
+    """Before the build: refuse a checkpoint of another model (loading it would fail on its
+    parameter names, in a line listing all of them), and say which newer step folders
+    ``latest_checkpoint`` passed over as incomplete or damaged."""
+    saved = (read_manifest(latest).get("client_state") or {}).get("model")
+    if saved not in (None, model):
+        raise ConfigError(f"--resume: {latest} is a checkpoint of model {saved!r}, not "
+                          f"{model!r}; give --model {saved} to continue it, or another --out")
+    newer = sorted(p.name for p in latest.parent.glob("step-*")
+                   if p.is_dir() and p.name > latest.name and "." not in p.name)
+    if newer:
+        _say(f"--resume: passing over {', '.join(newer)} (incomplete or damaged: a rank file "
+             f"missing or cut short, or no valid manifest); resuming from {latest.name}")
+
+
 def _run_holding_out(args: argparse.Namespace, job: dict[str, Any], cfg: Config, n_params: int,
                      vocab: int, seq: int, lora: loramod.LoraJob | None) -> int:
     """The run itself, with ``--out`` held: data, model, training, the report."""
@@ -298,6 +314,8 @@ def _run_holding_out(args: argparse.Namespace, job: dict[str, Any], cfg: Config,
     if args.resume and latest is None:
         _say(f"--resume: no complete checkpoint in {ckpt_root}; starting from step 0")
     loramod.check_resume(lora, latest)  # from the manifest alone, before the build
+    if latest is not None:
+        _check_resume(latest, job["model"])
 
     tokens, tokenized_by = _tokens(job, vocab)  # before any swap file exists: fail fast
     train_tokens, _ = datamod.split_tokens(tokens)
@@ -328,9 +346,6 @@ def _run_holding_out(args: argparse.Namespace, job: dict[str, Any], cfg: Config,
         client: dict[str, Any] = {}
         if latest is not None:
             client = engine.load_checkpoint(latest) or {}
-            if client.get("model") not in (None, job["model"]):
-                raise ConfigError(f"--resume: {latest} is a checkpoint of model "
-                                  f"{client['model']!r}, not {job['model']!r}")
         seed = args.seed if args.seed is not None else int(client.get("seed", cfg.seed))
         accum = cfg.gradient_accumulation_steps
         sampler = datamod.BatchSampler(train_tokens, job["batch"], seq, seed, rank, world)

@@ -244,6 +244,28 @@ def test_resume_reproduces_the_uninterrupted_losses(tmp_path: Path, text_file: P
 
 
 @needs_engine
+def test_resume_names_what_it_passes_over_and_refuses_another_model(
+        tmp_path: Path, text_file: Path, capsys: pytest.CaptureFixture) -> None:
+    from outcore.app.cli import main
+
+    out = tmp_path / "run"
+    argv = _job(out, text_file, "--steps", "4", "--save-every", "2")
+    assert train.run(_parse(*argv)) == 0
+    rank_file = out / "checkpoints" / "step-00000004" / "rank00000-of-00001.safetensors"
+    rank_file.write_bytes(rank_file.read_bytes()[:1000])  # a save cut short
+    capsys.readouterr()
+    assert train.run(_parse(*argv, "--resume")) == 0
+    err = capsys.readouterr().err
+    assert "passing over step-00000004" in err and "resuming from step-00000002" in err
+    # a checkpoint of tiny, resumed as small: one line naming both, before any build
+    argv[argv.index("tiny")] = "small"
+    assert main(["train", *argv, "--resume"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert "model 'tiny', not 'small'" in err
+
+
+@needs_engine
 def test_a_fresh_run_into_an_earlier_runs_folder_is_refused(tmp_path: Path,
                                                              text_file: Path) -> None:
     """Without ``--resume`` its checkpoints would mix with the earlier run's, and a later

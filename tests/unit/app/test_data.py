@@ -41,6 +41,12 @@ def test_text_file_and_folder(tmp_path) -> None:
     (folder / ".git" / "objects").write_bytes(b"\x00\x01binary")  # hidden: skipped
     (folder / "empty.txt").write_text("")
     assert load_text(folder) == b"first\nsecond\nthird"
+    # a run's own --out inside the data folder (``--data .``): its checkpoints and metrics are
+    # not text to train on, and would change the token stream a --resume reads
+    (folder / "outcore-run" / "checkpoints").mkdir(parents=True)
+    (folder / "outcore-run" / "checkpoints" / "rank0.safetensors").write_bytes(b"\x00\x01")
+    (folder / "outcore-run" / "metrics.jsonl").write_text('{"step": 1}')
+    assert load_text(folder, skip=folder / "outcore-run") == b"first\nsecond\nthird"
 
 
 def _expect_data_error(path, match: str) -> DataError:

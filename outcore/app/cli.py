@@ -209,8 +209,6 @@ def _preset_shape(name: str) -> est.ModelShape:
 
 
 def _run_estimate(args: argparse.Namespace) -> int:
-    if args.gpus % args.nodes:  # every estimate divides the GPUs among the nodes
-        raise ConfigError(f"--gpus ({args.gpus}) must be a multiple of --nodes ({args.nodes})")
     shape = _shape(args)
     if shape is None and not args.max_model and args.probe is None:
         raise ConfigError("give a model (--model, --params or --layers/--hidden), "
@@ -236,6 +234,9 @@ def _run_estimate(args: argparse.Namespace) -> int:
                                    nodes=args.nodes, batch=args.batch, seq_len=seq,
                                    state_bytes=state_bytes, tiles=args.tiles)
     if args.probe is not None:
+        if args.gpus % args.nodes:  # the probe's host is shared by a node's GPUs
+            raise ConfigError(f"--gpus ({args.gpus}) must be a multiple of --nodes "
+                              f"({args.nodes})")
         tokens = args.tokens_per_step or args.batch * seq
         out["efficiency"] = eff.efficiency_from_probe(
             _read_probe(args.probe), tokens, devices_per_node=args.gpus // args.nodes,

@@ -81,7 +81,9 @@ def _check_text(path: Path) -> None:
 def _text_files(folder: Path, skip: Path | None = None) -> list[Path]:
     """Regular files under folder, recursively, sorted; hidden files and folders are skipped,
     and so is ``skip`` (the run's own --out, when it lies inside the data folder)."""
-    away = skip.resolve() if skip is not None else None
+    root, away = folder.resolve(), skip.resolve() if skip is not None else None
+    if away is not None and (away == root or not away.is_relative_to(root)):
+        away = None  # only an --out strictly inside the data folder is left out
     files = [p for p in folder.rglob("*")
              if p.is_file() and not any(part.startswith(".")
                                         for part in p.relative_to(folder).parts)

@@ -326,9 +326,10 @@ def load_hf_config(path: str | Path) -> Any:
                           "'transformers' package: pip install transformers") from None
     try:
         return AutoConfig.from_pretrained(str(p), local_files_only=True)
-    except (ValueError, KeyError, OSError) as e:
+    except Exception as e:  # a user's file: transformers' validation raises many kinds
+        why = " ".join(line.strip() for line in str(e).splitlines() if line.strip())
         raise ConfigError(f"model: transformers cannot read {p / 'config.json'}: "
-                          f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+                          f"{why[:300] or type(e).__name__}") from None
 
 
 def hf_has_weights(path: str | Path) -> bool:

@@ -138,11 +138,15 @@ def _engine_config(args: argparse.Namespace, file_cfg: dict[str, Any], job: dict
     names explicitly wins over the job's default tier. ``auto`` asks ``Config.auto`` to choose
     from the model size and this machine's free memory and disk (it prints the plan and why).
     """
-    def section(key: str) -> dict[str, Any]:
+    for key in ("offload", "optimizer"):  # merged below, a non-mapping would vanish
         value = file_cfg.get(key)
-        if value is not None and not isinstance(value, dict):  # merged below, it would vanish
+        if value is None:
+            file_cfg.pop(key, None)  # YAML's empty "optimizer:" would replace the defaults
+        elif not isinstance(value, dict):
             raise ConfigError(f"{key}: expected a mapping of {key} settings, got {value!r}")
-        return value or {}
+
+    def section(key: str) -> dict[str, Any]:
+        return file_cfg.get(key) or {}
 
     file_off, over = section("offload"), {"offload": {}}
     if args.nvme_path is not None or not file_off.get("nvme_path"):
@@ -274,14 +278,16 @@ def run(args: argparse.Namespace) -> int:
     # a second run on OUT stops here (guard/lock.py's [Note: two runs, one folder]); whatever
     # ends the run below, the folder is given back, and removed if this run made it and a
     # failure left it empty
-    made = not job["out"].exists()
+    made = [job["out"] / "swap"]  # rank 0 makes --out and its missing parents (guard/lock.py)
+    if int(os.environ.get("RANK", "0")) == 0:
+        made += [p for p in (job["out"], *job["out"].parents) if not p.exists()]
     try:
         with lock_run_folder(job["out"], cfg.comm.timeout_s):
             return _run_holding_out(args, job, cfg, n_params, vocab, seq, lora)
     except BaseException:
-        if made:
-            for folder in (job["out"] / "swap", job["out"]):
-                with contextlib.suppress(OSError):  # not empty, or another rank's: kept
+        if len(made) > 1:  # rank 0, which made --out: the others leave it to it
+            for folder in made:
+                with contextlib.suppress(OSError):  # not empty: kept
                     folder.rmdir()
         raise
 
@@ -291,7 +297,8 @@ def _check_resume(latest: Path, model: str) -> None:
     parameter names, in a line listing all of them), and say which newer step folders
     ``latest_checkpoint`` passed over as incomplete or damaged."""
     saved = (read_manifest(latest).get("client_state") or {}).get("model")
-    if saved not in (None, model):
+    if saved not in (None, model) and not (  # the same folder spelled another way
+            Path(saved).is_dir() and Path(saved).resolve() == Path(model).resolve()):
         raise ConfigError(f"--resume: {latest} is a checkpoint of model {saved!r}, not "
                           f"{model!r}; give --model {saved} to continue it, or another --out")
     newer = sorted(p.name for p in latest.parent.glob("step-*")

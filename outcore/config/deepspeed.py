@@ -152,7 +152,7 @@ checked by _enabled_precisions, with the form they take)."""
 
 
 def _need_object(path: str, value: Any) -> None:
-    if not isinstance(value, dict):
+    if value is not None and not isinstance(value, dict):  # null: the section is absent
         raise ConfigError(f"{path}: expected a JSON object, got {value!r}")
 
 
@@ -169,6 +169,8 @@ def translate(ds: dict[str, Any], auto: Auto | None = None) -> tuple[dict[str, A
             _need_object(f"zero_optimization.{key}", ds["zero_optimization"].get(key, {}))
     enabled = _enabled_precisions(ds, r)
     for key, value in ds.items():
+        if value is None and key in _OBJECTS:
+            continue
         if key in ("bf16", "bfloat16", "fp16"):
             if key == "fp16" and enabled.get("fp16") in (True, "auto"):
                 out["loss_scale"] = _loss_scale(value, r)
@@ -334,7 +336,8 @@ def _zero(z: dict[str, Any], out: dict[str, Any], r: _Reader) -> None:
         if key == "stage":
             continue
         if key in ("offload_param", "offload_optimizer"):
-            pools.append(_placement(value, key.removeprefix("offload_"), out, r))
+            if value is not None:  # null: no offload, as DeepSpeed reads it
+                pools.append(_placement(value, key.removeprefix("offload_"), out, r))
         elif key in ("cpu_offload", "cpu_offload_params"):  # DeepSpeed's older spellings
             if value is True:
                 target = "optimizer" if key == "cpu_offload" else "params"

@@ -53,7 +53,8 @@ from outcore.offload.storage import load_now
 
 FORMAT, VERSION, MANIFEST = "outcore-checkpoint", 1, "manifest.json"
 _PARTIAL, _ASIDE = ".partial", ".replaced-"
-_OURS = re.compile(r"^(rank\d{5}-of-\d{5}\.safetensors|manifest\.json|config\.json)(\.tmp)?$")
+OWN_FILES = re.compile(  # the files a checkpoint folder holds
+    r"^(rank\d{5}-of-\d{5}\.safetensors|manifest\.json|config\.json)(\.tmp)?$")
 _RNG_CPU, _RNG_CUDA = "__rng__::torch_cpu", "__rng__::torch_cuda"
 _OPTIM = "__optimizer__::"  # replicated optimizer state (rank 0's file)
 
@@ -265,7 +266,7 @@ def _remove_ours(folder: Path) -> None:
     if not folder.is_dir():
         return
     for f in folder.iterdir():
-        if f.is_file() and _OURS.match(f.name):
+        if f.is_file() and OWN_FILES.match(f.name):
             f.unlink()
     try:
         folder.rmdir()

@@ -20,7 +20,7 @@ from safetensors import safe_open
 from outcore.errors import ConfigError
 from outcore.io import base_record
 from outcore.io import safetensors_stream as sts
-from outcore.io.checkpoint import check_file, rank_file, read_manifest
+from outcore.io.checkpoint import OWN_FILES, check_file, rank_file, read_manifest
 from outcore.io.safetensors_stream import StreamWriter, TensorSpec
 from outcore.offload.aio import AioEngine
 from outcore.offload.source_file import SourceReader, TensorEntry
@@ -42,9 +42,9 @@ def consolidate(ckpt: str | os.PathLike[str], out: str | os.PathLike[str]) -> Pa
     folder, out = Path(ckpt), Path(out)
     if out.is_dir():
         out = out / "model.safetensors"
-    if out.resolve().is_relative_to(folder.resolve()):  # over a rank file it would ruin it
-        raise ConfigError(f"consolidate: {out} is inside the checkpoint {folder} it reads; "
-                          "write the weights somewhere outside it")
+    if out.resolve().parent == folder.resolve() and OWN_FILES.match(out.name):
+        raise ConfigError(f"consolidate: {out} is one of the checkpoint's own files; write "
+                          "the weights under another name or outside it")
     man = read_manifest(folder)
     old = man["world_size"]
     for r in range(old):

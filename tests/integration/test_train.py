@@ -130,6 +130,23 @@ def test_deepspeed_config_files_are_mapped(tmp_path: Path) -> None:
     file_cfg = train._read_config_file(args.config)
     cfg = train._engine_config(args, file_cfg, train._job_settings(args, {}), n_params=1000)
     assert (cfg.offload.params, cfg.offload.optimizer, cfg.optimizer.lr) == ("cpu", "cpu", 0.002)
+    # null sections, which DeepSpeed reads as absent, are absent here too
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 3, "offload_param": None,
+                                                    "offload_optimizer": None}, "aio": None}))
+    args = _parse("--config", str(ds), "--offload", "none")
+    file_cfg = train._read_config_file(args.config)
+    cfg = train._engine_config(args, file_cfg, train._job_settings(args, {}), n_params=1000)
+    assert (cfg.offload.params, cfg.offload.optimizer) == ("none", "none")
+
+
+def test_empty_sections_keep_the_job_defaults(tmp_path: Path) -> None:
+    cfg_file = tmp_path / "job.yaml"
+    cfg_file.write_text("train:\noffload:\noptimizer:\n")  # YAML's empty sections are None
+    args = _parse("--config", str(cfg_file))
+    file_cfg = train._read_config_file(args.config)
+    job = train._job_settings(args, file_cfg.pop("train") or {})
+    cfg = train._engine_config(args, file_cfg, job, n_params=1000)
+    assert cfg.optimizer.betas == (0.9, 0.95)  # the job's, not the schema's 0.999
 
 
 def test_lr_schedule_warms_up_then_decays_to_a_tenth() -> None:
@@ -145,10 +162,10 @@ def test_bad_data_is_one_line_and_exit_2(tmp_path: Path, capsys: pytest.CaptureF
 
     missing = tmp_path / "nothing.txt"
     assert main(["train", "--model", "tiny", "--data", str(missing),
-                 "--out", str(tmp_path / "o")]) == 2
+                 "--out", str(tmp_path / "new" / "o")]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and str(missing) in err
-    assert not (tmp_path / "o").exists()  # the folder this run made, left empty, is removed
+    assert not (tmp_path / "new").exists()  # the folders this run made, left empty, go
     kept = tmp_path / "mine"  # a folder the user made is kept, with what is in it
     (kept / "notes.txt").parent.mkdir()
     (kept / "notes.txt").write_text("keep")
@@ -167,23 +184,29 @@ _GPT2_KEYS = {"n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 300, "n_pos
     ("train: {steps: true}\n", [], ["--steps", "True"]),
     ("offload: cpu\n", [], ["offload:", "mapping"]),  # was run with the job's own tiers
     ("optimizer: 3\n", [], ["optimizer:", "mapping"]),  # was dropped
+    ("optimizer: 3\n", ["--lr", "0.001"], ["optimizer:", "mapping"]),  # with --lr too
     (None, ["--lr", "inf"], ["lr", "finite"]),  # ran to a NaN loss and saved it
     ('{"zero_optimization": 5}', [], ["zero_optimization", "JSON object"]),
     (None, ["--model", "{hf_broken}"], ["config.json"]),
     (None, ["--model", "{hf_unknown}"], ["config.json", "nonsense"]),
+    (None, ["--model", "{hf_invalid}"], ["config.json"]),  # transformers' own validation
 ], ids=["train-int", "model-int", "data-list", "lr-schedule", "steps-bool", "offload-str",
-        "optimizer-int", "lr-inf", "deepspeed-section", "hf-broken-json", "hf-unknown-type"])
+        "optimizer-int", "optimizer-int-lr", "lr-inf", "deepspeed-section", "hf-broken-json",
+        "hf-unknown-type", "hf-invalid"])
 def test_bad_job_settings_are_one_line_and_leave_nothing(
         tmp_path: Path, capsys: pytest.CaptureFixture, text_file: Path, config: str | None,
         argv: list[str], words: list[str]) -> None:
     from outcore.app.cli import main
 
-    broken, unknown = tmp_path / "hf-broken", tmp_path / "hf-unknown"
+    broken, unknown, invalid = (tmp_path / f"hf-{k}" for k in ("broken", "unknown", "invalid"))
     for folder, text in ((broken, "{"), (unknown, json.dumps(
-            {"model_type": "nonsense", **_GPT2_KEYS}))):
+            {"model_type": "nonsense", **_GPT2_KEYS})), (invalid, json.dumps(
+            {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 5,
+             "num_hidden_layers": 2, "intermediate_size": 128, "vocab_size": 300,
+             "max_position_embeddings": 64}))):  # 64 is not a multiple of 5 heads
         folder.mkdir()
         (folder / "config.json").write_text(text)
-    args = [a.format(hf_broken=broken, hf_unknown=unknown) for a in argv]
+    args = [a.format(hf_broken=broken, hf_unknown=unknown, hf_invalid=invalid) for a in argv]
     if config is not None:
         cfg = tmp_path / ("ds.json" if config.startswith("{") else "job.yaml")
         cfg.write_text(config)

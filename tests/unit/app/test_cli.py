@@ -108,7 +108,6 @@ def test_efficiency_from_a_probe_file(capsys: pytest.CaptureFixture[str], tmp_pa
     (["estimate", "--probe", "/no/such/probe.json"], ["/no/such/probe.json"]),
     (["estimate", "--max-model", "--gpu-memory", "1GB", "--gpus", "3", "--nodes", "2"],
      ["nodes"]),
-    (["estimate", "--params", "1B", "--gpus", "2", "--nodes", "3"], ["--gpus", "--nodes"]),
     (["probe", "--size", "1.5"], ["--size", "whole number"]),
     (["probe", "--size", "0"], ["--size", "at least 1 byte"]),
     (["probe", "--path", "/no/such/folder"], ["/no/such/folder"]),
@@ -213,15 +212,17 @@ def test_consolidate_writes_weights_that_load_strictly(capsys: pytest.CaptureFix
     plain.load_state_dict(load_file(out_file), strict=True)
     for name, p in plain.named_parameters():
         assert torch.equal(p, expected[name]), name
-    # into the checkpoint it reads (over a rank file, or as a file in its folder): refused,
-    # the checkpoint untouched
+    # over the checkpoint's own files: refused, the checkpoint untouched; into its folder
+    # under the default name: allowed (a folder from_pretrained loads)
     ckpt = tmp_path / "ckpt"
     before = {p.name: p.read_bytes() for p in ckpt.iterdir()}
-    for target in (ckpt / "rank00000-of-00001.safetensors", ckpt):
-        code, out, err = run(capsys, "consolidate", str(ckpt), str(target))
+    for target in ("rank00000-of-00001.safetensors", "manifest.json"):
+        code, out, err = run(capsys, "consolidate", str(ckpt), str(ckpt / target))
         assert code == 2 and out == ""
-        assert_one_line_error(err, "outcore consolidate", "inside the checkpoint")
+        assert_one_line_error(err, "outcore consolidate", "checkpoint's own files")
     assert {p.name: p.read_bytes() for p in ckpt.iterdir()} == before
+    assert run(capsys, "consolidate", str(ckpt), str(ckpt))[0] == 0
+    plain.load_state_dict(load_file(ckpt / "model.safetensors"), strict=True)
 
 
 def test_train_options_come_from_outcore_train(capsys: pytest.CaptureFixture[str],

@@ -47,6 +47,10 @@ def test_text_file_and_folder(tmp_path) -> None:
     (folder / "outcore-run" / "checkpoints" / "rank0.safetensors").write_bytes(b"\x00\x01")
     (folder / "outcore-run" / "metrics.jsonl").write_text('{"step": 1}')
     assert load_text(folder, skip=folder / "outcore-run") == b"first\nsecond\nthird"
+    # an --out that is the data folder, or holds it, skips nothing of it
+    (folder / "outcore-run" / "checkpoints" / "rank0.safetensors").unlink()
+    for out in (folder, folder.parent):
+        assert b"first" in load_text(folder, skip=out)
 
 
 def _expect_data_error(path, match: str) -> DataError:

@@ -278,17 +278,16 @@ def run(args: argparse.Namespace) -> int:
     # a second run on OUT stops here (guard/lock.py's [Note: two runs, one folder]); whatever
     # ends the run below, the folder is given back, and removed if this run made it and a
     # failure left it empty
-    made = [job["out"] / "swap"]  # rank 0 makes --out and its missing parents (guard/lock.py)
-    if int(os.environ.get("RANK", "0")) == 0:
-        made += [p for p in (job["out"], *job["out"].parents) if not p.exists()]
+    out = job["out"]  # rank 0 makes it and its missing parents (guard/lock.py); the others
+    missing = ([p for p in (out, *out.parents) if not p.exists()]  # leave clean-up to it
+               if int(os.environ.get("RANK", "0")) == 0 else [])
     try:
-        with lock_run_folder(job["out"], cfg.comm.timeout_s):
+        with lock_run_folder(out, cfg.comm.timeout_s):
             return _run_holding_out(args, job, cfg, n_params, vocab, seq, lora)
     except BaseException:
-        if len(made) > 1:  # rank 0, which made --out: the others leave it to it
-            for folder in made:
-                with contextlib.suppress(OSError):  # not empty: kept
-                    folder.rmdir()
+        for folder in [out / "swap", *missing] if missing else []:
+            with contextlib.suppress(OSError):  # not empty: kept
+                folder.rmdir()
         raise
 
 

@@ -148,11 +148,11 @@ def number(path: str, value: Any, kind: type = float) -> Any:
 
 _OBJECTS = ("optimizer", "zero_optimization", "aio")
 """Sections read here that are JSON objects in DeepSpeed's schema (the precision sections are
-checked by _enabled_precisions, with the form they take)."""
+checked by _enabled_precisions, with the form they take); null means absent, as there."""
 
 
 def _need_object(path: str, value: Any) -> None:
-    if value is not None and not isinstance(value, dict):  # null: the section is absent
+    if not isinstance(value, dict):
         raise ConfigError(f"{path}: expected a JSON object, got {value!r}")
 
 
@@ -162,15 +162,12 @@ def translate(ds: dict[str, Any], auto: Auto | None = None) -> tuple[dict[str, A
         raise ConfigError(f"a DeepSpeed config is a JSON object, got {type(ds).__name__}")
     r = _Reader(auto or Auto())
     out: dict[str, Any] = {}
-    for key in _OBJECTS:
-        _need_object(key, ds.get(key, {}))
-    if isinstance(ds.get("zero_optimization"), dict):
-        for key in ("offload_param", "offload_optimizer"):
-            _need_object(f"zero_optimization.{key}", ds["zero_optimization"].get(key, {}))
     enabled = _enabled_precisions(ds, r)
     for key, value in ds.items():
-        if value is None and key in _OBJECTS:
-            continue
+        if key in _OBJECTS:
+            if value is None:
+                continue
+            _need_object(key, value)
         if key in ("bf16", "bfloat16", "fp16"):
             if key == "fp16" and enabled.get("fp16") in (True, "auto"):
                 out["loss_scale"] = _loss_scale(value, r)
@@ -337,6 +334,7 @@ def _zero(z: dict[str, Any], out: dict[str, Any], r: _Reader) -> None:
             continue
         if key in ("offload_param", "offload_optimizer"):
             if value is not None:  # null: no offload, as DeepSpeed reads it
+                _need_object(path, value)
                 pools.append(_placement(value, key.removeprefix("offload_"), out, r))
         elif key in ("cpu_offload", "cpu_offload_params"):  # DeepSpeed's older spellings
             if value is True:

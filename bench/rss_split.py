@@ -56,13 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     proc = psutil.Process()
     torch_rss = proc.memory_info().rss
     import outcore
-    from outcore.app.models import (
-        build_model,
-        checkpoint_blocks,
-        num_params,
-        offload_blocks,
-        resolve_config,
-    )
+    from outcore.app.blocks import checkpoint_blocks, offload_blocks
+    from outcore.app.models import build_model, num_params, resolve_config
     from outcore.device.machine import describe
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))

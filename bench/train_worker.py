@@ -229,7 +229,8 @@ def outcore_engine(spec: dict):
     import torch
 
     import outcore
-    from outcore.app.models import build_model, checkpoint_blocks, offload_blocks
+    from outcore.app.blocks import checkpoint_blocks, offload_blocks
+    from outcore.app.models import build_model
     from outcore.config import merge_mappings
 
     params, optim, prefetch = PLACEMENT[spec["row"]]

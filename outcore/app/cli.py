@@ -15,6 +15,8 @@ and applies the error policy.
   data file): also exit 2 and one line; they are the same kind of mistake, found later.
 * ``StorageError`` and every other ``OutcoreError`` (disk full, corrupt checkpoint, a part of
   outcore missing from this build): exit 1 and one line.
+* A closed pipe on stdout (``outcore estimate ... | head``): exit 141, the shell's code for
+  SIGPIPE, and nothing printed.
 * Ctrl-C: exit 130, the shell's code for SIGINT. During ``outcore train`` the first Ctrl-C
   finishes the step and saves first (a second one stops at once), and SIGTERM (or SIGUSR1:
   train.py's ``STOP_SIGNALS``) does the same with exit 75, ``EX_TEMPFAIL``
@@ -27,6 +29,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -215,6 +218,8 @@ def _run_estimate(args: argparse.Namespace) -> int:
                           "--max-model, or --probe")
     state_bytes = est.StateBytes(fp32_grads=4 if args.fp32_grads else 0)
     seq = args.seq or (shape.seq_len if shape else 1024)
+    if args.model is not None and shape is not None and seq > shape.seq_len:
+        raise ConfigError(f"--seq: {seq} exceeds the model's longest sequence {shape.seq_len}")
     out: dict[str, Any] = {}
     if shape is not None:
         out["memory"] = est.memory_estimate(
@@ -228,8 +233,10 @@ def _run_estimate(args: argparse.Namespace) -> int:
             shape, args.trainable, base_bytes=_files_bytes(args.model), batch=args.batch,
             seq_len=seq, activations=out["memory"].activations_full, disk_read_GBps=rate)
     if args.max_model:
-        if args.gpu_memory is None:
-            raise ConfigError("--max-model needs --gpu-memory (and --host-memory, --nvme)")
+        if not args.gpu_memory:
+            raise ConfigError("--max-model needs --gpu-memory (and --host-memory, --nvme)"
+                              if args.gpu_memory is None else "--gpu-memory: got 0; give "
+                              "the memory of one device, e.g. 80GB")
         out["max"] = est.max_model(args.gpus, args.gpu_memory, args.host_memory, args.nvme,
                                    nodes=args.nodes, batch=args.batch, seq_len=seq,
                                    state_bytes=state_bytes, tiles=args.tiles)
@@ -418,6 +425,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `outcore estimate ... | head`: the reader has gone, quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
+        return 141  # the shell's code for SIGPIPE
 
 
 if __name__ == "__main__":

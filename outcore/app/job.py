@@ -8,7 +8,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from outcore.app import models
+from outcore.app import blocks
 from outcore.errors import ConfigError
 
 __all__ = ["JOB_DEFAULTS", "LR_SCHEDULES", "job_settings"]
@@ -50,14 +50,14 @@ def job_settings(args: argparse.Namespace, file_job: Any) -> dict[str, Any]:
         raise ConfigError(f"train.lr_schedule: got {job['lr_schedule']!r}; allowed: "
                           + ", ".join(LR_SCHEDULES))
     try:  # YAML's unquoted on / off arrive as booleans, "4" as on the command line
-        job["checkpoint_activations"] = models.checkpoint_mode(job["checkpoint_activations"])
+        job["checkpoint_activations"] = blocks.checkpoint_mode(job["checkpoint_activations"])
     except ConfigError as e:
         raise ConfigError(f"train.checkpoint_activations: {e}") from None
     if job["offload_activations"] is False:  # YAML's unquoted off
         job["offload_activations"] = "off"
-    if job["offload_activations"] not in models.ACTIVATION_PLACES:
+    if job["offload_activations"] not in blocks.ACTIVATION_PLACES:
         raise ConfigError(f"train.offload_activations: got {job['offload_activations']!r}; "
-                          "allowed: " + ", ".join(models.ACTIVATION_PLACES))
+                          "allowed: " + ", ".join(blocks.ACTIVATION_PLACES))
     if job["offload"] not in ("none", "cpu", "nvme", "auto"):
         raise ConfigError(f"train.offload: got {job['offload']!r}; allowed: none, cpu, nvme, auto")
     job["out"] = Path(job["out"])

@@ -36,9 +36,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from outcore.app import blocks, models
 from outcore.app import data as datamod
 from outcore.app import lora as loramod
-from outcore.app import models
 from outcore.app.job import JOB_DEFAULTS, LR_SCHEDULES
 from outcore.app.job import job_settings as _job_settings
 from outcore.app.report import MetricsWriter, read_metrics, write_report
@@ -97,7 +97,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="keep only a block's input for backward and recompute the rest: in every block "
       "(on), in none (off) or in the first N (default: auto, the fewest first blocks that keep "
       "the model's activations under 1/8 of the memory left to them)")
-    a("--offload-activations", choices=list(models.ACTIVATION_PLACES),
+    a("--offload-activations", choices=list(blocks.ACTIVATION_PLACES),
       help="keep what each block saves for backward in the swap folder (nvme) or, on a GPU, "
       "in host memory (cpu) instead of in memory, recomputing nothing; blocks checkpointed "
       "keep their input only, and auto then checkpoints none (default: off)")
@@ -110,7 +110,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _checkpoint_mode(text: str) -> str | int:
     """``--checkpoint-activations``: auto, on, off, or a number of blocks."""
     try:
-        return models.checkpoint_mode(text)
+        return blocks.checkpoint_mode(text)
     except ConfigError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
@@ -291,15 +291,21 @@ def run(args: argparse.Namespace) -> int:
         raise
 
 
-def _check_resume(latest: Path, model: str) -> None:
+def _check_resume(latest: Path, model: str, steps: int) -> None:
     """Before the build: refuse a checkpoint of another model (loading it would fail on its
-    parameter names, in a line listing all of them), and say which newer step folders
-    ``latest_checkpoint`` passed over as incomplete or damaged."""
-    saved = (read_manifest(latest).get("client_state") or {}).get("model")
+    parameter names, in a line listing all of them) or one past ``steps`` (the total, not a
+    count of more steps), and say which newer step folders ``latest_checkpoint`` passed over
+    as incomplete or damaged."""
+    client = read_manifest(latest).get("client_state") or {}
+    saved = client.get("model")
     if saved not in (None, model) and not (  # the same folder spelled another way
             Path(saved).is_dir() and Path(saved).resolve() == Path(model).resolve()):
         raise ConfigError(f"--resume: {latest} is a checkpoint of model {saved!r}, not "
                           f"{model!r}; give --model {saved} to continue it, or another --out")
+    done = client.get("step")
+    if isinstance(done, int) and done > steps:
+        raise ConfigError(f"--steps {steps}: the run is at step {done} already ({latest.name}); "
+                          f"--steps is the total to reach, so give more than {done}")
     newer = sorted(p.name for p in latest.parent.glob("step-*")
                    if p.is_dir() and p.name > latest.name and "." not in p.name)
     if newer:
@@ -321,7 +327,7 @@ def _run_holding_out(args: argparse.Namespace, job: dict[str, Any], cfg: Config,
         _say(f"--resume: no complete checkpoint in {ckpt_root}; starting from step 0")
     loramod.check_resume(lora, latest)  # from the manifest alone, before the build
     if latest is not None:
-        _check_resume(latest, job["model"])
+        _check_resume(latest, job["model"], job["steps"])
 
     tokens, tokenized_by = _tokens(job, vocab)  # before any swap file exists: fail fast
     train_tokens, _ = datamod.split_tokens(tokens)
@@ -341,9 +347,9 @@ def _run_holding_out(args: argparse.Namespace, job: dict[str, Any], cfg: Config,
         torch.manual_seed(cfg.seed)  # the adapters' init, whatever the base's build drew
         model = loramod.wrap(model, lora, job["model"])
     # offloaded blocks keep no activations in memory: auto has nothing to checkpoint then
-    offloaded = models.offload_blocks(model, job["offload_activations"])
+    offloaded = blocks.offload_blocks(model, job["offload_activations"])
     mode = job["checkpoint_activations"]
-    checkpointed = models.checkpoint_blocks(model, "off" if offloaded and mode == "auto"
+    checkpointed = blocks.checkpoint_blocks(model, "off" if offloaded and mode == "auto"
                                             else mode, job["batch"], seq)
     # SIGTERM, SIGUSR1 or Ctrl-C: finish the step, save, close (swap removed), then exit 75
     # or 130 (see STOP_SIGNALS)

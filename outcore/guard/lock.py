@@ -235,13 +235,24 @@ def lock_folder(folder: Path, what: str, hint: str, comm: Comm, accel: Accelerat
             else:
                 lock = got
         except OSError as e:
-            kind, text = _SKIPPED, f"cannot use {folder}: {e.strerror or e}"
+            kind, text = _SKIPPED, f"cannot use {folder}: {_why(folder, e)}"
     kind, text = _share(comm, accel, kind, text)
     if kind == _IN_USE:
         raise FolderInUseError(text)
     if kind == _SKIPPED and required:
         raise StorageError(text or f"cannot use {folder}: it is not a folder")
     return lock, kind == _OK
+
+
+def _why(folder: Path, error: OSError) -> str:
+    """Why ``folder`` cannot be made or used: the file in its way, by name, where one is."""
+    for part in (folder, *folder.parents):
+        if part.exists():
+            if not part.is_dir():
+                return "it is a file, not a folder" if part == folder else \
+                    f"{part} in its path is a file, not a folder"
+            break
+    return error.strerror or str(error)
 
 
 def _share(comm: Comm, accel: Accelerator, kind: int, text: str) -> tuple[int, str]:

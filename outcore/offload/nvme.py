@@ -268,7 +268,8 @@ class NvmeStore:
         try:
             os.mkdir(self.folder, 0o700)
         except OSError as e:
-            raise StorageError(f"NVMe swap path {self.root} is not writable: {e.strerror}") from e
+            raise StorageError(f"NVMe swap path {self.root}: cannot create a folder there "
+                               f"({e.strerror})") from e
         self._swap = _SwapFile(self.folder, self.path)
         self._closer = weakref.finalize(self, self._swap.delete)
         try:

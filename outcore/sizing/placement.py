@@ -41,6 +41,7 @@ shards are written, and a full disk ends the run with a ``StorageError`` naming 
 from __future__ import annotations
 
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -259,13 +260,15 @@ def check_fits(cfg: Config, num_params: int, world_size: int = 1, *,
 
 def auto_config(num_params: int | torch.nn.Module, base: dict[str, Any] | None = None, *,
                 world_size: int = 1, nvme_path: str | None = None, **measured: Any):
-    """An ``outcore.Config`` with the planned placement merged into ``base``; prints the plan."""
+    """An ``outcore.Config`` with the planned placement merged into ``base``; prints the plan
+    on stderr, beside the other progress, so that a script's own output on stdout stays its
+    own (``outcore train --offload auto > log`` included)."""
     if isinstance(num_params, torch.nn.Module):
         num_params, trainable = parameter_counts(num_params)
         measured.setdefault("trainable", trainable)
     cfg = Config.load(base)
     chosen = plan(int(num_params), world_size, nvme_path=nvme_path, settings=cfg, **measured)
-    print(chosen.explain(), flush=True)
+    print(chosen.explain(), file=sys.stderr, flush=True)
     offload = {"params": chosen.params, "optimizer": chosen.optimizer,
                "host_buffer_bytes": chosen.host_buffer_bytes}
     if nvme_path:

@@ -116,7 +116,7 @@ def test_auto_offload_asks_the_placement_planner(tmp_path: Path,
     job = train._job_settings(args, {})
     cfg = train._engine_config(args, {}, job, n_params=1000)  # fits in memory: no offload
     assert (cfg.offload.params, cfg.offload.optimizer) == ("none", "none")
-    assert "placement" in capsys.readouterr().out  # the plan and why
+    assert "placement" in capsys.readouterr().err  # the plan and why, beside progress
     with pytest.raises(ConfigError, match="does not fit"):
         train._engine_config(args, {}, job, n_params=10**15)
 
@@ -171,6 +171,21 @@ def test_bad_data_is_one_line_and_exit_2(tmp_path: Path, capsys: pytest.CaptureF
     (kept / "notes.txt").write_text("keep")
     assert main(["train", "--model", "tiny", "--data", str(missing), "--out", str(kept)]) == 2
     assert [p.name for p in kept.iterdir()] == ["notes.txt"]
+
+
+def test_an_out_that_is_a_file_is_named_as_a_file(tmp_path: Path, text_file: Path,
+                                                  capsys: pytest.CaptureFixture) -> None:
+    """It read "cannot use OUT: File exists" (and "Not a directory" under a file)."""
+    from outcore.app.cli import main
+
+    afile = tmp_path / "afile"
+    afile.write_text("mine")
+    for out, why in ((afile, "it is a file, not a folder"),
+                     (afile / "sub", f"{afile} in its path is a file, not a folder")):
+        assert main(["train", "--model", "tiny", "--data", str(text_file), "--steps", "1",
+                     "--out", str(out)]) == 1
+        assert capsys.readouterr().err == f"outcore train: error: cannot use {out}: {why}\n"
+    assert afile.read_text() == "mine"
 
 
 _GPT2_KEYS = {"n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 300, "n_positions": 64}
@@ -286,6 +301,13 @@ def test_resume_names_what_it_passes_over_and_refuses_another_model(
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1, err
     assert "model 'tiny', not 'small'" in err
+    # --steps is the total: below the step reached, one line (it drew "1/1 ... done: 4 steps")
+    argv[argv.index("small")] = "tiny"
+    argv[argv.index("--steps") + 1] = "1"
+    assert main(["train", *argv, "--resume"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("outcore train: error: --steps 1: the run is at step 4 already "
+                   "(step-00000004); --steps is the total to reach, so give more than 4"), err
 
 
 @needs_engine

@@ -103,8 +103,13 @@ def test_efficiency_from_a_probe_file(capsys: pytest.CaptureFixture[str], tmp_pa
     (["estimate", "--params", "1B", "--layers", "2", "--hidden", "64"], ["--params", "--layers"]),
     (["estimate", "--layers", "2"], ["--hidden"]),
     (["estimate", "--layers", "2", "--hidden", "100", "--heads", "3"], ["divisible"]),
-    (["estimate", "--model", "no-such-model"], ["no-such-model", "preset (tiny, small,"]),
+    (["estimate", "--model", "no-such-model"], ["unknown preset 'no-such-model'; choose "
+                                                "one of tiny, small,", "config.json"]),
     (["estimate", "--max-model"], ["--gpu-memory"]),
+    (["estimate", "--max-model", "--gpu-memory", "0"], ["--gpu-memory: got 0"]),
+    (["estimate", "--model", "gpt-335m", "--seq", "4096"],
+     ["--seq: 4096 exceeds the model's longest sequence 1024"]),
+    (["estimate", "--model", "./no/such/folder"], ["./no/such/folder: no such folder"]),
     (["estimate", "--probe", "/no/such/probe.json"], ["/no/such/probe.json"]),
     (["estimate", "--max-model", "--gpu-memory", "1GB", "--gpus", "3", "--nodes", "2"],
      ["nodes"]),
@@ -272,3 +277,14 @@ def test_the_real_command_in_a_subprocess() -> None:
                          env=env, timeout=120)
     assert bad.returncode == 2
     assert_one_line_error(bad.stderr, "outcore estimate", "'lots'")
+    # a reader that has gone (`| head -1` after its line): no traceback, SIGPIPE's exit code
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # every write to the pipe now fails, as after head exits
+    try:
+        proc = subprocess.run([sys.executable, "-m", "outcore", "estimate", "--model",
+                               "gpt-335m"], stdout=write_end, stderr=subprocess.PIPE,
+                              cwd=REPO, env=env, timeout=120)
+    finally:
+        os.close(write_end)
+    err = proc.stderr.decode()
+    assert (proc.returncode, err) == (141, "")

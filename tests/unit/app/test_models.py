@@ -119,6 +119,26 @@ def test_bad_names_and_shapes_raise_config_error() -> None:
         GPTConfig(layers=0, hidden=32, heads=4, vocab=10, seq_len=8)
 
 
+def test_a_path_that_is_no_model_folder_is_told_as_a_path(tmp_path, monkeypatch) -> None:
+    """A mistyped folder is named as a folder, not as an unknown preset (which would send the
+    user to the preset list), by ``outcore train --model`` and ``outcore estimate --model``."""
+    from outcore.app.models import preset_shape, resolve_config
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "weights.bin").write_bytes(b"x")
+    cases = {"./not/there": "./not/there: no such folder",
+             "~/not-there-either": "no such folder",
+             "empty": "empty is a folder with no config.json",
+             "weights.bin": "weights.bin is a file; give the Hugging Face model folder",
+             "gpt-9000": "unknown preset 'gpt-9000'; choose one of tiny"}
+    for name, message in cases.items():
+        for find in (resolve_config, preset_shape):
+            with pytest.raises(ConfigError, match=message.replace(".", r"\.")) as e:
+                find(name)
+            assert "unknown preset" not in str(e.value) or name == "gpt-9000"
+
+
 def test_hf_loader_errors(tmp_path) -> None:
     with pytest.raises(ConfigError, match="config.json"):
         load_hf_model(tmp_path)
@@ -135,153 +155,3 @@ def test_hf_model_from_a_local_config(tmp_path) -> None:
     model = load_hf_model(tmp_path)  # random init from config.json alone, no download
     assert isinstance(model, transformers.GPT2LMHeadModel)
     assert model.config.vocab_size == 300 and not hf_has_weights(tmp_path)
-
-
-def test_checkpointed_blocks_give_the_same_gradients_and_auto_picks_by_size(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    import transformers
-
-    from outcore.app import models as app_models
-    from outcore.app.models import checkpoint_blocks
-
-    torch.manual_seed(0)
-    plain = build_model("tiny")
-    torch.manual_seed(0)
-    ckpt = build_model("tiny")
-    assert checkpoint_blocks(ckpt, "auto", 2, 32) == 0  # a few KB of activations: left alone
-    assert checkpoint_blocks(ckpt, "off", 2, 32) == 0
-    assert checkpoint_blocks(ckpt, "on", 2, 32) == len(ckpt.blocks)
-    x = torch.randint(0, 256, (2, 33))
-    for m in (plain, ckpt):
-        m(x[:, :-1], x[:, 1:]).backward()
-    for (name, a), b in zip(plain.named_parameters(), ckpt.parameters(), strict=True):
-        torch.testing.assert_close(a.grad, b.grad, msg=name)
-    # a 30B Llama at 256 tokens keeps ~4.5 GB of activations (75 MB a layer): where that
-    # passes 1/8 of the memory, auto checkpoints the fewest of its 60 layers that bring it
-    # under (19 at 3 GiB: a 24 GiB host; 34 at 16 GiB), all of them where nothing would do
-    for memory, blocks in ((1 << 30, 60), (16 << 30, 34), (24 << 30, 19), (64 << 30, 0)):
-        monkeypatch.setattr(app_models, "_device_memory", lambda m=memory: m)
-        config = transformers.LlamaConfig(hidden_size=6656, intermediate_size=17920,
-                                          num_hidden_layers=60, num_attention_heads=52,
-                                          vocab_size=32000)
-        with torch.device("meta"):
-            llama = transformers.LlamaForCausalLM(config)
-        assert checkpoint_blocks(llama, "auto", 1, 256) == blocks, memory
-        assert llama.config.use_cache is (blocks == 0)
-
-
-def test_a_part_of_the_blocks_is_the_first_ones_and_gives_the_same_gradients(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """A number of blocks checkpoints that many, the model's first (backward reaches them
-    after the others' activations are freed), with the gradients of no checkpointing;
-    ``auto`` takes as few as bring the estimate under its share."""
-    from outcore.app import models as app_models
-    from outcore.app.models import checkpoint_blocks
-
-    cfg = GPTConfig(layers=6, hidden=32, heads=2, vocab=256, seq_len=32)
-    torch.manual_seed(0)
-    plain = GPT(cfg)
-    torch.manual_seed(0)
-    part = GPT(cfg)
-    assert checkpoint_blocks(part, 2, 2, 32) == 2
-    assert [i for i, b in enumerate(part.blocks) if "forward" in b.__dict__] == [0, 1]
-    x = torch.randint(0, 256, (2, 33))
-    for m in (plain, part):
-        m(x[:, :-1], x[:, 1:]).backward()
-    for (name, a), b in zip(plain.named_parameters(), part.parameters(), strict=True):
-        torch.testing.assert_close(a.grad, b.grad, msg=name)
-    assert checkpoint_blocks(GPT(cfg), 99, 2, 32) == 6  # more than there are: all of them
-    for bad in (-1, True, 2.0):
-        with pytest.raises(ConfigError, match="allowed: auto, on, off, or a number"):
-            checkpoint_blocks(GPT(cfg), bad, 2, 32)  # type: ignore[arg-type]
-    # a memory where the estimate passes the share by 2.5 blocks' savings: 3 blocks
-    est = app_models._activation_estimate(GPT(cfg), 2, 32)
-    assert est is not None
-    saved = (est.activations_full - 4 * 2 * 32 * 256 - est.activation_checkpoints) / 6
-    share = est.activations_full - 2.5 * saved
-    monkeypatch.setattr(app_models, "_device_memory",
-                        lambda: int(share / app_models.ACTIVATIONS_SHARE) + 1)
-    assert checkpoint_blocks(GPT(cfg), "auto", 2, 32) == 3
-
-
-class _Inner(torch.nn.Linear):
-    pass
-
-
-class _Outer(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.inner = _Inner(8, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.inner(x).relu()
-
-
-class _Nested(torch.nn.Module):
-    """A model whose split modules nest, as Mamba's layer and the mixer inside it."""
-
-    _no_split_modules = ["_Outer", "_Inner"]
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.layers = torch.nn.ModuleList(_Outer() for _ in range(12))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = layer(x)
-        return x
-
-
-def test_a_block_nested_in_another_counts_as_part_of_it() -> None:
-    from outcore.app.models import checkpoint_blocks
-
-    model = _Nested()
-    assert checkpoint_blocks(model, "on", 1, 1) == 12
-    assert [n for n, m in model.named_modules() if "forward" in m.__dict__] == [
-        f"layers.{i}" for i in range(12)]
-    model = _Nested()  # "layers.10" is not inside "layers.1"
-    assert checkpoint_blocks(model, 11, 1, 1) == 11
-    assert [n for n, m in model.named_modules() if "forward" in m.__dict__] == [
-        f"layers.{i}" for i in range(11)]
-
-
-def _auto_on_a_rank(memory_by_rank: list[int]) -> tuple[int, list[int], float]:
-    """One rank: join the world, let ``auto`` choose with this rank's free memory, train a
-    step. Returns the count, the checkpointed blocks and the loss."""
-    import torch.distributed as dist
-
-    import outcore
-    from outcore.app import models as app_models
-    from outcore.device.accel import Accelerator
-    from outcore.runtime.bootstrap import join_world
-
-    join_world(Accelerator.detect().backend, 60)
-    app_models._device_memory = lambda: memory_by_rank[dist.get_rank()]
-    cfg = GPTConfig(layers=6, hidden=32, heads=2, vocab=256, seq_len=32)
-    torch.manual_seed(0)
-    model = GPT(cfg)
-    count = app_models.checkpoint_blocks(model, "auto", 2, 32)
-    engine = outcore.initialize(model, {"dtype": "fp32", "optimizer": {"lr": 1e-3}})
-    x = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(0))
-    loss = engine(x[:, :-1], x[:, 1:])
-    engine.backward(loss)
-    engine.step()
-    engine.close()
-    return count, [i for i, b in enumerate(model.blocks) if "forward" in b.__dict__], loss.item()
-
-
-def test_every_rank_checkpoints_the_blocks_the_most_pressed_rank_needs() -> None:
-    """Each rank's free memory differs; recomputing a block gathers its parameters (a
-    collective), so ``auto`` takes the largest count any rank asks for, on every rank."""
-    from outcore.app import models as app_models
-    from tests.distributed import run_world
-
-    est = app_models._activation_estimate(
-        GPT(GPTConfig(layers=6, hidden=32, heads=2, vocab=256, seq_len=32)), 2, 32)
-    assert est is not None
-    saved = (est.activations_full - 4 * 2 * 32 * 256 - est.activation_checkpoints) / 6
-    memory = [int((est.activations_full - k * saved) / app_models.ACTIVATIONS_SHARE) + 1
-              for k in (0.5, 3.5)]  # rank 0 needs 1 block, rank 1 needs 4
-    results = run_world(_auto_on_a_rank, 2, memory)
-    assert [r[0] for r in results] == [4, 4]
-    assert [r[1] for r in results] == [[0, 1, 2, 3]] * 2

@@ -152,7 +152,7 @@ def test_auto_placement_fails_clearly_when_nothing_fits(tmp_path) -> None:
 def test_config_auto_returns_a_valid_config(tmp_path, capsys) -> None:
     cfg = outcore.Config.auto(10**6, {"dtype": "fp32"}, nvme_path=str(tmp_path))
     assert cfg.dtype == "fp32" and cfg.offload.params == "none"
-    assert "placement: params=none" in capsys.readouterr().out
+    assert "placement: params=none" in capsys.readouterr().err
 
 
 def test_a_frozen_base_is_priced_by_its_16_bit_shards(tmp_path) -> None:

@@ -219,7 +219,8 @@ def test_read_only_root_is_reported(
         real_mkdir(path, mode)
 
     monkeypatch.setattr(os, "mkdir", read_only)
-    with pytest.raises(StorageError, match=f"{tmp_path} is not writable.*[Rr]ead-only"):
+    with pytest.raises(StorageError,
+                       match=f"{tmp_path}: cannot create a folder there.*[Rr]ead-only"):
         NvmeStore(tmp_path, rank=0, engine=engine, pool=pool)
     assert list(tmp_path.iterdir()) == []
 

@@ -1,0 +1,177 @@
+"""Which of a model's repeated blocks keep their activations, recompute them or move them.
+
+``outcore train``'s ``checkpoint_activations`` and ``offload_activations`` settings, applied
+to a preset or a Hugging Face model with ``outcore.checkpoint_activations`` and
+``outcore.offload_activations``: the blocks are found by the model's own description of its
+layers, and how many to checkpoint follows the memory estimate.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import torch
+import torch.nn as nn
+
+from outcore.app.models import Block, GPTConfig, shape_of
+from outcore.config.schema import CommConfig
+from outcore.device.accel import Accelerator, default_device
+from outcore.device.machine import gpu_description
+from outcore.errors import ConfigError
+from outcore.guard.memory import available_memory
+from outcore.memory.activations import checkpoint_activations, offload_activations
+from outcore.runtime.bootstrap import join_world
+from outcore.sizing.estimate import MemoryEstimate, memory_estimate, shape_from_hf_config
+
+__all__ = ["ACTIVATION_PLACES", "CHECKPOINT_MODES", "checkpoint_blocks", "checkpoint_mode",
+           "offload_blocks", "repeated_blocks"]
+
+
+ACTIVATIONS_SHARE = 1 / 8
+"""``--checkpoint-activations auto`` checkpoints blocks where activations would pass this
+share of the compute device's memory (on a CPU, the host memory this process may still use)."""
+
+
+CHECKPOINT_MODES = "auto, on, off, or a number of blocks"
+"""What ``checkpoint_activations`` takes, as its errors name it."""
+
+
+def _is_checkpoint_mode(mode: object) -> bool:
+    return mode in ("auto", "on", "off") or (type(mode) is int and mode >= 0)
+
+
+def checkpoint_mode(value: object) -> str | int:
+    """A ``checkpoint_activations`` setting as a config file or the command line gives it:
+    "auto", "on", "off" or a number of blocks, where YAML's unquoted on / off (booleans) and a
+    string of digits count as those; anything else raises ``ConfigError`` naming the value."""
+    if isinstance(value, bool):
+        value = "on" if value else "off"
+    elif isinstance(value, str) and re.fullmatch(r"[0-9]+", value):
+        value = int(value)
+    if not _is_checkpoint_mode(value):
+        raise ConfigError(f"got {value!r}; allowed: {CHECKPOINT_MODES}")
+    assert isinstance(value, (str, int))  # what _is_checkpoint_mode lets through
+    return value
+
+
+def checkpoint_blocks(model: nn.Module, mode: str | int, batch: int, seq: int) -> int:
+    """Checkpoint the model's repeated blocks as ``mode`` says; return how many.
+
+    ``mode`` is ``"off"``, ``"on"`` (every block), ``"auto"`` (as few blocks as bring the
+    activations under ``ACTIVATIONS_SHARE`` of the memory, none where they are already), or a
+    number of blocks; a part of them is always the model's first blocks.
+
+    [Note: when the job checkpoints activations]
+    Without checkpointing, backward keeps every block's intermediate tensors: for a 30B
+    Llama at 256 tokens that took 2.4 GiB of a 5.1 GiB peak, where the frozen base itself is
+    read from disk (measured: bench/results, 'LoRA at 13B and 30B'). With it, each block keeps
+    its input and recomputes the rest in backward, where its parameters are gathered anyway,
+    so the disk reads no more, the loss is the same, and compute grows by about one forward
+    (that run's step: 123 s against 78 s on 2 cores, at 2.7 GiB). So ``auto`` checkpoints
+    only where the estimate of the activations (sizing/estimate.py, no checkpointing) passes
+    ``ACTIVATIONS_SHARE`` of the compute device's memory (on a CPU, what the process may still
+    use): the 30B run on a 24 GiB host, not the 13B one (2.3 GB). And only as many blocks as
+    bring the estimate under that share, since each one checkpointed costs its forward again:
+    recomputing every block of a GPT on a GPU cost a third more compute where a few blocks
+    would have fitted (bench/gpu/2026-11-27-h100-b).
+    * Which blocks: the first ones. Backward reaches them last, when the later blocks'
+      activations are freed, so recomputing one adds nothing to the peak; a checkpointed last
+      block would be recomputed first, beside everything still held.
+    * Every rank takes the same count, the largest any rank's estimate asks for: recomputing
+      a block gathers its parameters, a collective, and each rank's free memory differs.
+    * The blocks are ``repeated_blocks``: a Hugging Face model's ``_no_split_modules`` (its
+      decoder layers) or a preset's ``Block``; one nested in another counts as part of it
+      (Mamba lists its layer and the mixer inside it).
+    """
+    if mode == "off":
+        return 0
+    if not _is_checkpoint_mode(mode):  # strict: a Python caller's True is not "on"
+        raise ConfigError(f"checkpoint_activations: got {mode!r}; allowed: {CHECKPOINT_MODES}")
+    blocks = repeated_blocks(model)
+    count = len(blocks) if mode == "on" else (
+        _agreed(_blocks_needed(model, batch, seq, len(blocks))) if mode == "auto"
+        else min(int(mode), len(blocks)))
+    if count == 0:
+        return 0
+    config = getattr(model, "config", None)
+    if config is not None and getattr(config, "use_cache", False):
+        config.use_cache = False  # a cache would be filled twice (activations.py's note)
+    chosen = {id(b) for b in blocks[:count]}
+    return checkpoint_activations(model, lambda _, m: id(m) in chosen, offload="cpu")
+
+
+def repeated_blocks(model: nn.Module) -> list[nn.Module]:
+    """The model's repeated blocks in order: a Hugging Face model's ``_no_split_modules`` (its
+    decoder layers) or a preset's ``Block``; one nested in another counts as part of it."""
+    names: set[str] = set()
+    for m in model.modules():  # a PEFT wrapper: the wrapped model says
+        names |= set(getattr(m, "_no_split_modules", None) or ())
+    blocks: dict[str, nn.Module] = {}
+    for name, m in model.named_modules():  # parents come before their children
+        if ((type(m).__name__ in names or isinstance(m, Block))
+                and not any(p == "" or name.startswith(p + ".") for p in blocks)):
+            blocks[name] = m
+    return list(blocks.values())
+
+
+ACTIVATION_PLACES = ("off", "cpu", "nvme")
+"""What ``offload_blocks`` (``outcore train --offload-activations``) takes."""
+
+
+def offload_blocks(model: nn.Module, to: str) -> int:
+    """Keep every repeated block's saved tensors at ``to`` ("cpu", "nvme"; "off": in memory)
+    with ``offload_activations``, the model's own swap file for "nvme"; return how many."""
+    if to not in ACTIVATION_PLACES:
+        raise ConfigError(f"offload_activations: got {to!r}; allowed: "
+                          + ", ".join(ACTIVATION_PLACES))
+    if to == "off" or (to == "cpu" and default_device().type == "cpu"):
+        return 0  # a CPU device's activations are in host memory already
+    chosen = {id(b) for b in repeated_blocks(model)}
+    return offload_activations(model, lambda _, m: id(m) in chosen,
+                               to="cpu" if to == "cpu" else "nvme")
+
+
+def _agreed(count: int) -> int:
+    """The largest ``count`` of any rank. A job of several ranks joins its process group here
+    if nothing has yet (as the engine would), so that no rank decides alone."""
+    comm = join_world(Accelerator.detect().backend, CommConfig().timeout_s)
+    return int(comm.all_reduce_max(torch.tensor([count]))[0])
+
+
+def _blocks_needed(model: nn.Module, batch: int, seq: int, blocks: int) -> int:
+    """The fewest of ``blocks`` to checkpoint for the estimated activations to fit
+    ``ACTIVATIONS_SHARE`` of the memory (all of them where even that does not)."""
+    estimate = _activation_estimate(model, batch, seq)
+    budget = ACTIVATIONS_SHARE * _device_memory()
+    if estimate is None or estimate.activations_full <= budget:
+        return 0
+    layers = estimate.shape.layers
+    kept = estimate.activation_checkpoints / layers  # a checkpointed block keeps its input
+    saved = (estimate.activations_full - 4 * batch * seq * estimate.shape.vocab) / layers - kept
+    if saved <= 0:
+        return blocks
+    needed = math.ceil((estimate.activations_full - budget) / saved)
+    return min(blocks, math.ceil(needed * blocks / layers))
+
+
+def _device_memory() -> int:
+    """Bytes of memory activations live in: the GPU's where one computes, else what this
+    process may still use of the host's (its cgroup's room included)."""
+    device = default_device()
+    gpu = gpu_description(device) if device.type == "cuda" else None
+    return int(gpu["memory_bytes"]) if gpu else available_memory().bytes
+
+
+def _activation_estimate(model: nn.Module, batch: int, seq: int) -> MemoryEstimate | None:
+    """sizing/estimate.py's activations of ``model`` without checkpointing, or None for a
+    model the estimate cannot read (it is then left as it is)."""
+    config = getattr(model, "config", None)
+    try:
+        if isinstance(config, GPTConfig):
+            shape = shape_of(config)
+        else:
+            shape = shape_from_hf_config(config.to_dict())  # type: ignore[union-attr]
+        return memory_estimate(shape, batch=batch, seq_len=seq, checkpointing=False)
+    except (AttributeError, ConfigError, KeyError, TypeError):
+        return None

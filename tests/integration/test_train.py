@@ -205,23 +205,29 @@ _GPT2_KEYS = {"n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 300, "n_pos
     (None, ["--model", "{hf_broken}"], ["config.json"]),
     (None, ["--model", "{hf_unknown}"], ["config.json", "nonsense"]),
     (None, ["--model", "{hf_invalid}"], ["config.json"]),  # transformers' own validation
+    (None, ["--model", "{hf_vit}"], ["not a causal language model"]),  # found at the build
 ], ids=["train-int", "model-int", "data-list", "lr-schedule", "steps-bool", "offload-str",
         "optimizer-int", "optimizer-int-lr", "lr-inf", "deepspeed-section", "hf-broken-json",
-        "hf-unknown-type", "hf-invalid"])
+        "hf-unknown-type", "hf-invalid", "hf-no-causal-lm"])
 def test_bad_job_settings_are_one_line_and_leave_nothing(
         tmp_path: Path, capsys: pytest.CaptureFixture, text_file: Path, config: str | None,
         argv: list[str], words: list[str]) -> None:
     from outcore.app.cli import main
 
-    broken, unknown, invalid = (tmp_path / f"hf-{k}" for k in ("broken", "unknown", "invalid"))
+    broken, unknown, invalid, vit = (tmp_path / f"hf-{k}"
+                                     for k in ("broken", "unknown", "invalid", "vit"))
     for folder, text in ((broken, "{"), (unknown, json.dumps(
             {"model_type": "nonsense", **_GPT2_KEYS})), (invalid, json.dumps(
             {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 5,
              "num_hidden_layers": 2, "intermediate_size": 128, "vocab_size": 300,
-             "max_position_embeddings": 64}))):  # 64 is not a multiple of 5 heads
+             "max_position_embeddings": 64})),  # 64 is not a multiple of 5 heads
+            (vit, json.dumps({"model_type": "vit", "hidden_size": 32, "num_hidden_layers": 1,
+                              "num_attention_heads": 2, "intermediate_size": 64,
+                              "vocab_size": 300}))):  # known, but no causal LM: after --out
         folder.mkdir()
         (folder / "config.json").write_text(text)
-    args = [a.format(hf_broken=broken, hf_unknown=unknown, hf_invalid=invalid) for a in argv]
+    args = [a.format(hf_broken=broken, hf_unknown=unknown, hf_invalid=invalid, hf_vit=vit)
+            for a in argv]
     if config is not None:
         cfg = tmp_path / ("ds.json" if config.startswith("{") else "job.yaml")
         cfg.write_text(config)

@@ -344,6 +344,34 @@ def test_resume_without_a_checkpoint_starts_fresh(tmp_path: Path, text_file: Pat
     assert list(_losses(out)) == [1, 2]
 
 
+def _failing_rank_job(out: str, data: str, model: str) -> str:
+    """One rank of a job whose model fails at the build, after rank 0 made ``--out``."""
+    try:
+        train.run(_parse("--model", model, "--data", data, "--out", out, "--steps", "1"))
+    except ConfigError as e:
+        return str(e)
+    return "ran"
+
+
+@needs_engine
+def test_a_failed_run_of_two_ranks_removes_the_out_rank_0_made(tmp_path: Path,
+                                                               text_file: Path) -> None:
+    """Only rank 0 makes ``--out`` (and parents), so only it removes them: the other rank
+    neither races it nor removes a folder it did not make."""
+    from tests.distributed import run_world
+
+    vit = tmp_path / "vit"  # transformers knows it, but not as a causal LM: fails at the build
+    vit.mkdir()
+    (vit / "config.json").write_text(json.dumps(
+        {"model_type": "vit", "hidden_size": 32, "num_hidden_layers": 1,
+         "num_attention_heads": 2, "intermediate_size": 64, "vocab_size": 300}))
+    out = tmp_path / "new" / "run"
+    errors = run_world(_failing_rank_job, 2, str(out), str(text_file), str(vit))
+    assert all("not a causal language model" in e for e in errors), errors
+    assert not (tmp_path / "new").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["vit", text_file.name])
+
+
 def _rank_job(out: str, data: str, batch: str) -> list[float]:
     train.run(_parse("--model", "tiny", "--data", data, "--out", out, "--batch", batch,
                      "--seq", "32", "--steps", "3", "--dtype", "fp32", "--offload", "nvme"))

@@ -11,7 +11,8 @@ from typing import Any
 from outcore.app import blocks
 from outcore.errors import ConfigError
 
-__all__ = ["JOB_DEFAULTS", "LR_SCHEDULES", "job_settings"]
+__all__ = ["JOB_DEFAULTS", "LR_SCHEDULES", "RUN_OPTIONS", "job_settings", "resumed_settings",
+           "run_record"]
 
 JOB_DEFAULTS: dict[str, Any] = {
     "model": "small", "data": None, "steps": 300, "save_every": 100, "out": "./outcore-run",
@@ -62,3 +63,68 @@ def job_settings(args: argparse.Namespace, file_job: Any) -> dict[str, Any]:
         raise ConfigError(f"train.offload: got {job['offload']!r}; allowed: none, cpu, nvme, auto")
     job["out"] = Path(job["out"])
     return job
+
+
+RUN_OPTIONS = ("model", "data", "steps", "save_every", "batch", "seq", "offload", "nvme_path",
+               "lr", "lr_schedule", "dtype", "checkpoint_activations", "offload_activations",
+               "lora")
+"""The flags a checkpoint records (with the config file's contents) so that ``--resume`` with
+``--out`` alone continues the run as it was started; ``seed`` travels on its own."""
+
+
+_PATHS = ("model", "data", "nvme_path")
+"""Flags that may name a path: recorded absolute, so a resume from another folder finds them."""
+
+
+def _same(key: str, a: Any, b: Any) -> bool:
+    if key == "lora":  # one spec spelled two ways is the same; another is refused (lora.py)
+        return True
+    if key in _PATHS and isinstance(a, str) and isinstance(b, str):
+        return Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
+    return bool(a == b)
+
+
+def run_record(args: argparse.Namespace, file_cfg: dict[str, Any]) -> dict[str, Any]:
+    """How this run was started: the flags given and the config file as read (JSON only)."""
+    options = {k: getattr(args, k) for k in RUN_OPTIONS if getattr(args, k, None) is not None}
+    for key in _PATHS:
+        value = options.get(key)
+        if isinstance(value, str) and Path(value).expanduser().exists():
+            options[key] = str(Path(value).expanduser().resolve())
+    return {"options": options, "config": file_cfg}
+
+
+def resumed_settings(args: argparse.Namespace, file_cfg: dict[str, Any],
+                     client: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """Fill ``args``' flags not given from a checkpoint's ``client`` state, in place; return
+    the config file to use and a line for each flag given anew that changes the run's.
+
+    [Note: a resume is started as its run was]
+    ``outcore train --out run1 --resume`` must continue run1, not start the job's defaults
+    on run1's weights: a 300-step cosine schedule where the run had 1,000 steps, the
+    default data, another model (which the load then refuses). So each checkpoint records
+    the flags the run was started with and its config file as read (``run_record``), and a
+    resume takes them as its own: a flag given again overrides the run's (and is named,
+    since the losses then differ from the uninterrupted run's), a ``--config`` given again
+    replaces the run's file. Checkpoints written before this record carry the model alone.
+    """
+    record = client.get("run")
+    if not isinstance(record, dict):
+        record = {"options": {"model": client["model"]} if "model" in client else {},
+                  "config": None}
+    changed = []
+    options = record.get("options") or {}
+    for key, value in options.items():
+        if key not in RUN_OPTIONS:
+            continue
+        given = getattr(args, key, None)
+        if given is None:
+            setattr(args, key, value)
+        elif not _same(key, given, value):
+            changed.append(f"--{key.replace('_', '-')} {given} (the run had {value})")
+    if "model" in options and not _same("model", args.model, options["model"]):
+        changed = []  # another model is refused before the build, in a line of its own
+    saved_cfg = record.get("config")
+    if args.config is None and isinstance(saved_cfg, dict):
+        file_cfg = saved_cfg
+    return file_cfg, changed

@@ -17,7 +17,9 @@ A checkpoint of a LoRA run holds the PEFT-wrapped model (``base_model.model...``
 ``lora_A``/``lora_B`` matrices); its client state records the spec. Resuming it without
 ``--lora``, with another spec, or resuming a full fine-tune with ``--lora`` would meet the
 checkpoint loader's list of every mismatched parameter name; the spec in the client state is
-compared first, and the refusal says which ``--lora`` the checkpoint needs.
+compared first, and the refusal says which ``--lora`` the checkpoint needs. (``outcore train
+--resume`` without ``--lora`` takes the run's own spec from the checkpoint: job.py's [Note: a
+resume is started as its run was]; the refusal of none is for checkpoints older than that.)
 """
 
 from __future__ import annotations

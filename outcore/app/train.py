@@ -39,7 +39,7 @@ from torch import nn
 from outcore.app import blocks, models
 from outcore.app import data as datamod
 from outcore.app import lora as loramod
-from outcore.app.job import JOB_DEFAULTS, LR_SCHEDULES
+from outcore.app.job import JOB_DEFAULTS, LR_SCHEDULES, resumed_settings, run_record
 from outcore.app.job import job_settings as _job_settings
 from outcore.app.report import MetricsWriter, read_metrics, write_report
 from outcore.config import Config, merge_mappings, read_mapping
@@ -262,9 +262,21 @@ def run(args: argparse.Namespace) -> int:
     """Train as ``args`` say; returns the exit code. User mistakes raise ConfigError/DataError."""
 
     file_cfg = _read_config_file(args.config)
-    file_job = file_cfg.pop("train", None)  # YAML's empty "train:" is None
-    job = _job_settings(args, {} if file_job is None else file_job)
+    job = _job_settings(args, file_cfg.get("train") or {})  # YAML's empty "train:" is None
+    latest = latest_checkpoint(job["out"] / "checkpoints") if args.resume else None
+    changed: list[str] = []
+    if latest is not None:  # the run's own settings, where not given again (job.py's note)
+        client = read_manifest(latest).get("client_state") or {}
+        file_cfg, changed = resumed_settings(args, file_cfg, client)
+        job = _job_settings(args, file_cfg.get("train") or {})
+    record = run_record(args, file_cfg)  # what a resume of this run starts from
+    file_cfg = {k: v for k, v in file_cfg.items() if k != "train"}
     lora = loramod.prepare(job["lora"], job["model"])  # a typo fails before the build
+    if latest is not None:  # from the manifest alone, before the build
+        _check_resume(latest, job["model"], job["steps"])
+        loramod.check_resume(lora, latest)
+    for line in changed:
+        _say(f"--resume: {line}: the losses will differ from the uninterrupted run's")
     n_params, max_seq, vocab = _describe_model(job["model"])
     seq = job["seq"] or min(256, max_seq)
     if seq > max_seq:
@@ -283,7 +295,7 @@ def run(args: argparse.Namespace) -> int:
                if int(os.environ.get("RANK", "0")) == 0 else [])
     try:
         with lock_run_folder(out, cfg.comm.timeout_s):
-            return _run_holding_out(args, job, cfg, n_params, vocab, seq, lora)
+            return _run_holding_out(args, job, cfg, n_params, vocab, seq, lora, record)
     except BaseException:
         for folder in [out / "swap", *missing] if missing else []:
             with contextlib.suppress(OSError):  # not empty: kept
@@ -314,7 +326,8 @@ def _check_resume(latest: Path, model: str, steps: int) -> None:
 
 
 def _run_holding_out(args: argparse.Namespace, job: dict[str, Any], cfg: Config, n_params: int,
-                     vocab: int, seq: int, lora: loramod.LoraJob | None) -> int:
+                     vocab: int, seq: int, lora: loramod.LoraJob | None,
+                     record: dict[str, Any]) -> int:
     """The run itself, with ``--out`` held: data, model, training, the report."""
     out: Path = job["out"]
     ckpt_root = out / "checkpoints"
@@ -325,9 +338,6 @@ def _run_holding_out(args: argparse.Namespace, job: dict[str, Any], cfg: Config,
                           f"{latest.name}); add --resume to continue it, or give another --out")
     if args.resume and latest is None:
         _say(f"--resume: no complete checkpoint in {ckpt_root}; starting from step 0")
-    loramod.check_resume(lora, latest)  # from the manifest alone, before the build
-    if latest is not None:
-        _check_resume(latest, job["model"], job["steps"])
 
     tokens, tokenized_by = _tokens(job, vocab)  # before any swap file exists: fail fast
     train_tokens, _ = datamod.split_tokens(tokens)
@@ -364,7 +374,7 @@ def _run_holding_out(args: argparse.Namespace, job: dict[str, Any], cfg: Config,
         if "sampler" in client:
             sampler.load_state_dict(client["sampler"])
         start = int(client.get("step", 0))
-        state = {"elapsed": float(client.get("elapsed_s", 0.0)), "seed": seed,
+        state = {"elapsed": float(client.get("elapsed_s", 0.0)), "seed": seed, "run": record,
                  "lora": lora.client_state() if lora is not None else None}
 
         src = job["data"] or "the Python standard library's source"
@@ -460,7 +470,7 @@ def _stopped(stop: Preemption, step: int, ckpt_root: Path) -> int:
 def _save(engine: Any, sampler: datamod.BatchSampler, job: dict[str, Any], step: int,
           state: dict[str, Any]) -> None:
     client = {"step": step, "sampler": sampler.state_dict(), "seed": state["seed"],
-              "model": job["model"], "elapsed_s": state["elapsed"]}
+              "model": job["model"], "elapsed_s": state["elapsed"], "run": state["run"]}
     if state.get("lora") is not None:  # a resume must name the same spec (app/lora.py)
         client["lora"] = state["lora"]
     path = engine.save_checkpoint(job["out"] / "checkpoints" / f"step-{step:08d}",

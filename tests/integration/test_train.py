@@ -288,6 +288,36 @@ def test_resume_reproduces_the_uninterrupted_losses(tmp_path: Path, text_file: P
 
 
 @needs_engine
+def test_resume_with_out_alone_continues_the_run_as_it_was_started(
+        tmp_path: Path, text_file: Path, capsys: pytest.CaptureFixture,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``outcore train --out run1 --resume``, as the docs show it: the model, data, steps,
+    learning rate and schedule come from the run (it trained the defaults' 300-step cosine
+    on the default data before), from another working folder too; a flag given again wins
+    and is named."""
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "run"
+    argv = ["--model", "tiny", "--data", text_file.name, "--out", str(out), "--batch", "2",
+            "--seq", "32", "--steps", "4", "--save-every", "2", "--dtype", "fp32",
+            "--lr", "0.002", "--lr-schedule", "constant"]  # data: relative to tmp_path
+    assert train.run(_parse(*argv)) == 0
+    uninterrupted = read_metrics(out / "metrics.jsonl")
+    shutil.rmtree(out / "checkpoints" / "step-00000004")  # as if killed after step 3
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    capsys.readouterr()
+    assert train.run(_parse("--out", str(out), "--resume")) == 0
+    assert "--resume:" not in capsys.readouterr().err  # nothing changed
+    resumed = read_metrics(out / "metrics.jsonl")
+    assert [(r["step"], r["loss"], r["lr"]) for r in resumed] == [
+        (r["step"], r["loss"], r["lr"]) for r in uninterrupted]
+    assert train.run(_parse("--out", str(out), "--resume", "--steps", "5")) == 0
+    assert ("--resume: --steps 5 (the run had 4): the losses will differ"
+            in capsys.readouterr().err)
+    assert [r["lr"] for r in read_metrics(out / "metrics.jsonl")] == [0.002] * 5
+
+
+@needs_engine
 def test_resume_names_what_it_passes_over_and_refuses_another_model(
         tmp_path: Path, text_file: Path, capsys: pytest.CaptureFixture) -> None:
     from outcore.app.cli import main

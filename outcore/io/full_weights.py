@@ -33,14 +33,19 @@ def consolidate(ckpt: str | os.PathLike[str], out: str | os.PathLike[str]) -> Pa
     name of a tied parameter as its own copy, and the persistent buffers, so that
     ``model.load_state_dict(safetensors.torch.load_file(out))`` works with ``strict=True``.
     The file is assembled one parameter at a time (memory: the largest parameter) and written
-    atomically; ``out`` may be a folder, which gets ``model.safetensors``.
+    atomically. ``out`` is the file where it names an existing file or ends in
+    ``.safetensors``; anything else is a folder, made if missing, which gets
+    ``model.safetensors`` (a new name like ``final`` is a folder: written as a file, the
+    ``config.json`` beside it would land in its parent, and ``from_pretrained`` fail).
 
     Hugging Face models: if the trainer copied the model's ``config.json`` into the checkpoint
     folder, it is copied next to ``out`` (unless a different one is already there, which is
     kept), so ``from_pretrained(out.parent)`` loads the result.
     """
-    folder, out = Path(ckpt), Path(out)
-    if out.is_dir():
+    folder, named = Path(ckpt), os.fspath(out)
+    out = Path(named)
+    if out.is_dir() or named.endswith(os.sep) or not (
+            out.is_file() or out.suffix == ".safetensors"):
         out = out / "model.safetensors"
     if out.resolve().parent == folder.resolve() and OWN_FILES.match(out.name):
         raise ConfigError(f"consolidate: {out} is one of the checkpoint's own files; write "

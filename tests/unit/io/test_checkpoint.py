@@ -176,6 +176,14 @@ def test_consolidate_loads_strictly_into_a_plain_model(saved, tmp_path: Path,
     _equal({n: state[n] for n in saved[1][0]["w3"]}, saved[1][0]["w3"])
     plain = Buffered()
     plain.load_state_dict(state, strict=True)
+    # a new name is a folder, as `outcore consolidate CKPT final` means it: it used to be
+    # written as a file named final, with config.json beside it in the working folder
+    for name in ("final", "weights.v2"):
+        assert outcore.consolidate(ckpt, tmp_path / name) == tmp_path / name / "model.safetensors"
+        assert (tmp_path / name / "config.json").is_file()
+    (tmp_path / "mine.bin").write_bytes(b"old")  # an existing file is the file, replaced
+    assert outcore.consolidate(ckpt, tmp_path / "mine.bin") == tmp_path / "mine.bin"
+    assert safetensors.torch.load_file(tmp_path / "mine.bin").keys() == state.keys()
     model, eng = _engine(BASE, 1)
     eng.load_checkpoint(ckpt)
     plain.to(eng.device)

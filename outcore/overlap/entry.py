@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
+from outcore.overlap.compiled import uncompiled
 from outcore.overlap.hooks import inert_copy
 
 if TYPE_CHECKING:
@@ -95,6 +96,7 @@ class EntryHooks:
         if on_zero_grad is not None:
             self._patch_zero_grad(modules[0], on_zero_grad)
 
+    @uncompiled  # compiled.py's [Note: hooks run outside a compiled graph]
     def _pre(self, module: nn.Module, args: tuple[object, ...], kwargs: dict[str, object]
              ) -> Inputs | None:
         if self.inert:
@@ -109,6 +111,7 @@ class EntryHooks:
         self._open[-1] = cm
         return self._cast((args, kwargs)) if self._cast is not None else None
 
+    @uncompiled  # compiled.py's [Note: hooks run outside a compiled graph]
     def _post(self, module: nn.Module, args: tuple[object, ...], output: object) -> None:
         if self.inert:
             return

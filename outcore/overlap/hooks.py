@@ -61,6 +61,7 @@ import torch
 from torch import nn
 
 from outcore.errors import OutcoreError
+from outcore.overlap.compiled import uncompiled
 from outcore.overlap.saved import Kept
 from outcore.overlap.tied_rows import TiedRows
 from outcore.runtime.phase import Phase
@@ -210,6 +211,7 @@ class Hooks:
                 self._release(self.frames.pop())
             self._sync_phase()
 
+    @uncompiled  # compiled.py's [Note: hooks run outside a compiled graph]
     def _pre_forward(self, module: nn.Module, args: tuple[object, ...]) -> None:
         if self.inert:
             return
@@ -237,6 +239,7 @@ class Hooks:
                 self.refuse_plain_backward()  # a recomputation in loss.backward(): see its note
             self.schedule.need(groups)
 
+    @uncompiled  # compiled.py's [Note: hooks run outside a compiled graph]
     def _post_forward(self, module: nn.Module, args: tuple[object, ...], output: object) -> object:
         if self.inert:
             return None

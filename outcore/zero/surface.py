@@ -147,7 +147,7 @@ def dispatch(func: Any, args: Args, kwargs: Kwargs) -> Any:
     touched = access.touched(args, kwargs)
     if not touched:
         return access.raw(func, args, kwargs)
-    if kind is Kind.READ and not kwargs.get("out") and all(_as_is(t) for t in touched):
+    if kind is Kind.READ and kwargs.get("out") is None and all(_as_is(t) for t in touched):
         return access.raw(func, args, kwargs)  # the forward's path: values there, computing
     return access.handle(kind, func, args, kwargs, touched)
 

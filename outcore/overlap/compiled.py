@@ -1,0 +1,27 @@
+"""outcore's module hooks and ``torch.compile``.
+
+[Note: hooks run outside a compiled graph]
+``torch.compile(model)`` traces a module's hooks with it. Dynamo would guard on state that
+outcore's fetch and release hooks change on every call (the swap's finalizers, the
+schedule) and fail the guard on the very frame that made it ("Guard failed on the same frame
+it was created"), so the hooks are left out of the graph: it breaks at each module whose
+parameters outcore fetches, and the layers between run compiled. The hook methods are
+decorated, not wrapped at registration: a hook must stay a bound method of its owner, so that
+a deep copy of the model gets the owner's inert copy (hooks.py's ``inert_copy``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
+
+import torch
+
+__all__ = ["uncompiled"]
+
+_Hook = TypeVar("_Hook", bound=Callable[..., Any])
+
+
+def uncompiled(hook: _Hook) -> _Hook:
+    """``hook``, run outside any graph ``torch.compile`` makes (see the note)."""
+    return cast(_Hook, torch.compiler.disable(hook))  # type: ignore[no-untyped-call]

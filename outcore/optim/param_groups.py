@@ -24,7 +24,11 @@ _TORCH_KEYS = {"foreach": None, "fused": None, "capturable": False, "differentia
                "maximize": False, "amsgrad": False, "dampening": 0, "initial_lr": None,
                "decoupled_weight_decay": None, "clip_threshold": None, "decay_rate": None,
                "beta1": None, "scale_parameter": None, "relative_step": None,
-               "warmup_init": None}
+               "warmup_init": None,
+               # what torch's schedulers keep in a group they drive (OneCycleLR, CyclicLR,
+               # SWALR), made before or after initialize
+               "max_lr": None, "min_lr": None, "base_momentum": None, "max_momentum": None,
+               "swa_lr": None}
 _TORCH_TYPES = {("torch.optim", "AdamW"): "adamw", ("torch.optim", "Adam"): "adam",
                 ("torch.optim", "SGD"): "sgd",
                 ("transformers.optimization", "Adafactor"): "adafactor"}

@@ -122,6 +122,32 @@ def test_every_torch_scheduler_drives_the_shards_as_it_drives_adamw(tmp_path: Pa
     engine.close()
 
 
+@pytest.mark.parametrize("name", list(SCHEDULERS))
+def test_a_scheduler_made_before_initialize_drives_the_optimizer_brought(tmp_path: Path,
+                                                                         name: str) -> None:
+    """``OneCycleLR(opt)`` then ``initialize(model, cfg, optimizer=opt)``, as a Trainer's
+    ``optimizers=(opt, scheduler)`` does: the keys a scheduler keeps in the groups (OneCycle's
+    ``max_lr``, Cyclic's ``base_momentum``) are taken, and the rates follow torch's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+    ref = copy.deepcopy(model).to(default_device())
+    brought, opt = torch.optim.AdamW(model.parameters(), **HP), torch.optim.AdamW(
+        ref.parameters(), **HP)
+    ours_s, ref_s = SCHEDULERS[name](brought), SCHEDULERS[name](opt)
+    engine = outcore.initialize(model, {"dtype": "fp32", "offload": {
+        "params": "nvme", "optimizer": "nvme", "nvme_path": str(tmp_path)}}, optimizer=brought)
+    losses, ref_losses = [], []
+    for step in range(4):
+        loss, ref_loss = _both(engine, ref, opt, step)
+        losses.append(loss)
+        ref_losses.append(ref_loss)
+        for s in (ours_s, ref_s):
+            s.step(1.0) if name == "ReduceLROnPlateau" else s.step()
+    assert [g["lr"] for g in brought.param_groups] == [g["lr"] for g in opt.param_groups]
+    torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6)
+    engine.close()
+
+
 @pytest.mark.parametrize("how", ["optimizer", "model"])
 def test_zero_grad_drops_what_backward_accumulated(tmp_path: Path, how: str) -> None:
     """``optimizer.zero_grad()`` and ``model.zero_grad()`` reach the engine's gradient shards.

@@ -58,3 +58,41 @@ def test_a_process_group_already_joined_is_used(env: pytest.MonkeyPatch) -> None
         assert (comm.rank, comm.world_size, comm.timeout_s) == (0, 1, 7.0)
     finally:
         dist.destroy_process_group()
+
+
+_ENDS_WITHOUT_DESTROY = """
+import torch, outcore
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+engine = outcore.initialize(model, {"dtype": "fp32"})
+for _ in range(2):
+    engine.backward(model(torch.randn(8, 16)).pow(2).mean())
+    engine.step()
+engine.close()
+print("done", engine.rank, flush=True)
+"""
+
+
+def test_a_script_that_never_destroys_the_group_outcore_joined_exits_cleanly(
+        tmp_path: pytest.TempPathFactory) -> None:
+    """Under torchrun, ending without ``destroy_process_group()`` (outcore joined the group,
+    not the script) used to abort at interpreter exit in most 2-rank runs (SIGABRT,
+    "terminate called without an active exception"); three runs, each must exit 0."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(str(tmp_path)) / "plain.py"
+    script.write_text(_ENDS_WITHOUT_DESTROY)
+    root = Path(__file__).resolve().parents[3]
+    env = {**os.environ, "OUTCORE_DEVICE": "cpu", "CUDA_VISIBLE_DEVICES": "",
+           "PYTHONPATH": os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH"))
+                                         if p)}
+    for _ in range(3):
+        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                               "--nproc_per_node", "2", str(script)], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=180)
+        output = done.stdout + done.stderr
+        assert done.returncode == 0 and "terminate called" not in output, output[-3000:]
+        assert done.stdout.count("done") == 2, output[-3000:]  # both ranks got to the end

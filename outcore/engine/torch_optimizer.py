@@ -106,6 +106,7 @@ class TorchOptimizer(torch.optim.Optimizer):
         """torch's layout: ``state`` by parameter index (``step`` and each fp32 moment, in
         the parameter's shape at one rank, else this rank's slice), ``param_groups`` with
         indices for ``params`` (see the note)."""
+        self._engine._check_open()  # closed, or handed over: its shards are gone or another's
         sharded = self._engine.sharded_optimizer
         sharded.wait()
         index, state, groups = 0, {}, []

@@ -608,3 +608,24 @@ def test_adafactor_steps_past_a_parameter_with_no_elements() -> None:
     torch.testing.assert_close(model.layer.weight.detach().cpu(), ref.layer.weight.detach(),
                                rtol=1e-5, atol=1e-6)
     engine.close()
+
+
+@pytest.mark.parametrize("how", ["close", "takeover"])
+def test_the_old_engines_optimizer_refuses_every_state_call(tmp_path: Path, how: str) -> None:
+    """After ``close()``, or once a second engine took the model, ``state_dict()`` raised
+    ``AssertionError: parameter was garbage-collected`` (close) or returned the step alone
+    with no moments (takeover); it is ``EngineClosedError`` as every other call."""
+    model, engine, ref, opt = _pair(tmp_path, offload="none")
+    _both(engine, ref, opt, 0)
+    old = engine.optimizer
+    if how == "close":
+        engine.close()
+    else:
+        second = outcore.initialize(model, {"dtype": "fp32"})
+    for call in (old.state_dict, lambda: old.load_state_dict({}), old.zero_grad,
+                 lambda: old.state[next(model.parameters())]):
+        with pytest.raises(outcore.EngineClosedError):
+            call()
+    if how == "takeover":  # the new engine's own answers
+        assert second.optimizer.state_dict()["param_groups"][0]["params"] == [0, 1, 2, 3]
+        second.close()

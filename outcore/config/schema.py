@@ -188,6 +188,9 @@ class Config(_Section):
             return cls()
         if isinstance(source, Config):
             return source
+        if not isinstance(source, dict | str | os.PathLike):
+            raise ConfigError(f"config: expected an outcore.Config, a dict, the path of a JSON "
+                              f"or YAML file, or None; got {type(source).__name__} {source!r}")
         data = source if isinstance(source, dict) else read_mapping(source)
         if is_deepspeed(data):  # a DeepSpeed config works wherever a config is taken
             return cls.from_dict(translate_and_warn(data, stacklevel=2))

@@ -66,15 +66,19 @@ def initialize(model: nn.Module, cfg: Config | dict | str | None = None,
     whose type, hyper-parameters and groups the engine adopts instead (param_groups.py's
     [Note: adopting a torch optimizer]); schedulers bound to it keep working.
     """
-    return Engine(model, Config.load(cfg), param_groups, optimizer)
+    return Engine(model, cfg, param_groups, optimizer)
 
 
 class Engine:
     """A sharded model with its optimizer; call it like the module."""
 
-    def __init__(self, module: nn.Module, cfg: Config,
+    def __init__(self, module: nn.Module, cfg: Config | dict | str | None = None,
                  param_groups: Iterable[dict] | None = None,
                  optimizer: torch.optim.Optimizer | None = None) -> None:
+        if not isinstance(module, nn.Module):  # a path or a state dict: load it into a model
+            raise ConfigError(f"outcore.initialize: the model must be a torch.nn.Module, got "
+                              f"{type(module).__name__}")
+        cfg = Config.load(cfg)
         self.module = module
         self._closed: str | None = None  # why the engine cannot be used, once it cannot
         self._via: torch.optim.Optimizer | None = None  # the optimizer step() runs through now

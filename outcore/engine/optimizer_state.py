@@ -204,6 +204,11 @@ class OptimizerState(Mapping[torch.Tensor, ParamOptimizerState]):
         for key, value in dict(entry).items():
             target[key] = value
 
+    def __delitem__(self, param: torch.Tensor) -> None:
+        """``del state[p]`` (torch's way to reset a parameter's moments): refused, as
+        ``del state[p][key]`` is; outcore keeps what every update needs."""
+        self[param].__delitem__("")  # raises ParamAccessError naming the parameter
+
     def __contains__(self, param: object) -> bool:
         sp = self._shard(param)
         return sp is not None and self._facade.sharded().step_of(sp) > 0

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from outcore.errors import ConfigError, ParamAccessError
 from outcore.zero.gathered import gathered_parameters
 from outcore.zero.param import ShardedParam
 from outcore.zero.registry import managed, register
@@ -39,7 +40,8 @@ from outcore.zero.registry import managed, register
 def split_sizes(n: int, parts: int) -> list[int]:
     """``n`` cut into ``parts`` near-equal sizes, larger ones first (as ``tensor_split``)."""
     if not 1 <= parts <= n:
-        raise ValueError(f"cannot split {n} features into {parts} tiles (need 1 <= splits <= {n})")
+        raise ConfigError(f"cannot split {n} features into {parts} tiles (need 1 <= splits "
+                          f"<= {n})")
     base, extra = divmod(n, parts)
     return [base + (1 if k < extra else 0) for k in range(parts)]
 
@@ -152,8 +154,9 @@ class TiledLinear(nn.Module):
             return cls._assemble(linear.in_features, linear.out_features, b is not None,
                                  in_splits, out_splits, _copying(w, b, linear))
         if sp.group is not None:
-            raise RuntimeError("tile layers before outcore.initialize: the engine has already "
-                               f"built its parameter groups (layer weight {sp.name or '?'})")
+            raise ParamAccessError("tile layers before outcore.initialize: the engine has "
+                                   "already built its parameter groups (layer weight "
+                                   f"{sp.name or '?'})")
         params = [p for p in (linear.weight, linear.bias) if p is not None]
         with gathered_parameters(params):  # full fp32 values in .data, one layer
             w = linear.weight.data.to(sp.dtype)

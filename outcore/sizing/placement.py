@@ -266,6 +266,10 @@ def auto_config(num_params: int | torch.nn.Module, base: dict[str, Any] | None =
     if isinstance(num_params, torch.nn.Module):
         num_params, trainable = parameter_counts(num_params)
         measured.setdefault("trainable", trainable)
+    elif isinstance(num_params, bool) or not isinstance(num_params, int | float) \
+            or num_params <= 0:
+        raise ConfigError(f"Config.auto: expected a model (torch.nn.Module) or a parameter "
+                          f"count, got {type(num_params).__name__} {num_params!r}")
     cfg = Config.load(base)
     chosen = plan(int(num_params), world_size, nvme_path=nvme_path, settings=cfg, **measured)
     print(chosen.explain(), file=sys.stderr, flush=True)

@@ -31,7 +31,7 @@ def test_preset_shapes_count_what_outcore_models_builds() -> None:
     for name, cfg in models.PRESETS.items():
         assert models.preset_shape(name).params == models.num_params(cfg), name
         assert est.resolve_model(name, models.preset_shape) == models.preset_shape(name)
-    with pytest.raises(ConfigError, match="unknown model 'nope'; give a preset \\(tiny, small"):
+    with pytest.raises(ConfigError, match="unknown preset 'nope'; choose one of tiny, small"):
         est.resolve_model("nope", models.preset_shape)
 
 

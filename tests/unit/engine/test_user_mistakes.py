@@ -1,0 +1,63 @@
+"""A user's mistake at the public entry points is an ``OutcoreError`` naming what was given,
+never an AttributeError or TypeError from deep inside (found by a user-style probe)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import outcore
+from outcore.errors import ConfigError, ParamAccessError
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 2))
+
+
+@pytest.mark.parametrize(("model", "words"), [
+    (None, "got NoneType"), ("model.pt", "got str"), ({"w": torch.zeros(2)}, "got dict")])
+def test_initialize_needs_a_module(model: object, words: str) -> None:
+    with pytest.raises(ConfigError, match=f"must be a torch.nn.Module, {words}"):
+        outcore.initialize(model, {"dtype": "fp32"})  # type: ignore[arg-type]
+
+
+def test_a_config_of_another_type_is_named() -> None:
+    with pytest.raises(ConfigError, match="expected an outcore.Config, a dict.*got int 42"):
+        outcore.initialize(_net(), 42)  # type: ignore[arg-type]
+
+
+def test_engine_takes_what_initialize_takes() -> None:
+    """``outcore.Engine(model, {...})`` raised "'dict' object has no attribute 'optimizer'"."""
+    model = _net()
+    with outcore.Engine(model, {"dtype": "fp32"}) as engine:
+        engine.backward(model(torch.randn(4, 8)).pow(2).mean())
+        engine.step()
+
+
+@pytest.mark.parametrize("given", ["abc", None, True, -5])
+def test_config_auto_needs_a_model_or_a_count(given: object) -> None:
+    with pytest.raises(ConfigError, match="expected a model .* or a parameter count"):
+        outcore.Config.auto(given)
+
+
+def test_deleting_a_parameters_optimizer_state_is_refused_by_name(tmp_path: Path) -> None:
+    model = _net()
+    with outcore.initialize(model, {"dtype": "fp32"}) as engine:
+        engine.backward(model(torch.randn(4, 8)).pow(2).mean())
+        engine.step()
+        with pytest.raises(ParamAccessError, match="optimizer state of parameter"):
+            del engine.optimizer.state[model[0].weight]
+        assert "exp_avg" in engine.optimizer.state[model[0].weight]
+
+
+def test_tiling_mistakes_are_outcore_errors() -> None:
+    with pytest.raises(ConfigError, match="cannot split 8 features into 9 tiles"):
+        outcore.TiledLinear(8, 4, in_splits=9, out_splits=1)
+    model = _net()
+    with outcore.initialize(model, {"dtype": "fp32"}), \
+            pytest.raises(ParamAccessError, match="tile layers before outcore.initialize"):
+        outcore.tile_linears(model, min_params=1, in_splits=2, out_splits=2)

@@ -153,6 +153,10 @@ class Engine:
         self.rt.before_write = lambda: (t := take()) is not None and t()
         me = weakref.ref(self)
         self.rt.before_forward = lambda: (e := me()) is not None and e._before_forward()
+        self.rt.before_overwrite = lambda what: (e := me()) is not None and \
+            e._reopen_boundary(what)
+        self.rt.updated_in_backward = lambda: (e := me()) is not None and \
+            e.is_accumulation_boundary and e.sharded_optimizer.updated_this_round
         opt = weakref.ref(self.sharded_optimizer)
         self.rt.is_tentative = lambda sp: (o := opt()) is not None and (
             (st := o.state.get(sp)) is not None and st.tentative)
@@ -360,6 +364,7 @@ class Engine:
         another process's engine saving into or loading from that root is refused with
         ``FolderInUseError`` (guard/lock.py's [Note: two runs, one folder])."""
         self._check_open()
+        self._reopen_boundary("save_checkpoint()")  # half this step's updates would be saved
         path, client_state = Path(path), client_state or {}
         checkpoint.check_client_state(client_state)  # a mistake here creates no folder
         self._folders.hold(path.parent, self.rt.comm, self.rt.accel, create=True)
@@ -379,6 +384,7 @@ class Engine:
 
         The checkpoint root (``path``'s parent) is held from here on, as after a save."""
         self._check_open()
+        self._reopen_boundary("load_checkpoint()")  # step() would drop the next update
         self._folders.hold(Path(path).parent, self.rt.comm, self.rt.accel, create=False)
         try:
             return checkpoint.load(self, Path(path))

@@ -117,6 +117,8 @@ def detach(engine: Engine) -> None:
     engine.sharded_optimizer.close()
     step_aside(engine.adopted_optimizer)  # its own methods again (torch_optimizer.py)
     engine.rt.await_updates = engine.rt.before_write = engine.rt.before_forward = lambda: None
+    engine.rt.before_overwrite = lambda what: None
+    engine.rt.updated_in_backward = lambda: False
     engine.rt.is_tentative = lambda sp: False
     engine.rt.gradients_held, engine.rt.grad_read_warned = lambda: False, False  # next engine's
     engine.entries.remove()

@@ -85,6 +85,13 @@ class Runtime:
         # runs before any write of values: tentative updates computed from the values it
         # replaces are taken back (the engine sets it: optim/speculation.py's note)
         self.before_write: Callable[[], None] = lambda: None
+        # runs before a user's write of values (named by the argument): refused between a
+        # backward that already applied its updates and step() (engine/core.py's
+        # _reopen_boundary), since step() could not apply them on top of the write
+        self.before_overwrite: Callable[[str], None] = lambda what: None
+        # whether a boundary backward has applied updates step() has not yet closed (the
+        # engine sets it): full tensors gathered before them, as a carried head's, are stale
+        self.updated_in_backward: Callable[[], bool] = lambda: False
         # runs where a forward begins outside the engine's entry (a submodule called directly):
         # what the engine's own forward does first (engine/core.py's _before_forward)
         self.before_forward: Callable[[], None] = lambda: None

@@ -246,7 +246,10 @@ def _value(t: Touch) -> tuple[torch.Tensor, bool]:
     copy = sp.state is ParamState.GATHERED and sp.group is not None and sp.group.zero_copy
     if copy and sp.rt.phase is Phase.IDLE:  # updates write it in place (build.py's note)
         sp.check_values()
-    if sp.state in HAS_VALUES and not (copy and sp.rt.is_tentative(sp)):
+    # a full tensor gathered before this backward's updates ran (a carried head) is stale
+    # until step() refreshes it: outside a forward, read the updated shards instead
+    stale = (not copy and sp.rt.phase is Phase.IDLE and sp.rt.updated_in_backward())
+    if sp.state in HAS_VALUES and not stale and not (copy and sp.rt.is_tentative(sp)):
         base, fresh = raw_data(sp.param), False
     else:  # (a tentative update shows in the copy: read_value reads the master as it was)
         base, fresh = sp.read_value(), True

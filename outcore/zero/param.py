@@ -482,9 +482,9 @@ class ShardedParam:
         self.compute_shard = self.rt.store(shard, self.rt.param_tier, Kind.PARAMS)
 
     def overwrite(self, shard: torch.Tensor) -> None:
-        """Write new values between steps (a user's write, a weight load): the group's full
-        tensors and prefetches of the old values are dropped first, and a group kept gathered
-        is fetched again after."""
+        """Write new values between steps (a user's write, a weight load): the old values' full
+        tensors and prefetches are dropped first, a group kept gathered is fetched again."""
+        self.rt.before_overwrite(f"a write to parameter {self.label()}")
         self.check_values()
         group = self.group
         if group is not None:

@@ -184,6 +184,40 @@ def test_zero_grad_after_updates_ran_in_backward_is_refused(tmp_path: Path) -> N
     engine.close()
 
 
+def test_between_a_backward_that_updated_and_step_writes_and_checkpoints_are_refused(
+        tmp_path: Path) -> None:
+    """Found by a user-style probe, each silently wrong before: a write there lost the step's
+    update (step() cannot apply it on top), a save stored half a step (the manifest's step
+    count before it, the weights after), a load lost the next update; and a read showed the
+    weights from before the update where they stay gathered (the carried first layer), while
+    gathered_parameters showed them after. Reads now show the updated values, and the rest
+    is refused, naming what, and changes nothing: training goes on as torch's."""
+    model, engine, ref, opt = _pair(tmp_path / "swap")
+    engine.save_checkpoint(tmp_path / "ckpt")
+    x = _batch(0)
+    engine.backward(engine(x).pow(2).mean())
+    ref(x).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):  # the updated values
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(model.state_dict()["0.weight"], ref.state_dict()["0.weight"],
+                               rtol=1e-5, atol=1e-6)
+    for what, call in (("a write to parameter 0.bias", lambda: model[0].bias.data.fill_(0.5)),
+                       ("save_checkpoint", lambda: engine.save_checkpoint(tmp_path / "mid")),
+                       ("load_checkpoint", lambda: engine.load_checkpoint(tmp_path / "ckpt"))):
+        with pytest.raises(outcore.OutcoreError, match=f"{what}.* already applied the updates"):
+            call()
+    assert not (tmp_path / "mid").exists()
+    assert engine.step()
+    for step in (1, 2):
+        _both(engine, ref, opt, step)
+    with engine.gathered_parameters():
+        for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+            torch.testing.assert_close(p.data, q.detach(), rtol=1e-4, atol=1e-5)
+    engine.close()
+
+
 def test_step_with_a_closure_returns_its_loss(tmp_path: Path) -> None:
     _, engine, _, _ = _pair(tmp_path, offload="none")
     x = _batch(0)

@@ -17,7 +17,9 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
+from outcore.errors import ParamAccessError
 from outcore.zero.registry import managed
+from outcore.zero.state import ParamState
 
 
 @contextlib.contextmanager
@@ -30,6 +32,11 @@ def gathered_parameters(params: Iterable[nn.Parameter] | nn.Module,
         sp = managed(p)
         if sp is not None and sp not in sps:
             sps.append(sp)
+    for sp in sps:
+        if sp.state is ParamState.SHOWN:  # an enclosing context shows it: its .data is there
+            raise ParamAccessError(f"gathered_parameters around parameter {sp.label()}, "
+                                   "which an enclosing gathered_parameters shows already: use "
+                                   "that one (with modify=True to write)")
     groups = []
     for sp in sps:
         if sp.group is not None and sp.group not in groups:

@@ -46,6 +46,8 @@ if TYPE_CHECKING:
 class init:  # noqa: N801  (a context manager named like the function users call)
     """``with outcore.init(cfg): model = build()`` builds a model whose parameters are shards."""
 
+    _depth = 0  # open contexts in this process: one at a time
+
     def __init__(self, cfg: Config | dict[str, Any] | str | None = None, *,
                  frozen: bool = False, weights: str | os.PathLike[str] | None = None) -> None:
         """``frozen=True``: every parameter created here starts with ``requires_grad=False``
@@ -66,6 +68,17 @@ class init:  # noqa: N801  (a context manager named like the function users call
         self._deferred = DeferredBuild(weights) if weights is not None else None
 
     def __enter__(self) -> init:
+        if init._depth:  # the inner one's parameters would be the outer one's as well
+            raise ConfigError("outcore.init inside another outcore.init: build the whole "
+                              "model under one (its config applies to every parameter)")
+        init._depth += 1
+        try:
+            return self._enter()
+        except BaseException:
+            init._depth -= 1
+            raise
+
+    def _enter(self) -> init:
         self.runtime = Runtime(self.cfg, trainable_fraction=0.0 if self.frozen else 1.0)
         _check_same_rng(self.runtime)
         # torch's stub says the hook returns None; it may return a replacement (deferred.py)
@@ -77,6 +90,7 @@ class init:  # noqa: N801  (a context manager named like the function users call
         return self
 
     def __exit__(self, kind: object, err: object, tb: object) -> None:
+        init._depth -= 1
         failed = kind is not None
         try:
             if kind is None:

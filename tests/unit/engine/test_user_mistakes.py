@@ -61,3 +61,25 @@ def test_tiling_mistakes_are_outcore_errors() -> None:
     with outcore.initialize(model, {"dtype": "fp32"}), \
             pytest.raises(ParamAccessError, match="tile layers before outcore.initialize"):
         outcore.tile_linears(model, min_params=1, in_splits=2, out_splits=2)
+
+
+def test_nesting_is_refused_by_name_and_leaves_things_working() -> None:
+    """Nested ``outcore.init`` and nested ``gathered_parameters`` on one parameter raised
+    internal assertions ("building -> building", "shown -> shown")."""
+    inner = outcore.init({"dtype": "fp32"})
+    with outcore.init({"dtype": "fp32"}):
+        with pytest.raises(ConfigError, match="outcore.init inside another outcore.init"):
+            inner.__enter__()
+        model = _net()
+    with outcore.init({"dtype": "fp32"}):  # the refusal left nothing open
+        _net()
+    with outcore.initialize(model, {"dtype": "fp32"}) as engine:
+        before = model[0].weight.detach().clone()
+        with engine.gathered_parameters(), pytest.raises(
+                ParamAccessError, match="parameter 0.weight, which an enclosing "
+                                        "gathered_parameters shows"), \
+                engine.gathered_parameters([model[0].weight], modify=True):
+            pass
+        assert torch.equal(model[0].weight.detach(), before)
+        engine.backward(model(torch.randn(4, 8)).pow(2).mean())
+        engine.step()

@@ -172,6 +172,28 @@ def refuse_new_parameter(func: Any, args: Args) -> None:
 _MODULE_APPLY = nn.Module._apply.__code__
 
 
+def refuse_meta_move(func: Any, args: Args, kwargs: Kwargs) -> None:
+    """Refuse ``model.to("meta")`` of a sharded parameter: torch's ``Module._apply`` cannot
+    give a CPU tensor meta data in place, so it puts a new ``nn.Parameter`` without values in
+    the module, and the engine went on training the old one while every read and forward of
+    the model failed. Seen at ``fn(p)``, before torch replaces anything."""
+    if func is not TO or not args:
+        return
+    try:
+        device = torch._C._nn._parse_to(*args[1:], **kwargs)[0]
+    except (TypeError, RuntimeError):
+        return  # torch's own call will say what is wrong
+    if device is None or device.type != "meta" or not _called_from(_MODULE_APPLY):
+        return
+    sp = registry.managed(args[0])
+    if sp is None or sp.state is ParamState.DROPPED:
+        return
+    raise ParamAccessError(
+        f"model.to('meta') on parameter {sp.label()}: torch would replace it with a new "
+        "parameter that holds no values, and outcore trains the one it sharded; do it after "
+        "engine.close() (or build on the meta device under outcore.init). No parameter was moved")
+
+
 def refuse_replacing_conversion(func: Any, args: Args) -> None:
     """Refuse a module conversion (``model.half()``, ``.to(...)``, ``.cpu()``) of a sharded
     parameter while torch's ``torch.__future__`` flags make conversions replace parameters.

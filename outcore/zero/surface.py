@@ -77,6 +77,7 @@ from outcore.zero.calls import (
     Kind,
     Kwargs,
     kind_of,
+    refuse_meta_move,
     refuse_new_parameter,
     refuse_replacing_conversion,
 )
@@ -144,6 +145,7 @@ def dispatch(func: Any, args: Args, kwargs: Kwargs) -> Any:
         return out
     refuse_new_parameter(func, args)  # only a detach is looked at further
     refuse_replacing_conversion(func, args)  # only while torch.__future__ asks for it
+    refuse_meta_move(func, args, kwargs)  # only a module's .to() looks further
     touched = access.touched(args, kwargs)
     if not touched:
         return access.raw(func, args, kwargs)

@@ -67,6 +67,18 @@ def test_a_conversion_is_refused_and_training_goes_on(offload: str, name: str,
     assert all(torch.equal(a, b) for a, b in zip(got[1], want[1], strict=True))
 
 
+@pytest.mark.parametrize("offload", ["none", "nvme"])
+def test_a_move_to_the_meta_device_is_refused_and_training_goes_on(offload: str,
+                                                                   tmp_path: Path) -> None:
+    """``model.to("meta")`` replaced every parameter with an empty one at fp32 in memory (the
+    model could no longer compute) and did nothing at all elsewhere."""
+    want = _trained(offload, tmp_path / "a", None)
+    got = _trained(offload, tmp_path / "b", lambda m: m.to("meta"),
+                   match=r"model.to\('meta'\) on parameter 0.weight")
+    assert got[0] == want[0]
+    assert all(torch.equal(a, b) for a, b in zip(got[1], want[1], strict=True))
+
+
 def test_a_data_assignment_keeps_its_own_words(tmp_path: Path) -> None:
     model = nn.Linear(4, 4).to(default_device())
     engine = outcore.initialize(model, {"dtype": "fp32", "offload": {

@@ -254,7 +254,7 @@ def _value(t: Touch) -> tuple[torch.Tensor, bool]:
     else:  # (a tentative update shows in the copy: read_value reads the master as it was)
         base, fresh = sp.read_value(), True
     param = t.param
-    if not t.chain and torch.is_grad_enabled() and param.requires_grad:
+    if not t.chain and not t.detached and torch.is_grad_enabled() and param.requires_grad:
         tmp = (base if fresh else base.clone()).detach().requires_grad_()
         _route_grad(tmp, param)
         return tmp, True

@@ -172,6 +172,25 @@ def refuse_new_parameter(func: Any, args: Args) -> None:
 _MODULE_APPLY = nn.Module._apply.__code__
 
 
+def refuse_grad_of_gathered(func: Any, args: Args, kwargs: Kwargs) -> None:
+    """Refuse ``torch.autograd.grad(..., inputs=[p])`` for a parameter outcore gathers per use
+    (its home is not the tensor the model computes with): the forward used a full copy, so
+    ``p`` is not in the graph and torch's answer was "appears to not have been used in the
+    graph". A parameter whose shard is the tensor itself (one rank, in memory) is in the
+    graph, and gets torch's own gradient."""
+    if func is not torch.autograd.grad:
+        return
+    inputs = args[1] if len(args) > 1 else kwargs.get("inputs", ())
+    for t in (inputs if isinstance(inputs, (list, tuple)) else (inputs,)):
+        sp = registry.managed(t) if isinstance(t, torch.Tensor) else None
+        if sp is not None and sp.group is not None and not sp.group.zero_copy:
+            raise ParamAccessError(
+                f"torch.autograd.grad with respect to parameter {sp.label()}: outcore computes "
+                "with a full copy gathered for each use, not the parameter itself (which holds "
+                "a shard), so it is not in the graph; take the gradient with engine.backward "
+                "(it reaches the optimizer), or with respect to activations")
+
+
 def refuse_meta_move(func: Any, args: Args, kwargs: Kwargs) -> None:
     """Refuse ``model.to("meta")`` of a sharded parameter: torch's ``Module._apply`` cannot
     give a CPU tensor meta data in place, so it puts a new ``nn.Parameter`` without values in

@@ -77,6 +77,7 @@ from outcore.zero.calls import (
     Kind,
     Kwargs,
     kind_of,
+    refuse_grad_of_gathered,
     refuse_meta_move,
     refuse_new_parameter,
     refuse_replacing_conversion,
@@ -146,6 +147,7 @@ def dispatch(func: Any, args: Args, kwargs: Kwargs) -> Any:
     refuse_new_parameter(func, args)  # only a detach is looked at further
     refuse_replacing_conversion(func, args)  # only while torch.__future__ asks for it
     refuse_meta_move(func, args, kwargs)  # only a module's .to() looks further
+    refuse_grad_of_gathered(func, args, kwargs)  # only torch.autograd.grad looks further
     touched = access.touched(args, kwargs)
     if not touched:
         return access.raw(func, args, kwargs)

@@ -26,3 +26,26 @@ def test_data_reads_are_plain_arrays_outside_autograd(offload: str, tmp_path: Pa
         doubled = w.data * 2
         assert not doubled.requires_grad and torch.equal(doubled, plain["0.weight"] * 2)
         assert (w * 2).requires_grad  # the parameter itself stays autograd's
+
+
+@pytest.mark.parametrize("offload", ["none", "nvme"])
+def test_autograd_grad_of_a_parameter(offload: str, tmp_path: Path) -> None:
+    """In memory at one rank the parameter is the tensor computed with: torch's gradient.
+    Gathered per use (here, on NVMe) it is not in the graph: refused by name (it was torch's
+    "appears to not have been used in the graph")."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 2))
+    ref = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 2))
+    ref.load_state_dict(model.state_dict())
+    x = torch.randn(4, 8)
+    want = torch.autograd.grad(ref(x).pow(2).mean(), list(ref.parameters()))
+    with outcore.initialize(model, {"dtype": "fp32", "offload": {
+            "params": offload, "optimizer": offload, "nvme_path": str(tmp_path)}}):
+        loss = model(x).pow(2).mean()
+        if offload == "none":
+            got = torch.autograd.grad(loss, list(model.parameters()))
+            assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+        else:
+            with pytest.raises(outcore.ParamAccessError, match="autograd.grad with respect "
+                                                               "to parameter 0.weight"):
+                torch.autograd.grad(loss, list(model.parameters()))

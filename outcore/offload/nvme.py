@@ -77,12 +77,13 @@ def check_space(path: str | os.PathLike[str], nbytes: int) -> None:
         )
 
 
-def _prepare_root(root: Path) -> None:
-    """Make sure ``root`` is a directory, creating it (not its parents) if missing."""
+def _prepare_root(root: Path) -> bool:
+    """Make sure ``root`` is a directory, creating it (not its parents) if missing; return
+    whether this call made it (the store then removes it at close if it is left empty)."""
     if root.exists():
         if not root.is_dir():
             raise StorageError(f"NVMe swap path {root} exists but is not a directory")
-        return
+        return False
     parent = root.parent
     if not parent.is_dir():
         why = "is not a directory" if parent.exists() else "does not exist"
@@ -90,9 +91,10 @@ def _prepare_root(root: Path) -> None:
     try:
         os.mkdir(root)
     except FileExistsError:
-        pass
+        return False
     except OSError as e:
         raise StorageError(f"cannot create NVMe swap path {root}: {e.strerror}") from e
+    return True
 
 
 class _FreeList:
@@ -139,9 +141,10 @@ class _SwapFile:
     """What the store created, and its in-flight I/O count; apart from ``NvmeStore`` so that
     ``weakref.finalize`` can delete it at collection or exit without keeping the store alive."""
 
-    def __init__(self, folder: Path, path: Path) -> None:
+    def __init__(self, folder: Path, path: Path, made_root: bool = False) -> None:
         self.folder = folder
         self.path = path
+        self.made_root = made_root  # the swap path itself was made for this store
         self.fd = -1
         self.pid = os.getpid()
         self._inflight = 0
@@ -177,6 +180,9 @@ class _SwapFile:
                             "this swap once that filesystem is writable again",
                             target, e.strerror, self.folder.parent)
                 return  # the folder still holds the file: one message, not two
+        if self.made_root:  # left empty (no other run's or rank's swap in it): it goes too
+            with contextlib.suppress(OSError):
+                os.rmdir(self.folder.parent)
 
 
 def _open_swap(path: Path, direct: bool) -> tuple[int, bool]:
@@ -262,7 +268,7 @@ class NvmeStore:
         self.root = Path(root).expanduser().absolute()
         self.engine = engine
         self.pool = pool
-        _prepare_root(self.root)
+        made_root = _prepare_root(self.root)
         self.folder = self.root / f"outcore-{os.getpid()}-{secrets.token_hex(4)}"
         self.path = self.folder / f"rank{rank}.swap"
         try:
@@ -270,7 +276,7 @@ class NvmeStore:
         except OSError as e:
             raise StorageError(f"NVMe swap path {self.root}: cannot create a folder there "
                                f"({e.strerror})") from e
-        self._swap = _SwapFile(self.folder, self.path)
+        self._swap = _SwapFile(self.folder, self.path, made_root)
         self._closer = weakref.finalize(self, self._swap.delete)
         try:
             os.chmod(self.folder, 0o700)

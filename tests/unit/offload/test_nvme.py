@@ -188,12 +188,22 @@ def test_missing_parent_is_reported(tmp_path: Path, engine: AioEngine, pool: Buf
         NvmeStore(root, rank=0, engine=engine, pool=pool)
 
 
-def test_missing_leaf_is_created_and_kept(
+def test_missing_leaf_is_created_and_removed_when_left_empty(
     tmp_path: Path, engine: AioEngine, pool: BufferPool
 ) -> None:
+    """A swap path the store made goes at close if nothing else is in it (a run's OUT/swap
+    was left behind, empty); one that existed, or holds another store's swap, is kept."""
     root = tmp_path / "swap"
     NvmeStore(root, rank=0, engine=engine, pool=pool).close()
-    assert root.is_dir() and list(root.iterdir()) == []
+    assert not root.exists()
+    first = NvmeStore(root, rank=0, engine=engine, pool=pool)  # makes it
+    second = NvmeStore(root, rank=1, engine=engine, pool=pool)
+    first.close()
+    assert root.is_dir()  # the second's swap is in it
+    second.close()
+    assert root.is_dir() and list(root.iterdir()) == []  # not the second's to remove
+    NvmeStore(root, rank=0, engine=engine, pool=pool).close()
+    assert root.is_dir()  # it existed
 
 
 @pytest.mark.parametrize("layout", ["root_is_file", "parent_is_file"])

@@ -15,10 +15,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from outcore.errors import DataError
+from outcore.app import models
+from outcore.errors import ConfigError, DataError
 
-__all__ = ["DEFAULT_CORPUS_BYTES", "BatchSampler", "default_corpus", "encode", "load_text",
-           "load_tokens", "split_tokens"]
+__all__ = ["DEFAULT_CORPUS_BYTES", "BatchSampler", "default_corpus", "encode", "job_tokens",
+           "load_text", "load_tokens", "split_tokens"]
 
 DEFAULT_CORPUS_BYTES = 16 << 20
 """Cap on the default corpus: ~16 MiB reads in well under a second and is far more text than
@@ -211,3 +212,23 @@ class BatchSampler:
             raise DataError(f"checkpoint's data seed {state['seed']} differs from --seed "
                             f"{self.seed}; resume with the same seed")
         self.step = int(state["step"])
+
+
+# [Note: text to tokens]
+# Presets are byte-level (vocab 256), so any UTF-8 text works with no tokenizer to ship. A
+# Hugging Face folder that ships a tokenizer is fed through it (fine-tuning a pretrained model
+# on bytes would waste its embeddings); one without a tokenizer gets bytes too, which needs a
+# vocabulary of at least 256. The default corpus is cut to 4 MB for a tokenizer: it is still
+# several times the tokens the default job reads, and tokenizing 16 MB on 2 cores is slow.
+def job_tokens(job: dict[str, Any], vocab: int) -> tuple[torch.Tensor, str]:
+    """The token stream of the job's text, and what tokenized it."""
+    tokenizer = models.load_hf_tokenizer(job["model"]) if models.is_hf_folder(job["model"]) \
+        else None
+    if tokenizer is None:
+        if vocab < 256:
+            raise ConfigError(f"--model: {job['model']} has a vocabulary of {vocab} and no "
+                              "tokenizer; byte tokens need at least 256")
+        return load_tokens(job["data"], skip=job["out"]), "bytes"
+    raw = (load_text(job["data"], skip=job["out"]) if job["data"]
+           else default_corpus(4 << 20))
+    return encode(raw, tokenizer), f"{type(tokenizer).__name__} from {job['model']}"

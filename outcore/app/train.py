@@ -39,6 +39,7 @@ from torch import nn
 from outcore.app import blocks, models
 from outcore.app import data as datamod
 from outcore.app import lora as loramod
+from outcore.app.evaluate import EVAL_BATCHES, held_out_loss
 from outcore.app.job import JOB_DEFAULTS, LR_SCHEDULES, resumed_settings, run_record
 from outcore.app.job import job_settings as _job_settings
 from outcore.app.report import MetricsWriter, read_metrics, write_report
@@ -188,26 +189,6 @@ def _describe_model(name: str) -> tuple[int, int, int]:
     return models.num_params(cfg), cfg.seq_len, cfg.vocab
 
 
-# [Note: text to tokens]
-# Presets are byte-level (vocab 256), so any UTF-8 text works with no tokenizer to ship. A
-# Hugging Face folder that ships a tokenizer is fed through it (fine-tuning a pretrained model
-# on bytes would waste its embeddings); one without a tokenizer gets bytes too, which needs a
-# vocabulary of at least 256. The default corpus is cut to 4 MB for a tokenizer: it is still
-# several times the tokens the default job reads, and tokenizing 16 MB on 2 cores is slow.
-def _tokens(job: dict[str, Any], vocab: int) -> tuple[torch.Tensor, str]:
-    """The token stream of the job's text, and what tokenized it."""
-    tokenizer = models.load_hf_tokenizer(job["model"]) if models.is_hf_folder(job["model"]) \
-        else None
-    if tokenizer is None:
-        if vocab < 256:
-            raise ConfigError(f"--model: {job['model']} has a vocabulary of {vocab} and no "
-                              "tokenizer; byte tokens need at least 256")
-        return datamod.load_tokens(job["data"], skip=job["out"]), "bytes"
-    raw = (datamod.load_text(job["data"], skip=job["out"]) if job["data"]
-           else datamod.default_corpus(4 << 20))
-    return datamod.encode(raw, tokenizer), f"{type(tokenizer).__name__} from {job['model']}"
-
-
 def _build(name: str) -> nn.Module:
     return models.load_hf_model(name) if models.is_hf_folder(name) else models.build_model(name)
 
@@ -339,8 +320,8 @@ def _run_holding_out(args: argparse.Namespace, job: dict[str, Any], cfg: Config,
     if args.resume and latest is None:
         _say(f"--resume: no complete checkpoint in {ckpt_root}; starting from step 0")
 
-    tokens, tokenized_by = _tokens(job, vocab)  # before any swap file exists: fail fast
-    train_tokens, _ = datamod.split_tokens(tokens)
+    tokens, tokenized_by = datamod.job_tokens(job, vocab)  # before any swap file: fail fast
+    train_tokens, held_out = datamod.split_tokens(tokens)
     is_hf = models.is_hf_folder(job["model"])
 
     out.mkdir(parents=True, exist_ok=True)  # the default swap folder lives inside it
@@ -393,8 +374,13 @@ def _run_holding_out(args: argparse.Namespace, job: dict[str, Any], cfg: Config,
             if metrics is not None:
                 metrics.close()
         lines: list[str] = []
+        if stopped_at is None:  # every rank: each forward is a collective
+            held = held_out_loss(engine, held_out, job["batch"], seq, is_hf)
+            if held is not None:
+                lines.append(f"  held-out loss: {held:.3f} (the last 1% of the data, "
+                             f"{EVAL_BATCHES} batches)")
         if lora is not None and stopped_at is None:  # at the end only; every rank writes
-            lines = [loramod.save(engine, model, out), loramod.memory_line(engine)]
+            lines += [loramod.save(engine, model, out), loramod.memory_line(engine)]
         if rank == 0 and stopped_at is None:
             _finish(out, job, n_params, start, lines)
         engine.close(keep_values=False)  # the checkpoints hold the model: no hand-back

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import outcore
+from outcore.app import data as datamod
 from outcore.app import train
 from outcore.app.report import read_metrics
 from outcore.device.accel import default_device
@@ -251,10 +252,12 @@ def _losses(out: Path) -> dict[int, float]:
 @needs_engine
 @pytest.mark.parametrize("offload", ["none", "nvme"])
 def test_job_writes_metrics_checkpoints_and_report(tmp_path: Path, text_file: Path,
-                                                   offload: str) -> None:
+                                                   offload: str,
+                                                   capsys: pytest.CaptureFixture) -> None:
     out = tmp_path / "run"
     assert train.run(_parse(*_job(out, text_file, "--steps", "4", "--save-every", "2",
                                   "--offload", offload))) == 0
+    assert "held-out loss: " in capsys.readouterr().err  # the last 1% of the data, measured
     records = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     assert all(r["tokens_per_s"] > 0 and r["loss"] > 0 for r in records)
@@ -455,15 +458,15 @@ def test_hf_folder_tokens_use_its_tokenizer_else_bytes(tmp_path: Path, text_file
     folder = tmp_path / "gpt2"
     _gpt2_folder(folder)
     job = train._job_settings(_parse("--model", str(folder), "--data", str(text_file)), {})
-    tokens, how = train._tokens(job, vocab=260)
+    tokens, how = datamod.job_tokens(job, vocab=260)
     assert how == "bytes" and tokens.dtype == torch.uint8
     _char_tokenizer(folder)
-    tokens, how = train._tokens(job, vocab=260)
+    tokens, how = datamod.job_tokens(job, vocab=260)
     assert "Tokenizer" in how and tokens.dtype == torch.int32 and int(tokens.max()) < 29
     (folder / "tokenizer.json").unlink()
     (folder / "tokenizer_config.json").unlink()
     with pytest.raises(ConfigError, match="256"):
-        train._tokens(job, vocab=100)
+        datamod.job_tokens(job, vocab=100)
 
 
 @needs_engine

@@ -32,6 +32,7 @@ import json
 import os
 import re
 import sys
+import warnings
 from pathlib import Path
 from types import ModuleType
 from typing import Any, NoReturn
@@ -402,6 +403,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = argv[0] if argv and argv[0] in SUBCOMMANDS else None
     prog = f"outcore {command}" if command else "outcore"
+    # a warning is one line saying what, as the errors are: no file, line number or source
+    formatwarning = warnings.formatwarning
+    warnings.formatwarning = lambda message, *_, **__: f"{prog}: warning: {message}\n"
     try:
         parser = build_parser(with_train_options=command == "train")
         args, extra = parser.parse_known_args(argv)
@@ -428,6 +432,8 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # `outcore estimate ... | head`: the reader has gone, quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
         return 141  # the shell's code for SIGPIPE
+    finally:
+        warnings.formatwarning = formatwarning  # main() called from Python: theirs again
 
 
 if __name__ == "__main__":

@@ -288,3 +288,16 @@ def test_the_real_command_in_a_subprocess() -> None:
         os.close(write_end)
     err = proc.stderr.decode()
     assert (proc.returncode, err) == (141, "")
+
+
+def test_a_warning_is_one_line_without_source() -> None:
+    """Python's format put the file, line number and source line around a warning
+    ("/.../bin/outcore:8: EmulatedDtypeWarning ..."); the command says what, in one line."""
+    code = ("import sys, warnings\nfrom outcore.app import cli\n"
+            "cli._run_estimate = lambda args: (warnings.warn('something to know'), 0)[1]\n"
+            "sys.exit(cli.main(['estimate', '--params', '1B']))\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=REPO, env=env, timeout=120)
+    assert (done.returncode, done.stderr) == (0, "outcore estimate: warning: something to know\n")

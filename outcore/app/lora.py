@@ -169,16 +169,19 @@ def footprint(engine: Any) -> dict[str, Any]:
     per tier for the base, and whether any frozen parameter has a master or optimizer state."""
     base: dict[str, int] = {}
     out = {"base_params": 0, "base_bytes": base, "base_extra": 0, "adapter_params": 0,
-           "adapter_bytes": 0, "dtype": str(engine.rt.compute_dtype).removeprefix("torch.")}
+           "adapter_bytes": 0, "dtype": str(engine.rt.compute_dtype).removeprefix("torch."),
+           "base_shard": 0, "adapter_shard": 0}  # this rank's elements of each
     for sp in engine.params:
         stored = sp.stored_shards()
         state = engine.sharded_optimizer.state.get(sp)
         moments = list(state.moments.values()) if state is not None else []
         if sp.trainable:
             out["adapter_params"] += sp.numel
+            out["adapter_shard"] += sp.shard_numel
             out["adapter_bytes"] += sum(s.nbytes for s in stored + moments)
             continue
         out["base_params"] += sp.numel
+        out["base_shard"] += sp.shard_numel
         for s in stored:
             if s is sp.compute_shard:
                 where = "place" if s.read_only else s.tier.value  # read from its own file
@@ -199,14 +202,16 @@ def memory_line(engine: Any) -> str:
         f"{format_bytes(b)} of {f['base_dtype']} read in place from {f['base_folder']}"
         if t == "place" else f"{format_bytes(b)} in {t}"
         for t, b in f["base_bytes"].items()) or "none"
-    per = sum(f["base_bytes"].values()) / max(f["base_params"], 1)
+    per = sum(f["base_bytes"].values()) / max(f["base_shard"], 1)  # this rank's bytes
     extra = ("no master, gradient or optimizer state" if not f["base_extra"]
              else f"plus {format_bytes(f['base_extra'])} of master/optimizer state")
-    rank = f" (rank {engine.rank}'s shards)" if engine.world_size > 1 else ""
+    several = engine.world_size > 1
+    rank = f" (rank {engine.rank}'s shards)" if several else ""
+    mine = (f" for this rank's {format_count(f['adapter_shard'])}" if several else "")
     return (f"  memory{rank}: frozen base {format_count(f['base_params'])} params, {where} "
-            f"({per:g} B/param, {f['dtype']}; {extra}); adapters "
+            f"({per:.3g} B/param, {f['dtype']}; {extra}); adapters "
             f"{format_count(f['adapter_params'])} params, "
-            f"{format_bytes(f['adapter_bytes'])} with master and optimizer state")
+            f"{format_bytes(f['adapter_bytes'])}{mine} with master and optimizer state")
 
 
 def adapter_dir(out: Path) -> Path:

@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch._C import DisableTorchFunctionSubclass
 
 from outcore.zero.registry import managed
 
@@ -101,7 +102,8 @@ class TiedRows:
         if grad is None:  # the head was not in this backward: the rows over zeros, as torch
             rows = kept[0][1]
             grad = torch.zeros(sp.param.shape, dtype=rows.dtype, device=rows.device)
-            sp.param.grad = grad
+            with DisableTorchFunctionSubclass():  # as autograd sets it: not a user's write
+                sp.param.grad = grad
         for ids, rows in kept:
             # the ids are distinct: one add per element, as in torch's sum; index_put_, unlike
             # index_add_, also runs where torch is told to be deterministic on a GPU

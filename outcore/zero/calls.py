@@ -48,6 +48,8 @@ DATA_SET: Callable[[torch.Tensor, torch.Tensor], None] = (
     torch.Tensor.data.__set__)  # type: ignore[attr-defined]  # see above
 GRAD_GET: Callable[[torch.Tensor], torch.Tensor | None] = (
     torch.Tensor.grad.__get__)  # type: ignore[union-attr]  # a getset descriptor
+GRAD_SET: Callable[[torch.Tensor, torch.Tensor | None], None] = (
+    torch.Tensor.grad.__set__)  # type: ignore[union-attr]  # a getset descriptor
 SETITEM = torch.Tensor.__setitem__
 DETACH = torch.Tensor.detach
 # calls that use only metadata, beyond registry.METADATA_CALLS; *_like and new_* allocate a
@@ -170,6 +172,20 @@ def refuse_new_parameter(func: Any, args: Args) -> None:
 
 
 _MODULE_APPLY = nn.Module._apply.__code__
+
+
+def refuse_grad_assignment(func: Any, args: Args) -> None:
+    """Refuse ``p.grad = g`` (a gradient written by hand) on a sharded parameter: outcore's
+    update reads the gradients ``engine.backward`` reduced into its shards, never ``p.grad``,
+    so the step went on without it and said nothing. ``p.grad = None`` stays a no-op."""
+    if func != GRAD_SET or len(args) < 2 or args[1] is None:  # method-wrappers: compare
+        return
+    sp = registry.managed(args[0])
+    if sp is not None:
+        raise ParamAccessError(
+            f"assigning parameter {sp.label()}.grad: outcore's optimizer updates from the "
+            "gradients engine.backward(loss) reduces into its shards, never from p.grad; "
+            "put what should reach the gradient into the loss")
 
 
 def refuse_grad_of_gathered(func: Any, args: Args, kwargs: Kwargs) -> None:

@@ -77,6 +77,7 @@ from outcore.zero.calls import (
     Kind,
     Kwargs,
     kind_of,
+    refuse_grad_assignment,
     refuse_grad_of_gathered,
     refuse_meta_move,
     refuse_new_parameter,
@@ -140,6 +141,7 @@ def dispatch(func: Any, args: Args, kwargs: Kwargs) -> Any:
     """Run ``func`` as the states of the parameters it touches allow (see the note)."""
     kind = kind_of(func)
     if kind is Kind.META:
+        refuse_grad_assignment(func, args)
         out = access.raw(func, args, kwargs)
         if out is None and func == GRAD_GET:  # method-wrappers: compare, not `is`
             _notice_grad_read(args[0])

@@ -83,3 +83,16 @@ def test_nesting_is_refused_by_name_and_leaves_things_working() -> None:
         assert torch.equal(model[0].weight.detach(), before)
         engine.backward(model(torch.randn(4, 8)).pow(2).mean())
         engine.step()
+
+
+@pytest.mark.parametrize("offload", ["none", "nvme"])
+def test_a_gradient_written_by_hand_is_refused(offload: str, tmp_path: Path) -> None:
+    """``p.grad = g`` then ``step()``: torch applies ``g``; outcore's update never reads
+    ``p.grad``, so the write was silently ignored. Now refused by name; ``= None`` is fine."""
+    model = _net()
+    with outcore.initialize(model, {"dtype": "fp32", "offload": {
+            "params": offload, "optimizer": offload, "nvme_path": str(tmp_path)}}):
+        with pytest.raises(ParamAccessError, match=r"assigning parameter 0.bias.grad"):
+            model[0].bias.grad = torch.ones(16)
+        model[0].bias.grad = None
+        assert model[0].bias.grad is None

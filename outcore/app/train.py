@@ -278,6 +278,12 @@ def run(args: argparse.Namespace) -> int:
         with lock_run_folder(out, cfg.comm.timeout_s):
             return _run_holding_out(args, job, cfg, n_params, vocab, seq, lora, record)
     except BaseException:
+        if missing:  # the other ranks' swap folders go as their engines close: a moment
+            deadline = time.monotonic() + (10 if int(os.environ.get("WORLD_SIZE", "1")) > 1
+                                           else 0)
+            while (out / "swap").is_dir() and any((out / "swap").iterdir()) \
+                    and time.monotonic() < deadline:
+                time.sleep(0.05)
         for folder in [out / "swap", *missing] if missing else []:
             with contextlib.suppress(OSError):  # not empty: kept
                 folder.rmdir()

@@ -29,6 +29,7 @@ from outcore.zero.calls import (
     Kind,
     Kwargs,
     dtype_refusal,
+    is_live,
     kind_of,
     local_write,
     refuse_new_parameter,
@@ -56,13 +57,6 @@ def raw_data(param: torch.Tensor) -> torch.Tensor:
     """``param.data`` as torch keeps it (outcore's own use)."""
     with DisableTorchFunctionSubclass():
         return param.data
-
-
-def is_live(sp: ShardedParam) -> bool:
-    """Whether ``.data`` is where the exact values live (one rank, fp32 shards in memory
-    shown without a copy): then every call, writes included, is plain PyTorch's."""
-    return (sp.state is ParamState.GATHERED and sp.group is not None and sp.group.zero_copy
-            and sp.compute_shard is sp.master_shard)
 
 
 @final  # Touch tells a view from a parameter by ``type(obj) is ParamView``

@@ -16,7 +16,7 @@ import sys
 from collections.abc import Callable
 from enum import Enum
 from types import CodeType, FrameType
-from typing import Any, TypeAlias
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import torch
 from torch import nn
@@ -24,6 +24,9 @@ from torch import nn
 from outcore.errors import ParamAccessError
 from outcore.zero import registry
 from outcore.zero.state import ParamState
+
+if TYPE_CHECKING:
+    from outcore.zero.param import ShardedParam
 
 
 class Kind(Enum):
@@ -292,3 +295,10 @@ def dtype_refusal(label: str, given: torch.dtype, dtype: torch.dtype, building: 
     return (said + f"outcore computes parameter {label} in {dtype}, the config's dtype, and "
             "keeps an fp32 master for training. Set dtype in the config, or convert before "
             "outcore.initialize or after engine.close(); no parameter was converted")
+
+
+def is_live(sp: ShardedParam) -> bool:
+    """Whether ``.data`` is where the exact values live (one rank, fp32 shards in memory
+    shown without a copy): then every call, writes included, is plain PyTorch's."""
+    return (sp.state is ParamState.GATHERED and sp.group is not None and sp.group.zero_copy
+            and sp.compute_shard is sp.master_shard)

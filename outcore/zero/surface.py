@@ -76,6 +76,7 @@ from outcore.zero.calls import (
     Args,
     Kind,
     Kwargs,
+    is_live,
     kind_of,
     refuse_grad_assignment,
     refuse_grad_of_gathered,
@@ -239,7 +240,7 @@ def _as_is(t: access.Touch) -> bool:
         return True
     if t.chain or sp.state not in HAS_VALUES:
         return False
-    return sp.state in USER_OWNED or sp.rt.phase is not Phase.IDLE or access.is_live(sp)
+    return sp.state in USER_OWNED or sp.rt.phase is not Phase.IDLE or is_live(sp)
 
 
 def _value_for_copy(t: torch.Tensor) -> torch.Tensor:

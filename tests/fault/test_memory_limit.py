@@ -358,8 +358,8 @@ def test_auto_fits_the_cgroup_limit_and_trains(
     cgroup, out = memory_cgroup(LIMIT), tmp_path / "run"
     r = _train(_job(out, corpus, "auto"), tmp_path, cgroup.entry(), timeout=600)
     assert r.rc == 0, f"rc {r.rc} (137: killed for memory)\n{r.stdout}\n{r.stderr[-3000:]}"
-    chosen = re.search(r"^placement: params=(\w+), optimizer=(\w+)", r.stdout, re.M)
-    assert chosen and chosen.groups() != ("none", "none"), r.stdout
+    chosen = re.search(r"^placement: params=(\w+), optimizer=(\w+)", r.stderr, re.M)
+    assert chosen and chosen.groups() != ("none", "none"), r.stderr[-3000:]  # (the plan)
     [row] = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert row["step"] == 1 and math.isfinite(row["loss"])
     assert cgroup.peak() <= LIMIT

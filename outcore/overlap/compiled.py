@@ -8,6 +8,10 @@ it was created"), so the hooks are left out of the graph: it breaks at each modu
 parameters outcore fetches, and the layers between run compiled. The hook methods are
 decorated, not wrapped at registration: a hook must stay a bound method of its owner, so that
 a deep copy of the model gets the owner's inert copy (hooks.py's ``inert_copy``).
+``torch.compiler.disable`` imports dynamo when it decorates, which took ``import outcore``
+from about 1.6 to 2.9 s (every CLI command and torchrun worker pays it); torch's own lazy
+form, ``torch._disable_dynamo`` (what torch's optimizers use), imports it at the first call
+of the hook and keeps the disabled function from then on.
 """
 
 from __future__ import annotations
@@ -24,4 +28,4 @@ _Hook = TypeVar("_Hook", bound=Callable[..., Any])
 
 def uncompiled(hook: _Hook) -> _Hook:
     """``hook``, run outside any graph ``torch.compile`` makes (see the note)."""
-    return cast(_Hook, torch.compiler.disable(hook))  # type: ignore[no-untyped-call]
+    return cast(_Hook, torch._disable_dynamo(hook))  # type: ignore[attr-defined]

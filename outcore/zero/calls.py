@@ -195,18 +195,18 @@ def refuse_grad_of_gathered(func: Any, args: Args, kwargs: Kwargs) -> None:
     """Refuse ``torch.autograd.grad(..., inputs=[p])`` for a parameter outcore gathers per use
     (its home is not the tensor the model computes with): the forward used a full copy, so
     ``p`` is not in the graph and torch's answer was "appears to not have been used in the
-    graph". A parameter whose shard is the tensor itself (one rank, in memory) is in the
-    graph, and gets torch's own gradient."""
+    graph". A parameter whose fp32 values are the tensor itself (``is_live``: one rank, in
+    memory, fp32) is in the graph, and gets torch's own gradient; a 16-bit compute copy is not."""
     if func is not torch.autograd.grad:
         return
     inputs = args[1] if len(args) > 1 else kwargs.get("inputs", ())
     for t in (inputs if isinstance(inputs, (list, tuple)) else (inputs,)):
         sp = registry.managed(t) if isinstance(t, torch.Tensor) else None
-        if sp is not None and sp.group is not None and not sp.group.zero_copy:
+        if sp is not None and not is_live(sp):
             raise ParamAccessError(
                 f"torch.autograd.grad with respect to parameter {sp.label()}: outcore computes "
-                "with a full copy gathered for each use, not the parameter itself (which holds "
-                "a shard), so it is not in the graph; take the gradient with engine.backward "
+                "with a copy of it (gathered, or in the compute dtype), not the parameter "
+                "itself, so it is not in the graph; take the gradient with engine.backward "
                 "(it reaches the optimizer), or with respect to activations")
 
 

@@ -37,6 +37,8 @@ def gathered_parameters(params: Iterable[nn.Parameter] | nn.Module,
             raise ParamAccessError(f"gathered_parameters around parameter {sp.label()}, "
                                    "which an enclosing gathered_parameters shows already: use "
                                    "that one (with modify=True to write)")
+    if modify and sps:  # its writes could not take in updates this backward applied
+        sps[0].rt.before_overwrite("gathered_parameters(modify=True)")
     groups = []
     for sp in sps:
         if sp.group is not None and sp.group not in groups:

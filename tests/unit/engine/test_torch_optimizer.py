@@ -203,7 +203,12 @@ def test_between_a_backward_that_updated_and_step_writes_and_checkpoints_are_ref
         torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(model.state_dict()["0.weight"], ref.state_dict()["0.weight"],
                                rtol=1e-5, atol=1e-6)
+    def gathered_write() -> None:  # the way to write at more ranks: refused at its entry
+        with engine.gathered_parameters([model[0].weight], modify=True):
+            model[0].weight.data.mul_(0.5)
+
     for what, call in (("a write to parameter 0.bias", lambda: model[0].bias.data.fill_(0.5)),
+                       (r"gathered_parameters\(modify=True\)", gathered_write),
                        ("save_checkpoint", lambda: engine.save_checkpoint(tmp_path / "mid")),
                        ("load_checkpoint", lambda: engine.load_checkpoint(tmp_path / "ckpt"))):
         with pytest.raises(outcore.OutcoreError, match=f"{what}.* already applied the updates"):

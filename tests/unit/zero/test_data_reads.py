@@ -28,8 +28,9 @@ def test_data_reads_are_plain_arrays_outside_autograd(offload: str, tmp_path: Pa
         assert (w * 2).requires_grad  # the parameter itself stays autograd's
 
 
-@pytest.mark.parametrize("offload", ["none", "nvme"])
-def test_autograd_grad_of_a_parameter(offload: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("offload", "dtype"), [("none", "fp32"), ("nvme", "fp32"),
+                                               ("none", "bf16")])
+def test_autograd_grad_of_a_parameter(offload: str, dtype: str, tmp_path: Path) -> None:
     """In memory at one rank the parameter is the tensor computed with: torch's gradient.
     Gathered per use (here, on NVMe) it is not in the graph: refused by name (it was torch's
     "appears to not have been used in the graph")."""
@@ -39,10 +40,10 @@ def test_autograd_grad_of_a_parameter(offload: str, tmp_path: Path) -> None:
     ref.load_state_dict(model.state_dict())
     x = torch.randn(4, 8)
     want = torch.autograd.grad(ref(x).pow(2).mean(), list(ref.parameters()))
-    with outcore.initialize(model, {"dtype": "fp32", "offload": {
+    with outcore.initialize(model, {"dtype": dtype, "offload": {
             "params": offload, "optimizer": offload, "nvme_path": str(tmp_path)}}):
         loss = model(x).pow(2).mean()
-        if offload == "none":
+        if (offload, dtype) == ("none", "fp32"):  # the parameter is what the model computes with
             got = torch.autograd.grad(loss, list(model.parameters()))
             assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
         else:

@@ -73,25 +73,52 @@ RUN_OPTIONS = ("model", "data", "steps", "save_every", "batch", "seq", "offload"
 
 
 _PATHS = ("model", "data", "nvme_path")
-"""Flags that may name a path: recorded absolute, so a resume from another folder finds them."""
+"""Settings that may name a path: recorded resolved, so a resume from another folder finds
+them (a model only where it is a Hugging Face folder: a preset's name stays a name, though a
+folder of that name may exist)."""
+
+# where each flag's value lives in the config file, for a --config given anew on resume
+_IN_CONFIG = {"lr": ("optimizer", "lr"), "dtype": ("dtype",), "nvme_path": ("offload", "nvme_path")}
+
+
+def _resolved(key: str, value: Any) -> Any:
+    from outcore.app.models import is_hf_folder  # (models imports nothing of the job's)
+
+    if key not in _PATHS or not isinstance(value, str) or value == "":
+        return value
+    path = Path(value).expanduser()
+    if (is_hf_folder(path) if key == "model" else path.exists()):
+        return str(path.resolve())
+    return value
 
 
 def _same(key: str, a: Any, b: Any) -> bool:
     if key == "lora":  # one spec spelled two ways is the same; another is refused (lora.py)
         return True
-    if key in _PATHS and isinstance(a, str) and isinstance(b, str):
-        return Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
-    return bool(a == b)
+    return bool(_resolved(key, a) == _resolved(key, b))
+
+
+def _config_sets(file_cfg: dict[str, Any], key: str) -> bool:
+    """Whether the config file sets the flag ``key`` (its ``train:`` section, or the engine's
+    key the flag stands for)."""
+    where: Any = file_cfg
+    for part in _IN_CONFIG.get(key, ("train", key)):
+        if not isinstance(where, dict) or part not in where:
+            return False
+        where = where[part]
+    return True
 
 
 def run_record(args: argparse.Namespace, file_cfg: dict[str, Any]) -> dict[str, Any]:
-    """How this run was started: the flags given and the config file as read (JSON only)."""
-    options = {k: getattr(args, k) for k in RUN_OPTIONS if getattr(args, k, None) is not None}
-    for key in _PATHS:
-        value = options.get(key)
-        if isinstance(value, str) and Path(value).expanduser().exists():
-            options[key] = str(Path(value).expanduser().resolve())
-    return {"options": options, "config": file_cfg}
+    """How this run was started: the flags given and the config file as read, its paths
+    resolved (JSON only). The caller adds ``effective``: the settings the run ran with."""
+    options = {k: _resolved(k, getattr(args, k)) for k in RUN_OPTIONS
+               if getattr(args, k, None) is not None}
+    config = {k: dict(v) if isinstance(v, dict) else v for k, v in file_cfg.items()}
+    for section, key in (("train", "data"), ("train", "model"), ("offload", "nvme_path")):
+        if isinstance(config.get(section), dict) and key in config[section]:
+            config[section][key] = _resolved(key, config[section][key])
+    return {"options": options, "config": config}
 
 
 def resumed_settings(args: argparse.Namespace, file_cfg: dict[str, Any],
@@ -103,25 +130,26 @@ def resumed_settings(args: argparse.Namespace, file_cfg: dict[str, Any],
     ``outcore train --out run1 --resume`` must continue run1, not start the job's defaults
     on run1's weights: a 300-step cosine schedule where the run had 1,000 steps, the
     default data, another model (which the load then refuses). So each checkpoint records
-    the flags the run was started with and its config file as read (``run_record``), and a
-    resume takes them as its own: a flag given again overrides the run's (and is named,
-    since the losses then differ from the uninterrupted run's), a ``--config`` given again
-    replaces the run's file. Checkpoints written before this record carry the model alone.
+    the flags the run was started with, its config file as read, paths resolved
+    (``run_record``), and the settings it ran with. A resume takes them as its own. A flag
+    given again overrides the run's and is named against what the run ran with, wherever
+    that came from. A ``--config`` given again replaces the run's file, and the run's flags
+    then apply only where the new file does not set them. Checkpoints written before this
+    record carry the model alone.
     """
     record = client.get("run")
     if not isinstance(record, dict):
         record = {"options": {"model": client["model"]} if "model" in client else {},
                   "config": None}
-    changed = []
     options = record.get("options") or {}
+    effective = {**options, **(record.get("effective") or {})}
+    changed = [f"--{key.replace('_', '-')} {getattr(args, key)} (the run had {effective[key]})"
+               for key in RUN_OPTIONS if getattr(args, key, None) is not None
+               and key in effective and not _same(key, getattr(args, key), effective[key])]
     for key, value in options.items():
-        if key not in RUN_OPTIONS:
-            continue
-        given = getattr(args, key, None)
-        if given is None:
+        if key in RUN_OPTIONS and getattr(args, key, None) is None and not (
+                args.config is not None and _config_sets(file_cfg, key)):
             setattr(args, key, value)
-        elif not _same(key, given, value):
-            changed.append(f"--{key.replace('_', '-')} {given} (the run had {value})")
     if "model" in options and not _same("model", args.model, options["model"]):
         changed = []  # another model is refused before the build, in a line of its own
     saved_cfg = record.get("config")

@@ -40,7 +40,7 @@ from outcore.app import blocks, models
 from outcore.app import data as datamod
 from outcore.app import lora as loramod
 from outcore.app.evaluate import EVAL_BATCHES, held_out_loss
-from outcore.app.job import JOB_DEFAULTS, LR_SCHEDULES, resumed_settings, run_record
+from outcore.app.job import JOB_DEFAULTS, LR_SCHEDULES, RUN_OPTIONS, resumed_settings, run_record
 from outcore.app.job import job_settings as _job_settings
 from outcore.app.report import MetricsWriter, read_metrics, write_report
 from outcore.config import Config, merge_mappings, read_mapping
@@ -257,13 +257,17 @@ def run(args: argparse.Namespace) -> int:
         _check_resume(latest, job["model"], job["steps"])
         loramod.check_resume(lora, latest)
     for line in changed:
-        _say(f"--resume: {line}: the losses will differ from the uninterrupted run's")
+        _say(f"--resume: {line}")
     n_params, max_seq, vocab = _describe_model(job["model"])
     seq = job["seq"] or min(256, max_seq)
     if seq > max_seq:
         raise ConfigError(f"--seq: {seq} exceeds the model's longest sequence {max_seq}")
     trainable = lora.trainable if lora is not None else None  # a LoRA base is frozen
     cfg = _engine_config(args, file_cfg, job, n_params, trainable)
+    record["effective"] = {  # what the run ran with, for a resume to name what it changes
+        **{k: job[k] for k in RUN_OPTIONS if k in job and job[k] is not None},
+        "seq": seq, "lr": cfg.optimizer.lr, "dtype": cfg.dtype,
+        "data": str(Path(job["data"]).resolve()) if job["data"] else None}
     caution = check_fits(cfg, n_params, int(os.environ.get("WORLD_SIZE", "1")),  # before the build
                          trainable=trainable)
     if caution:

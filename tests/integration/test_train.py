@@ -315,9 +315,40 @@ def test_resume_with_out_alone_continues_the_run_as_it_was_started(
     assert [(r["step"], r["loss"], r["lr"]) for r in resumed] == [
         (r["step"], r["loss"], r["lr"]) for r in uninterrupted]
     assert train.run(_parse("--out", str(out), "--resume", "--steps", "5")) == 0
-    assert ("--resume: --steps 5 (the run had 4): the losses will differ"
-            in capsys.readouterr().err)
+    assert "--resume: --steps 5 (the run had 4)\n" in capsys.readouterr().err
     assert [r["lr"] for r in read_metrics(out / "metrics.jsonl")] == [0.002] * 5
+    (tmp_path / "elsewhere" / "tiny").mkdir()  # a folder named as the preset: still the preset
+    assert train.run(_parse("--out", str(out), "--resume", "--steps", "6")) == 0
+    assert train.run(_parse("--out", str(out), "--resume", "--steps", "7")) == 0
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")][-1] == 7
+
+
+@needs_engine
+def test_resume_takes_a_config_files_job_and_names_what_a_flag_changes(
+        tmp_path: Path, text_file: Path, capsys: pytest.CaptureFixture,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The run's config file is recorded with its paths resolved (its relative data path
+    works from another folder); a flag against a value that came from the file is named; a
+    --config given again wins over the run's recorded flags where it sets the key."""
+    monkeypatch.chdir(tmp_path)
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text(f"train: {{model: tiny, data: {text_file.name}, steps: 3, batch: 2, seq: 32, "
+                   "save_every: 1, lr_schedule: constant}\ndtype: fp32\n")
+    out = tmp_path / "run"
+    assert train.run(_parse("--config", str(cfg), "--out", str(out), "--lr", "0.002")) == 0
+    shutil.rmtree(out / "checkpoints" / "step-00000003")
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    capsys.readouterr()
+    assert train.run(_parse("--out", str(out), "--resume", "--steps", "4")) == 0
+    err = capsys.readouterr().err
+    assert "--resume: --steps 4 (the run had 3)\n" in err  # 3 came from the file
+    assert [r["lr"] for r in read_metrics(out / "metrics.jsonl")] == [0.002] * 4
+    new = tmp_path / "new.yaml"  # its optimizer.lr replaces the run's recorded --lr
+    new.write_text(f"train: {{model: tiny, data: {text_file}, steps: 5, batch: 2, seq: 32, "
+                   "lr_schedule: constant}\ndtype: fp32\noptimizer: {lr: 0.001}\n")
+    assert train.run(_parse("--out", str(out), "--resume", "--config", str(new))) == 0
+    assert [r["lr"] for r in read_metrics(out / "metrics.jsonl")][-1] == 0.001
 
 
 @needs_engine

@@ -50,6 +50,7 @@ from outcore.errors import ConfigError
 from outcore.guard.lock import lock_run_folder
 from outcore.guard.preemption import EXIT_PREEMPTED, Preemption, preemption
 from outcore.io.checkpoint import latest_checkpoint, read_manifest
+from outcore.offload.nvme import MADE_MARK, remove_if_left_empty
 from outcore.offload.storage import Tier
 from outcore.sizing.estimate import shape_from_hf_config
 from outcore.sizing.placement import check_fits
@@ -282,13 +283,14 @@ def run(args: argparse.Namespace) -> int:
         with lock_run_folder(out, cfg.comm.timeout_s):
             return _run_holding_out(args, job, cfg, n_params, vocab, seq, lora, record)
     except BaseException:
-        if missing:  # the other ranks' swap folders go as their engines close: a moment
-            deadline = time.monotonic() + (10 if int(os.environ.get("WORLD_SIZE", "1")) > 1
-                                           else 0)
-            while (out / "swap").is_dir() and any((out / "swap").iterdir()) \
-                    and time.monotonic() < deadline:
-                time.sleep(0.05)
-        for folder in [out / "swap", *missing] if missing else []:
+        swap = out / "swap"  # the other ranks' swap folders go as their engines close
+        deadline = time.monotonic() + (10 if int(os.environ.get("WORLD_SIZE", "1")) > 1 else 0)
+        while missing and swap.is_dir() and time.monotonic() < deadline and any(
+                p.name != MADE_MARK for p in swap.iterdir()):
+            time.sleep(0.05)
+        if missing:
+            remove_if_left_empty(swap)
+        for folder in missing:
             with contextlib.suppress(OSError):  # not empty: kept
                 folder.rmdir()
         raise

@@ -77,13 +77,19 @@ def check_space(path: str | os.PathLike[str], nbytes: int) -> None:
         )
 
 
-def _prepare_root(root: Path) -> bool:
-    """Make sure ``root`` is a directory, creating it (not its parents) if missing; return
-    whether this call made it (the store then removes it at close if it is left empty)."""
+MADE_MARK = ".outcore-made"
+"""A file in a swap path outcore created: the last store to close there removes the path
+when nothing else is left in it. (Ranks share the path, and the one that made it need not
+close last; a folder without the mark, the user's, is never removed.)"""
+
+
+def _prepare_root(root: Path) -> None:
+    """Make sure ``root`` is a directory, creating it (not its parents, marked ``MADE_MARK``)
+    if missing."""
     if root.exists():
         if not root.is_dir():
             raise StorageError(f"NVMe swap path {root} exists but is not a directory")
-        return False
+        return
     parent = root.parent
     if not parent.is_dir():
         why = "is not a directory" if parent.exists() else "does not exist"
@@ -91,10 +97,19 @@ def _prepare_root(root: Path) -> bool:
     try:
         os.mkdir(root)
     except FileExistsError:
-        return False
+        return
     except OSError as e:
         raise StorageError(f"cannot create NVMe swap path {root}: {e.strerror}") from e
-    return True
+    with contextlib.suppress(OSError):  # without it the path is only kept
+        (root / MADE_MARK).touch(0o600)
+
+
+def remove_if_left_empty(root: Path) -> None:
+    """``root`` and its mark, where outcore made it and nothing else is left in it."""
+    with contextlib.suppress(OSError):
+        if os.listdir(root) == [MADE_MARK]:
+            os.unlink(root / MADE_MARK)
+            os.rmdir(root)
 
 
 class _FreeList:
@@ -141,10 +156,9 @@ class _SwapFile:
     """What the store created, and its in-flight I/O count; apart from ``NvmeStore`` so that
     ``weakref.finalize`` can delete it at collection or exit without keeping the store alive."""
 
-    def __init__(self, folder: Path, path: Path, made_root: bool = False) -> None:
+    def __init__(self, folder: Path, path: Path) -> None:
         self.folder = folder
         self.path = path
-        self.made_root = made_root  # the swap path itself was made for this store
         self.fd = -1
         self.pid = os.getpid()
         self._inflight = 0
@@ -180,9 +194,7 @@ class _SwapFile:
                             "this swap once that filesystem is writable again",
                             target, e.strerror, self.folder.parent)
                 return  # the folder still holds the file: one message, not two
-        if self.made_root:  # left empty (no other run's or rank's swap in it): it goes too
-            with contextlib.suppress(OSError):
-                os.rmdir(self.folder.parent)
+        remove_if_left_empty(self.folder.parent)  # made by outcore, nothing else left
 
 
 def _open_swap(path: Path, direct: bool) -> tuple[int, bool]:
@@ -268,15 +280,19 @@ class NvmeStore:
         self.root = Path(root).expanduser().absolute()
         self.engine = engine
         self.pool = pool
-        made_root = _prepare_root(self.root)
+        _prepare_root(self.root)
         self.folder = self.root / f"outcore-{os.getpid()}-{secrets.token_hex(4)}"
         self.path = self.folder / f"rank{rank}.swap"
         try:
-            os.mkdir(self.folder, 0o700)
+            try:
+                os.mkdir(self.folder, 0o700)
+            except FileNotFoundError:  # another store removed the path as it closed: again
+                _prepare_root(self.root)
+                os.mkdir(self.folder, 0o700)
         except OSError as e:
             raise StorageError(f"NVMe swap path {self.root}: cannot create a folder there "
                                f"({e.strerror})") from e
-        self._swap = _SwapFile(self.folder, self.path, made_root)
+        self._swap = _SwapFile(self.folder, self.path)
         self._closer = weakref.finalize(self, self._swap.delete)
         try:
             os.chmod(self.folder, 0o700)

@@ -200,10 +200,17 @@ def test_missing_leaf_is_created_and_removed_when_left_empty(
     second = NvmeStore(root, rank=1, engine=engine, pool=pool)
     first.close()
     assert root.is_dir()  # the second's swap is in it
-    second.close()
-    assert root.is_dir() and list(root.iterdir()) == []  # not the second's to remove
+    second.close()  # the last to close removes it, whoever made it (ranks share the path)
+    assert not root.exists()
+    root.mkdir()  # the user's: kept, with what they put there
     NvmeStore(root, rank=0, engine=engine, pool=pool).close()
-    assert root.is_dir()  # it existed
+    assert root.is_dir() and list(root.iterdir()) == []
+    (root / "notes.txt").write_text("mine")
+    outcore_made = tmp_path / "made"
+    store = NvmeStore(outcore_made, rank=0, engine=engine, pool=pool)
+    (outcore_made / "notes.txt").write_text("theirs")  # something else put there: kept
+    store.close()
+    assert sorted(p.name for p in outcore_made.iterdir()) == [".outcore-made", "notes.txt"]
 
 
 @pytest.mark.parametrize("layout", ["root_is_file", "parent_is_file"])

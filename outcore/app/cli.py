@@ -31,6 +31,7 @@ import importlib
 import json
 import os
 import re
+import select
 import sys
 import warnings
 from pathlib import Path
@@ -398,6 +399,16 @@ def _one_line(prog: str, error: BaseException) -> str:
     return f"{prog}: error: {text}"
 
 
+def _stdout_gone() -> bool:
+    """Whether stdout is a pipe whose reader has closed it (poll says POLLERR there)."""
+    try:
+        poll = select.poll()
+        poll.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poll.poll(0))
+    except (AttributeError, OSError, ValueError):  # no fd (captured), or no poll here
+        return False
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the ``outcore`` command and return its exit code (see [Note: the CLI error policy])."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -430,6 +441,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:  # `outcore estimate ... | head`: the reader has gone, quietly
+        if not _stdout_gone():
+            raise  # another pipe: not the reader of our output
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
         return 141  # the shell's code for SIGPIPE
     finally:

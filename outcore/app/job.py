@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from outcore.app import blocks
+from outcore.app.models import is_hf_folder
 from outcore.errors import ConfigError
 
 __all__ = ["JOB_DEFAULTS", "LR_SCHEDULES", "RUN_OPTIONS", "job_settings", "resumed_settings",
@@ -82,8 +83,6 @@ _IN_CONFIG = {"lr": ("optimizer", "lr"), "dtype": ("dtype",), "nvme_path": ("off
 
 
 def _resolved(key: str, value: Any) -> Any:
-    from outcore.app.models import is_hf_folder  # (models imports nothing of the job's)
-
     if key not in _PATHS or not isinstance(value, str) or value == "":
         return value
     path = Path(value).expanduser()

@@ -288,9 +288,9 @@ def run(args: argparse.Namespace) -> int:
         while missing and swap.is_dir() and time.monotonic() < deadline and any(
                 p.name != MADE_MARK for p in swap.iterdir()):
             time.sleep(0.05)
-        if missing:
+        if missing:  # rank 0 made OUT: an empty swap in it is the job's, marked or not
             remove_if_left_empty(swap)
-        for folder in missing:
+        for folder in [swap, *missing] if missing else []:
             with contextlib.suppress(OSError):  # not empty: kept
                 folder.rmdir()
         raise

@@ -192,11 +192,11 @@ def refuse_grad_assignment(func: Any, args: Args) -> None:
 
 
 def refuse_grad_of_gathered(func: Any, args: Args, kwargs: Kwargs) -> None:
-    """Refuse ``torch.autograd.grad(..., inputs=[p])`` for a parameter outcore gathers per use
-    (its home is not the tensor the model computes with): the forward used a full copy, so
-    ``p`` is not in the graph and torch's answer was "appears to not have been used in the
-    graph". A parameter whose fp32 values are the tensor itself (``is_live``: one rank, in
-    memory, fp32) is in the graph, and gets torch's own gradient; a 16-bit compute copy is not."""
+    """Refuse ``torch.autograd.grad(..., inputs=[p])`` for a parameter that is not the tensor
+    the model computes with (gathered per use, or cast to a 16-bit compute dtype): the forward
+    used a copy, so ``p`` is not in the graph and torch's answer was "appears to not have been
+    used in the graph". A parameter whose fp32 values are the tensor itself (``is_live``: one
+    rank, in memory, fp32) is in the graph, and gets torch's own gradient."""
     if func is not torch.autograd.grad:
         return
     inputs = args[1] if len(args) > 1 else kwargs.get("inputs", ())

@@ -7,8 +7,6 @@ are about the launch (``torchrun``'s variables), not about a collective in fligh
 
 from __future__ import annotations
 
-import atexit
-import contextlib
 import datetime
 import os
 
@@ -37,17 +35,4 @@ def join_world(backend: str, timeout_s: float) -> Comm:
     comm = Comm(int(os.environ["RANK"]), world, timeout_s)
     with NamedFailure(comm, "joining the process group"):
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
-    atexit.register(_leave_world, dist.GroupMember.WORLD)
     return Comm(dist.get_rank(), dist.get_world_size(), timeout_s)
-
-
-def _leave_world(made: object) -> None:
-    """[Note: the process group outcore joined is left at exit]
-    A script that trains under ``torchrun`` and ends without ``destroy_process_group()``
-    (nothing told it to: outcore joined the group) left gloo's threads to the interpreter's
-    teardown, and most 2-rank runs then died with "terminate called without an active
-    exception" (SIGABRT, 6 of 8 runs; 0 of 8 with the group destroyed). So the group this
-    module made is destroyed at exit, unless the script destroyed it, or replaced it, first."""
-    if dist.is_initialized() and dist.GroupMember.WORLD is made:
-        with contextlib.suppress(Exception):  # at exit: nothing left to report to
-            dist.destroy_process_group()

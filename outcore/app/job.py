@@ -13,7 +13,7 @@ from outcore.app.models import is_hf_folder
 from outcore.errors import ConfigError
 
 __all__ = ["JOB_DEFAULTS", "LR_SCHEDULES", "RUN_OPTIONS", "job_settings", "resumed_settings",
-           "run_record"]
+           "run_record", "same_setting"]
 
 JOB_DEFAULTS: dict[str, Any] = {
     "model": "small", "data": None, "steps": 300, "save_every": 100, "out": "./outcore-run",
@@ -91,7 +91,8 @@ def _resolved(key: str, value: Any) -> Any:
     return value
 
 
-def _same(key: str, a: Any, b: Any) -> bool:
+def same_setting(key: str, a: Any, b: Any) -> bool:
+    """Whether ``a`` and ``b`` are one value of setting ``key`` (a path however spelled)."""
     if key == "lora":  # one spec spelled two ways is the same; another is refused (lora.py)
         return True
     return bool(_resolved(key, a) == _resolved(key, b))
@@ -144,12 +145,12 @@ def resumed_settings(args: argparse.Namespace, file_cfg: dict[str, Any],
     effective = {**options, **(record.get("effective") or {})}
     changed = [f"--{key.replace('_', '-')} {getattr(args, key)} (the run had {effective[key]})"
                for key in RUN_OPTIONS if getattr(args, key, None) is not None
-               and key in effective and not _same(key, getattr(args, key), effective[key])]
+               and key in effective and not same_setting(key, getattr(args, key), effective[key])]
     for key, value in options.items():
         if key in RUN_OPTIONS and getattr(args, key, None) is None and not (
                 args.config is not None and _config_sets(file_cfg, key)):
             setattr(args, key, value)
-    if "model" in options and not _same("model", args.model, options["model"]):
+    if "model" in options and not same_setting("model", args.model, options["model"]):
         changed = []  # another model is refused before the build, in a line of its own
     saved_cfg = record.get("config")
     if args.config is None and isinstance(saved_cfg, dict):

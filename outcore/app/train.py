@@ -38,9 +38,10 @@ from torch import nn
 
 from outcore.app import blocks, models
 from outcore.app import data as datamod
+from outcore.app import job as jobs
 from outcore.app import lora as loramod
 from outcore.app.evaluate import EVAL_BATCHES, held_out_loss
-from outcore.app.job import JOB_DEFAULTS, LR_SCHEDULES, RUN_OPTIONS, resumed_settings, run_record
+from outcore.app.job import JOB_DEFAULTS, LR_SCHEDULES
 from outcore.app.job import job_settings as _job_settings
 from outcore.app.report import MetricsWriter, read_metrics, write_report
 from outcore.config import Config, merge_mappings, read_mapping
@@ -247,15 +248,16 @@ def run(args: argparse.Namespace) -> int:
     job = _job_settings(args, file_cfg.get("train") or {})  # YAML's empty "train:" is None
     latest = latest_checkpoint(job["out"] / "checkpoints") if args.resume else None
     changed: list[str] = []
+    client: dict[str, Any] = {}
     if latest is not None:  # the run's own settings, where not given again (job.py's note)
         client = read_manifest(latest).get("client_state") or {}
-        file_cfg, changed = resumed_settings(args, file_cfg, client)
+        file_cfg, changed = jobs.resumed_settings(args, file_cfg, client)
         job = _job_settings(args, file_cfg.get("train") or {})
-    record = run_record(args, file_cfg)  # what a resume of this run starts from
+    record = jobs.run_record(args, file_cfg)  # what a resume of this run starts from
     file_cfg = {k: v for k, v in file_cfg.items() if k != "train"}
     lora = loramod.prepare(job["lora"], job["model"])  # a typo fails before the build
     if latest is not None:  # from the manifest alone, before the build
-        _check_resume(latest, job["model"], job["steps"])
+        _check_resume(latest, client, job["model"], job["steps"])
         loramod.check_resume(lora, latest)
     for line in changed:
         _say(f"--resume: {line}")
@@ -266,7 +268,7 @@ def run(args: argparse.Namespace) -> int:
     trainable = lora.trainable if lora is not None else None  # a LoRA base is frozen
     cfg = _engine_config(args, file_cfg, job, n_params, trainable)
     record["effective"] = {  # what the run ran with, for a resume to name what it changes
-        **{k: job[k] for k in RUN_OPTIONS if k in job and job[k] is not None},
+        **{k: job[k] for k in jobs.RUN_OPTIONS if k in job and job[k] is not None},
         "seq": seq, "lr": cfg.optimizer.lr, "dtype": cfg.dtype,
         "data": str(Path(job["data"]).resolve()) if job["data"] else None}
     caution = check_fits(cfg, n_params, int(os.environ.get("WORLD_SIZE", "1")),  # before the build
@@ -296,15 +298,13 @@ def run(args: argparse.Namespace) -> int:
         raise
 
 
-def _check_resume(latest: Path, model: str, steps: int) -> None:
-    """Before the build: refuse a checkpoint of another model (loading it would fail on its
-    parameter names, in a line listing all of them) or one past ``steps`` (the total, not a
-    count of more steps), and say which newer step folders ``latest_checkpoint`` passed over
-    as incomplete or damaged."""
-    client = read_manifest(latest).get("client_state") or {}
+def _check_resume(latest: Path, client: dict[str, Any], model: str, steps: int) -> None:
+    """Before the build, from ``latest``'s client state: refuse a checkpoint of another model
+    (loading it would fail on its parameter names, in a line listing all of them) or one past
+    ``steps`` (the total, not a count of more steps), and say which newer step folders
+    ``latest_checkpoint`` passed over as incomplete or damaged."""
     saved = client.get("model")
-    if saved not in (None, model) and not (  # the same folder spelled another way
-            Path(saved).is_dir() and Path(saved).resolve() == Path(model).resolve()):
+    if saved is not None and not jobs.same_setting("model", saved, model):  # spelled either way
         raise ConfigError(f"--resume: {latest} is a checkpoint of model {saved!r}, not "
                           f"{model!r}; give --model {saved} to continue it, or another --out")
     done = client.get("step")

@@ -93,7 +93,7 @@ def save_full(model: nn.Module, rank: int, out: str | os.PathLike[str],
         return None
     if index is not None:
         (folder / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-    save_configs(model, folder)
+    save_configs(model, folder, dtype=torch.float32)
     sts.fsync_dir(folder)
     return folder / files[0][0]
 
@@ -143,10 +143,22 @@ def _plan(model: nn.Module, entries: list[tuple[str, torch.Tensor]], max_shard_s
     return [(WEIGHTS_NAME, [(n, source[id(m)]) for n, m in names.items()])], None
 
 
-def save_configs(model: nn.Module, folder: Path) -> None:
+def save_configs(model: nn.Module, folder: Path, dtype: torch.dtype | None = None) -> None:
+    """The model's config files; ``dtype``: the one its ``config.json`` names, that of the
+    weights written beside it. The model's own config may name another (transformers'
+    ``save_pretrained`` on a bf16 engine's model records bfloat16 there), and
+    ``from_pretrained`` loads in the dtype the file names: it would round the fp32 values
+    ``save_full`` wrote."""
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "save_pretrained"):
-        config.save_pretrained(folder)
+        before = getattr(config, "dtype", None)
+        if dtype is not None:
+            config.dtype = dtype
+        try:
+            config.save_pretrained(folder)
+        finally:
+            if dtype is not None:
+                config.dtype = before
     generation = getattr(model, "generation_config", None)
     if generation is not None and hasattr(generation, "save_pretrained"):
         generation.save_pretrained(folder)

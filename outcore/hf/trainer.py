@@ -41,10 +41,10 @@ from outcore.hf.schedule import deepspeed_scheduler
 from outcore.io.checkpoint import MANIFEST
 
 # Trainer methods OutcoreTrainer overrides; private ones move between transformers releases
-OVERRIDDEN = ("_move_model_to_device", "_wrap_model", "create_optimizer", "create_scheduler",
-              "_prepare_for_training", "training_step", "_clip_grad_norm", "_get_grad_norm",
-              "_maybe_log_save_evaluate", "save_model", "_load_from_checkpoint",
-              "_load_best_model", "call_model_init", "train", "end")
+OVERRIDDEN = ("create_accelerator_and_postprocess", "_move_model_to_device", "_wrap_model",
+              "create_optimizer", "create_scheduler", "_prepare_for_training", "training_step",
+              "_clip_grad_norm", "_get_grad_norm", "_maybe_log_save_evaluate", "save_model",
+              "_load_from_checkpoint", "_load_best_model", "call_model_init", "train", "end")
 TESTED = ">=5.23,<6"
 
 
@@ -95,7 +95,19 @@ class EngineOptimizer(TorchOptimizer):
 
 class EngineModel(nn.Module):
     """What the Trainer's loop calls: the engine, seen as a module (train/eval reach the
-    model; calls go through the engine)."""
+    model; calls go through the engine).
+
+    [Note: the wrapper the Trainer hands around is the model to its users]
+    ``compute_loss``, ``prediction_step`` and the hooks a ``Trainer`` subclass overrides get
+    this wrapper as ``model``; with a plain ``Trainer`` in one process they get the model
+    itself, and code written there reads ``model.config`` or ``model.lm_head``. So an
+    attribute the wrapper lacks is the model's. ``accelerator.unwrap_model`` (what such code
+    calls to be safe under DDP, and what ``Trainer.compute_loss`` calls to learn whether the
+    model is a causal LM, whose labels ``label_smoothing_factor`` must shift) returns the model,
+    as it returns DDP's ``.module`` (``OutcoreTrainer.create_accelerator_and_postprocess``).
+    Both found by a user's probe: a subclass's ``model.config`` raised torch's "'EngineModel'
+    object has no attribute", and label smoothing compared each token with itself, a loss
+    7.40 against Trainer's 6.93 on the same model."""
 
     def __init__(self, engine: Engine) -> None:
         super().__init__()
@@ -104,6 +116,22 @@ class EngineModel(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.engine(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            inner = self.__dict__.get("_modules", {}).get("module")
+            if inner is None:
+                raise
+            return getattr(inner, name)
+
+
+def unwrap_engine_model(unwrap: Any) -> Any:
+    """``accelerator.unwrap_model`` that also sees through ``EngineModel`` (its note)."""
+    def unwrap_model(model: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
+        return unwrap(model.module if isinstance(model, EngineModel) else model, *args, **kwargs)
+    return unwrap_model
 
 
 class OutcoreTrainer(Trainer):
@@ -145,8 +173,8 @@ class OutcoreTrainer(Trainer):
             optimizer = cls(groups, **kw)
         if optimizer is not None:  # param_groups.py's [Note: adopting a torch optimizer]
             self.outcore_engine = Engine(model, cfg, optimizer=optimizer)
-        else:
-            self.outcore_engine = Engine(model, cfg, groups)
+        else:  # nothing trainable (an evaluation): no groups, as initialize() takes it
+            self.outcore_engine = Engine(model, cfg, groups or None)
         self._engine_model = EngineModel(self.outcore_engine)
         self._engine_optimizer = EngineOptimizer(self.outcore_engine)
 
@@ -177,6 +205,10 @@ class OutcoreTrainer(Trainer):
         if isinstance(source, dict) and is_deepspeed(source):
             return source.get("scheduler")
         return None
+
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()
+        self.accelerator.unwrap_model = unwrap_engine_model(self.accelerator.unwrap_model)
 
     @property
     def outcore_config(self) -> Config:

@@ -6,12 +6,14 @@ reads as the list of them (engine/core.py), and each one is tested by what it le
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
 from torch import nn
 
 from outcore.config import Config
+from outcore.device.compute_dtype import DTYPES
 from outcore.offload.host_memory import MOSTLY_FROZEN
 from outcore.offload.tier import Tier
 from outcore.runtime import Runtime
@@ -89,9 +91,39 @@ def keep_resident(groups: list[GatherGroup], rt: Runtime, budget: int) -> set[in
 def prepare_shards(params: list[ShardedParam], resident: set[int]) -> None:
     """Give every parameter its training-dtype shard: in host memory for a resident group
     (``keep_resident``), else in the parameter tier."""
+    rounded = [sp for sp in params if not sp.trainable and sp.master_shard is None
+               and sp.compute_shard is not None and not sp.compute_shard.read_only
+               and sp.compute_shard.dtype.itemsize < sp.rt.compute_dtype.itemsize]
+    stored = rounded[0].compute_shard.dtype if rounded and rounded[0].compute_shard else None
     for sp in params:
         home = Tier.HOST if sp.group is not None and sp.group.index in resident else None
         sp.prepare_for_training(home)
+    if rounded and stored is not None:  # their shards are the compute dtype's now
+        warn_rounded_base(rounded, stored)
+
+
+def warn_rounded_base(rounded: list[ShardedParam], stored: torch.dtype) -> None:
+    """[Note: a frozen base narrower than the engine]
+    A parameter born frozen (param.py's [Note: a parameter born frozen]) keeps only the
+    values it was stored with, in the dtype of the ``outcore.init`` that built it; an engine
+    that computes in a wider one widens those values and cannot restore the digits they lost.
+    The two dtypes differ without anyone asking when ``outcore.init``'s config says
+    ``dtype: auto`` (bf16 on a CPU that multiplies it natively) and ``OutcoreTrainer``, whose
+    ``TrainingArguments`` lack ``bf16=True``, trains in fp32: a user's probe found the base's
+    logits 1.7e-3 from the same model loaded by plain transformers. That is a legitimate
+    setup (a 16-bit base under fp32 adapters), so it is said once, not refused. Read in place
+    from a folder (NVMe), the values are cast from the file as they land and nothing is
+    lost: no warning there."""
+    names = {v: k for k, v in DTYPES.items()}
+    compute = rounded[0].rt.compute_dtype
+    have, want = names.get(stored, str(stored)), names.get(compute, str(compute))
+    shown = ", ".join(sp.label() for sp in rounded[:3]) + (", ..." if len(rounded) > 3 else "")
+    warnings.warn(
+        f"{len(rounded)} frozen parameters ({shown}) hold only {have} values: they were frozen "
+        f"when outcore sharded them (under outcore.init(frozen=True) with dtype {have}, or by an "
+        f"earlier engine), and this engine computes in {want}, so they keep {have}'s rounding. "
+        f"For exact {want} values give outcore.init the same dtype (\"dtype\": \"{want}\"), "
+        f"or train in {have} (OutcoreTrainer: TrainingArguments {have}=True)", stacklevel=4)
 
 
 def build_groups(module: nn.Module, rt: Runtime, persistence_threshold_bytes: int

@@ -1,0 +1,141 @@
+"""What a ``Trainer`` user writes around ``OutcoreTrainer`` and expects to work as it does
+around ``transformers.Trainer``: label smoothing, a subclass's ``compute_loss`` reading the
+model, a model with nothing to train, and the files ``save_model`` writes after the user's
+own ``save_pretrained``. Each against plain ``Trainer`` on the same seed and data."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import outcore
+from tests.common import LLAMA, LORA, arguments, build, dataset, nvme
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("peft")
+pytest.importorskip("accelerate")
+
+from outcore.hf import OutcoreTrainer, apply_lora  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("error::outcore.GradReadWarning")
+
+
+def losses(trainer) -> list[float]:
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+def test_label_smoothing_shifts_the_labels_as_trainer_does(tmp_path: Path) -> None:
+    """``Trainer.compute_loss`` shifts the labels for label smoothing only when the unwrapped
+    model is a causal LM; ours was the engine's wrapper, so each token was compared with
+    itself (7.40 against 6.93 before any training)."""
+    args = {"label_smoothing_factor": 0.1, "max_steps": 3}
+    ref = transformers.Trainer(model=build("llama"), args=arguments(tmp_path / "ref", **args),
+                               train_dataset=dataset())
+    ours = OutcoreTrainer(model=build("llama"), args=arguments(tmp_path / "ours", **args),
+                          train_dataset=dataset(), outcore_config=nvme(tmp_path))
+    held_out = dataset(26)[22:]
+    assert ours.evaluate(eval_dataset=held_out)["eval_loss"] == pytest.approx(
+        ref.evaluate(eval_dataset=held_out)["eval_loss"], rel=1e-6)
+    ref.train()
+    ours.train()
+    torch.testing.assert_close(losses(ours), losses(ref), rtol=1e-5, atol=1e-6)
+    ours.close()
+
+
+class ReadsTheModel(transformers.Trainer):
+    """A subclass as users write them: its loss reads the model's config and head."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        vocab = model.config.vocab_size
+        assert self.accelerator.unwrap_model(model).config.vocab_size == vocab
+        assert model.lm_head.weight.shape[0] == vocab
+        labels = inputs.pop("labels")
+        logits = model(**inputs).logits
+        loss = torch.nn.functional.cross_entropy(
+            logits[:, :-1].reshape(-1, vocab), labels[:, 1:].reshape(-1))
+        return (loss, logits) if return_outputs else loss
+
+
+class OursReadsTheModel(OutcoreTrainer):
+    compute_loss = ReadsTheModel.compute_loss
+
+
+def test_a_subclass_reads_model_config_and_unwraps_it(tmp_path: Path) -> None:
+    """``model.config`` and ``accelerator.unwrap_model(model).config`` in ``compute_loss``
+    raised torch's "'EngineModel' object has no attribute 'config'"."""
+    ref = ReadsTheModel(model=build("llama"), args=arguments(tmp_path / "ref", max_steps=3),
+                        train_dataset=dataset())
+    ref.train()
+    ours = OursReadsTheModel(model=build("llama"), args=arguments(tmp_path / "ours", max_steps=3),
+                             train_dataset=dataset(), outcore_config=nvme(tmp_path))
+    ours.train()
+    assert len(losses(ours)) == 3
+    torch.testing.assert_close(losses(ours), losses(ref), rtol=1e-5, atol=1e-6)
+    ours.close()
+
+
+def test_a_model_with_nothing_to_train_evaluates(tmp_path: Path) -> None:
+    """Every parameter frozen (an evaluation-only trainer): the construction raised torch's
+    "optimizer got an empty parameter list"."""
+    def frozen() -> torch.nn.Module:
+        model = build("llama")
+        model.requires_grad_(False)
+        return model
+
+    held_out = dataset(26)[22:]
+    ref = transformers.Trainer(model=frozen(), args=arguments(tmp_path / "ref"))
+    ours = OutcoreTrainer(model=frozen(), args=arguments(tmp_path / "ours"),
+                          outcore_config=nvme(tmp_path))
+    assert ours.evaluate(eval_dataset=held_out)["eval_loss"] == pytest.approx(
+        ref.evaluate(eval_dataset=held_out)["eval_loss"], rel=1e-6)
+    ours.close()
+
+
+@pytest.mark.parametrize("init_dtype", ["bf16", "fp32"])
+def test_a_frozen_base_narrower_than_the_trainer_is_said(tmp_path: Path,
+                                                         init_dtype: str) -> None:
+    """A LoRA base built under ``outcore.init(frozen=True)`` keeps only that init's dtype; a
+    trainer in fp32 (no ``bf16=True``) computes on the rounded values: said once, naming both
+    dtypes and the fix. Built in fp32, the base is exact and nothing is said."""
+    with outcore.init({"dtype": init_dtype}, frozen=True):
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA))
+    model = apply_lora(model, LORA)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        trainer = OutcoreTrainer(model=model, args=arguments(tmp_path / "out", max_steps=1),
+                                 train_dataset=dataset(), outcore_config={})
+    said = [str(w.message) for w in seen if "frozen parameters" in str(w.message)]
+    if init_dtype == "fp32":
+        assert said == []
+    else:
+        frozen = sum(1 for p in model.parameters() if not p.requires_grad)
+        assert len(said) == 1, said
+        assert said[0].startswith(f"{frozen} frozen parameters (")
+        assert "hold only bf16 values" in said[0] and "computes in fp32" in said[0]
+        assert '"dtype": "fp32"' in said[0] and "bf16=True" in said[0]
+    trainer.train()  # it trains either way
+    trainer.close()
+
+
+def test_save_model_names_the_dtype_of_the_weights_it_wrote(tmp_path: Path) -> None:
+    """On a bf16 engine the model shows bf16, so the user's own ``save_pretrained`` records
+    ``bfloat16`` in the config; ``save_model`` writes fp32 values and said bfloat16 beside
+    them, and ``from_pretrained`` rounded them."""
+    model = build("llama")
+    cfg = {**nvme(tmp_path), "dtype": "bf16"}
+    trainer = OutcoreTrainer(model=model, args=arguments(tmp_path / "out", max_steps=2),
+                             train_dataset=dataset(), outcore_config=cfg)
+    trainer.train()
+    model.save_pretrained(tmp_path / "theirs")
+    assert json.loads((tmp_path / "theirs" / "config.json").read_text())["dtype"] == "bfloat16"
+    trainer.save_model(tmp_path / "ours")
+    assert json.loads((tmp_path / "ours" / "config.json").read_text())["dtype"] == "float32"
+    loaded = type(model).from_pretrained(tmp_path / "ours")
+    trainer.close()  # hands back the trained fp32 values
+    for key, value in model.state_dict().items():
+        assert loaded.state_dict()[key].dtype == torch.float32
+        torch.testing.assert_close(loaded.state_dict()[key], value, rtol=0, atol=0)

@@ -10,19 +10,19 @@ decorated, not wrapped at registration: a hook must stay a bound method of its o
 a deep copy of the model gets the owner's inert copy (hooks.py's ``inert_copy``).
 ``torch.compiler.disable`` imports dynamo when it decorates, which took ``import outcore``
 from about 1.6 to 2.9 s (every CLI command and torchrun worker pays it); torch's own lazy
-form, ``torch._disable_dynamo`` (what torch's optimizers use), imports it at the hook's first
-call instead, which still cost every run that never compiles: 72 MB of resident memory
-(``import torch`` 224 MB, with dynamo 296 MB, measured 2026-11-28) and the import's second at
-the first forward; the default ``outcore train`` peaked at 685 MiB against 618 before. So a
-hook goes through the disabled form only once dynamo has been imported (by
-``torch.compile``, or anything else): before that nothing can be compiling, and the hook is
-called as it is.
+form, ``torch._disable_dynamo`` (what torch's optimizers use), imports it at the first call
+of the hook and keeps the disabled function from then on. That import still costs a run
+that never compiles 72 MB of resident memory (``import torch`` peaks at 224 MB, with dynamo
+at 296 MB; the default ``outcore train`` at 685 MiB against 618 MiB without the guard,
+2026-11-28), though not a Hugging Face model's run, whose ``transformers`` imports dynamo
+anyway. Calling the disabled form only once dynamo is in ``sys.modules`` was tried and
+dropped: the deciding wrapper is outcore code, which dynamo then compiles as a frame of its
+own, recompiling it up to its limit (8, with a warning) and adding graph breaks (37 to 45 on
+a 4-layer Llama). torch's wrapper lives in a file dynamo skips; ours cannot.
 """
 
 from __future__ import annotations
 
-import functools
-import sys
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
@@ -35,13 +35,4 @@ _Hook = TypeVar("_Hook", bound=Callable[..., Any])
 
 def uncompiled(hook: _Hook) -> _Hook:
     """``hook``, run outside any graph ``torch.compile`` makes (see the note)."""
-    disabled = torch._disable_dynamo(hook)  # type: ignore[attr-defined]
-    modules = sys.modules
-
-    @functools.wraps(hook)
-    def run(*args: Any, **kwargs: Any) -> Any:
-        if "torch._dynamo" in modules:
-            return disabled(*args, **kwargs)
-        return hook(*args, **kwargs)
-
-    return cast(_Hook, run)
+    return cast(_Hook, torch._disable_dynamo(hook))  # type: ignore[attr-defined]

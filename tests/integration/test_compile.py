@@ -70,34 +70,3 @@ def test_a_compiled_model_trains_as_the_eager_one(tmp_path: Path, offload: str) 
     assert result["out_ok"]
     assert result["got"] == pytest.approx(result["expected"], rel=1e-5, abs=1e-6)
 
-
-EAGER = r"""
-import sys
-import torch
-import outcore
-
-torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
-cfg = {"dtype": "fp32", "offload": {"params": "nvme", "optimizer": "nvme",
-                                    "nvme_path": sys.argv[1]}}
-engine = outcore.initialize(model, cfg)
-for _ in range(2):
-    engine.backward(model(torch.randn(8, 16)).pow(2).mean())
-    engine.step()
-engine.optimizer.zero_grad()
-with torch.no_grad():
-    model(torch.randn(2, 16))
-engine.close()
-print("dynamo imported:", "torch._dynamo" in sys.modules)
-"""
-
-
-def test_an_eager_run_never_imports_dynamo(tmp_path: Path) -> None:
-    """Importing dynamo costs a process 72 MB of resident memory and a second; a run that
-    never compiles must not pay it for the hooks' compile guard (compiled.py's note)."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
-    done = subprocess.run([sys.executable, "-c", EAGER, str(tmp_path / "swap")],
-                          capture_output=True, text=True, env=env, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.strip().splitlines()[-1] == "dynamo imported: False"

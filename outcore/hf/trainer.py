@@ -165,10 +165,11 @@ class OutcoreTrainer(Trainer):
             {"params": [p for n, p in named if n in decay], "weight_decay": self.args.weight_decay},
             {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0})
             if g["params"]]
-        if optimizer is None and self._optimizer_cls_and_kwargs is not None:
+        # nothing trainable (an evaluation-only trainer): no optimizer to build
+        if groups and optimizer is None and self._optimizer_cls_and_kwargs is not None:
             cls, kw = self._optimizer_cls_and_kwargs
             optimizer = cls(groups, **kw)
-        elif optimizer is None and cfg.optimizer.type == "adafactor":
+        elif groups and optimizer is None and cfg.optimizer.type == "adafactor":
             cls, kw = self.get_optimizer_cls_and_kwargs(self.args, model)  # transformers' own
             optimizer = cls(groups, **kw)
         if optimizer is not None:  # param_groups.py's [Note: adopting a torch optimizer]
@@ -324,6 +325,10 @@ class OutcoreTrainer(Trainer):
         dropped then would outlive a ``gc.collect()`` by those reads, swap file and all), and
         the output folder's lock is released (the next save takes it again), so nothing of
         outcore's is left in ``output_dir``."""
+        if self.model_init is None and not any(p.requires_grad for p in self.model.parameters()):
+            raise ConfigError("OutcoreTrainer.train(): every parameter of the model has "
+                              "requires_grad=False, so there is nothing to train; evaluate() "
+                              "and predict() work on such a model")
         try:
             out = super().train(*args, **kwargs)
             if self.outcore_engine is not None and not self.outcore_engine.closed:

@@ -65,8 +65,10 @@ def _settle_at_exit(comm: Comm) -> None:
     while the interpreter is still whole: at exit the main thread sleeps ``SETTLE_S``, the
     worker takes the GIL, releases the tensors and returns to its queue. 12 runs of the
     script aborted 0 times with a 20 ms sleep, against 4 of 8 without (the same machine, the
-    same hour); 50 ms leaves room for a loaded host. Registered once a process, at more than
-    one rank only, so a single-rank run never waits."""
+    same hour); 50 ms leaves room for a loaded host, though not a guarantee: a worker kept
+    off the CPU longer than that still loses the race. (Holding the tensors in Python would
+    not help: it is the worker's reference to them that needs the GIL.) Registered once a
+    process, at more than one rank only, so a single-rank run never waits."""
     global _settling
     if comm.world_size > 1 and not _settling:
         _settling = True

@@ -14,6 +14,7 @@ from torch import nn
 
 from outcore.config import Config
 from outcore.device.compute_dtype import DTYPES
+from outcore.errors import user_stacklevel
 from outcore.offload.host_memory import MOSTLY_FROZEN
 from outcore.offload.tier import Tier
 from outcore.runtime import Runtime
@@ -93,7 +94,7 @@ def prepare_shards(params: list[ShardedParam], resident: set[int]) -> None:
     (``keep_resident``), else in the parameter tier."""
     rounded = [sp for sp in params if not sp.trainable and sp.master_shard is None
                and sp.compute_shard is not None and not sp.compute_shard.read_only
-               and sp.compute_shard.dtype.itemsize < sp.rt.compute_dtype.itemsize]
+               and sp.compute_shard.dtype not in (sp.rt.compute_dtype, torch.float32)]
     stored = rounded[0].compute_shard.dtype if rounded and rounded[0].compute_shard else None
     for sp in params:
         home = Tier.HOST if sp.group is not None and sp.group.index in resident else None
@@ -106,7 +107,9 @@ def warn_rounded_base(rounded: list[ShardedParam], stored: torch.dtype) -> None:
     """[Note: a frozen base narrower than the engine]
     A parameter born frozen (param.py's [Note: a parameter born frozen]) keeps only the
     values it was stored with, in the dtype of the ``outcore.init`` that built it; an engine
-    that computes in a wider one widens those values and cannot restore the digits they lost.
+    that computes in another cannot restore the digits they lost: fp32 has more of them, fp16
+    more mantissa bits than bf16 (and a narrower range), bf16 fewer than fp16. (A base stored
+    in fp32 and computed in 16 bits is rounded once, as the engine's dtype asks: nothing said.)
     The two dtypes differ without anyone asking when ``outcore.init``'s config says
     ``dtype: auto`` (bf16 on a CPU that multiplies it natively) and ``OutcoreTrainer``, whose
     ``TrainingArguments`` lack ``bf16=True``, trains in fp32: a user's probe found the base's
@@ -114,6 +117,8 @@ def warn_rounded_base(rounded: list[ShardedParam], stored: torch.dtype) -> None:
     setup (a 16-bit base under fp32 adapters), so it is said once, not refused. Read in place
     from a folder (NVMe), the values are cast from the file as they land and nothing is
     lost: no warning there."""
+    if rounded[0].rt.rank != 0:
+        return  # every rank's base is alike: one line, not one a rank
     names = {v: k for k, v in DTYPES.items()}
     compute = rounded[0].rt.compute_dtype
     have, want = names.get(stored, str(stored)), names.get(compute, str(compute))
@@ -123,7 +128,8 @@ def warn_rounded_base(rounded: list[ShardedParam], stored: torch.dtype) -> None:
         f"when outcore sharded them (under outcore.init(frozen=True) with dtype {have}, or by an "
         f"earlier engine), and this engine computes in {want}, so they keep {have}'s rounding. "
         f"For exact {want} values give outcore.init the same dtype (\"dtype\": \"{want}\"), "
-        f"or train in {have} (OutcoreTrainer: TrainingArguments {have}=True)", stacklevel=4)
+        f"or train in {have} (OutcoreTrainer: TrainingArguments {have}=True)",
+        stacklevel=user_stacklevel())
 
 
 def build_groups(module: nn.Module, rt: Runtime, persistence_threshold_bytes: int

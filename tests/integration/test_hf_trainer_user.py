@@ -51,7 +51,7 @@ class ReadsTheModel(transformers.Trainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         vocab = model.config.vocab_size
-        assert self.accelerator.unwrap_model(model).config.vocab_size == vocab
+        assert self.accelerator.unwrap_model(model) is self.model
         assert model.lm_head.weight.shape[0] == vocab
         labels = inputs.pop("labels")
         logits = model(**inputs).logits
@@ -78,45 +78,58 @@ def test_a_subclass_reads_model_config_and_unwraps_it(tmp_path: Path) -> None:
     ours.close()
 
 
-def test_a_model_with_nothing_to_train_evaluates(tmp_path: Path) -> None:
-    """Every parameter frozen (an evaluation-only trainer): the construction raised torch's
-    "optimizer got an empty parameter list"."""
+@pytest.mark.parametrize("how", [{}, {"optim": "adafactor"}, "sgd"])
+def test_a_model_with_nothing_to_train_evaluates(tmp_path: Path, how) -> None:
+    """Every parameter frozen (an evaluation-only trainer), whatever optimizer the arguments
+    name: the construction raised torch's "optimizer got an empty parameter list"; train()
+    says there is nothing to train, where torch said "element 0 of tensors does not require
+    grad"."""
     def frozen() -> torch.nn.Module:
         model = build("llama")
         model.requires_grad_(False)
         return model
 
+    kw = {"optimizer_cls_and_kwargs": (torch.optim.SGD, {"lr": 0.1})} if how == "sgd" else {}
+    args = {} if how == "sgd" else how
     held_out = dataset(26)[22:]
-    ref = transformers.Trainer(model=frozen(), args=arguments(tmp_path / "ref"))
-    ours = OutcoreTrainer(model=frozen(), args=arguments(tmp_path / "ours"),
-                          outcore_config=nvme(tmp_path))
+    ref = transformers.Trainer(model=frozen(), args=arguments(tmp_path / "ref", **args), **kw)
+    ours = OutcoreTrainer(model=frozen(), args=arguments(tmp_path / "ours", **args),
+                          train_dataset=dataset(), outcore_config={}, **kw)
     assert ours.evaluate(eval_dataset=held_out)["eval_loss"] == pytest.approx(
         ref.evaluate(eval_dataset=held_out)["eval_loss"], rel=1e-6)
+    with pytest.raises(outcore.ConfigError, match="nothing to train"):
+        ours.train()
     ours.close()
 
 
-@pytest.mark.parametrize("init_dtype", ["bf16", "fp32"])
-def test_a_frozen_base_narrower_than_the_trainer_is_said(tmp_path: Path,
-                                                         init_dtype: str) -> None:
+@pytest.mark.parametrize(("init_dtype", "train_dtype"), [
+    ("bf16", "fp32"), ("bf16", "fp16"), ("fp32", "fp32"), ("fp32", "bf16"), ("bf16", "bf16")])
+def test_a_frozen_base_stored_in_another_dtype_is_said(tmp_path: Path, init_dtype: str,
+                                                       train_dtype: str) -> None:
     """A LoRA base built under ``outcore.init(frozen=True)`` keeps only that init's dtype; a
-    trainer in fp32 (no ``bf16=True``) computes on the rounded values: said once, naming both
-    dtypes and the fix. Built in fp32, the base is exact and nothing is said."""
+    trainer in another (fp32 without ``bf16=True``, or fp16) computes on values rounded to
+    it: said once, naming both dtypes and the fixes, at the user's line. A base built in
+    fp32, or in the trainer's dtype, is rounded once as asked: nothing said."""
     with outcore.init({"dtype": init_dtype}, frozen=True):
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA))
     model = apply_lora(model, LORA)
+    flag = {} if train_dtype == "fp32" else {train_dtype: True, "use_cpu": True}
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        trainer = OutcoreTrainer(model=model, args=arguments(tmp_path / "out", max_steps=1),
+        trainer = OutcoreTrainer(model=model, args=arguments(tmp_path / "out", max_steps=1,
+                                                            **flag),
                                  train_dataset=dataset(), outcore_config={})
-    said = [str(w.message) for w in seen if "frozen parameters" in str(w.message)]
-    if init_dtype == "fp32":
+    said = [w for w in seen if "frozen parameters" in str(w.message)]
+    if init_dtype == "fp32" or init_dtype == train_dtype:
         assert said == []
     else:
         frozen = sum(1 for p in model.parameters() if not p.requires_grad)
-        assert len(said) == 1, said
-        assert said[0].startswith(f"{frozen} frozen parameters (")
-        assert "hold only bf16 values" in said[0] and "computes in fp32" in said[0]
-        assert '"dtype": "fp32"' in said[0] and "bf16=True" in said[0]
+        assert len(said) == 1, [str(w.message) for w in said]
+        text = str(said[0].message)
+        assert text.startswith(f"{frozen} frozen parameters (")
+        assert f"hold only {init_dtype} values" in text and f"computes in {train_dtype}" in text
+        assert f'"dtype": "{train_dtype}"' in text and f"{init_dtype}=True" in text
+        assert said[0].filename == __file__  # the user's line, not outcore's
     trainer.train()  # it trains either way
     trainer.close()
 

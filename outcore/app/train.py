@@ -47,7 +47,7 @@ from outcore.app.report import MetricsWriter, read_metrics, write_report
 from outcore.config import Config, merge_mappings, read_mapping
 from outcore.config.deepspeed import is_deepspeed
 from outcore.engine import initialize
-from outcore.errors import ConfigError
+from outcore.errors import CommError, ConfigError
 from outcore.guard.lock import lock_run_folder
 from outcore.guard.preemption import EXIT_PREEMPTED, Preemption, preemption
 from outcore.io.checkpoint import latest_checkpoint, read_manifest
@@ -284,9 +284,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         with lock_run_folder(out, cfg.comm.timeout_s):
             return _run_holding_out(args, job, cfg, n_params, vocab, seq, lora, record)
-    except BaseException:
-        swap = out / "swap"  # the other ranks' swap folders go as their engines close
-        deadline = time.monotonic() + (10 if int(os.environ.get("WORLD_SIZE", "1")) > 1 else 0)
+    except BaseException as e:  # other ranks' swap folders go as their engines close, a
+        swap, world = out / "swap", int(os.environ.get("WORLD_SIZE", "1"))  # dead one's never
+        deadline = time.monotonic() + (10 if world > 1 and not isinstance(e, CommError) else 0)
         while missing and swap.is_dir() and time.monotonic() < deadline and any(
                 p.name != MADE_MARK for p in swap.iterdir()):
             time.sleep(0.05)

@@ -360,9 +360,9 @@ def _checked_moment(opt: ShardedOptimizer, sp: ShardedParam, kind: str, value: A
         return t
     raise ConfigError(
         f"optimizer state {kind!r} for {sp.label()} has shape {list(t.shape)}: "
-        f"neither the parameter's {list(sp.shape)} nor this rank's slice of "
-        f"{sp.shard_numel} saved at world size {opt.rt.world_size} (it was saved "
-        f"at {saved_world}); engine.save_checkpoint loads at any world size"
+        f"neither the parameter's {list(sp.shape)} nor this rank's slice at this world size "
+        f"({sp.shard_numel} elements at {opt.rt.world_size}; the state dict was saved at "
+        f"{saved_world}); engine.save_checkpoint loads at any world size"
         + ("" if saved_world is not None else "; a torch optimizer's own "
            "load_state_dict drops the world size outcore records, so load outcore's "
            "state dict after outcore.initialize"))

@@ -39,6 +39,7 @@ import re
 import secrets
 import shutil
 import warnings
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -92,7 +93,16 @@ def _save(engine: Any, path: Path, client_state: dict[str, Any],
             partial.mkdir(mode=0o700)
         except (OutcoreError, OSError) as e:
             err = e
-    _agree(engine, err, f"preparing {partial}")
+    try:  # the path's digest rides along: each rank writes into rank 0's folder
+        where = _agree(engine, err, f"preparing {partial}",
+                       (zlib.crc32(os.path.abspath(path).encode()),))
+        if where.unique().numel() > 1:
+            raise ConfigError(f"save_checkpoint() was given another path on some rank (this "
+                              f"rank's: {path}); every rank saves to the same folder")
+    except OutcoreError:  # another rank failed or died (CommError): take back the folder
+        if comm.rank == 0 and err is None:
+            _remove_ours(partial)
+        raise
     info, err = None, None
     try:
         info = _write_rank_file(engine, partial)

@@ -10,11 +10,12 @@ import warnings
 from typing import Any
 
 import torch
+import xxhash
 from torch import nn
 
 from outcore.config import Config
 from outcore.device.compute_dtype import DTYPES
-from outcore.errors import user_stacklevel
+from outcore.errors import ConfigError, user_stacklevel
 from outcore.offload.host_memory import MOSTLY_FROZEN
 from outcore.offload.tier import Tier
 from outcore.runtime import Runtime
@@ -28,6 +29,8 @@ def shard_params(module: nn.Module, rt: Runtime, prepare: bool = True) -> list[S
     already is) and, with ``prepare``, given its training-dtype shard; tied parameters once.
     The engine prepares them itself once its groups say where each copy lives
     (``keep_resident``)."""
+    check_alike_across_ranks([(n, p) for n, p in module.named_parameters()
+                              if managed(p) is None], rt)
     sps = []
     for name, p in module.named_parameters():
         sp = managed(p)
@@ -39,6 +42,44 @@ def shard_params(module: nn.Module, rt: Runtime, prepare: bool = True) -> list[S
             sp.prepare_for_training()
         sps.append(sp)
     return sps
+
+
+_DIGEST_BITS = (1 << 62) - 1  # an xxh3 digest kept to what int64 and its negation hold
+
+
+def check_alike_across_ranks(named: list[tuple[str, nn.Parameter]], rt: Runtime) -> None:
+    """[Note: every rank hands initialize the same values]
+    Each rank keeps its 1/W slice of the values *it* was given, so a model built with
+    another seed on each rank (or another checkpoint loaded) became a mix of the ranks'
+    models, slice by slice, equal to none of them, and trained on without a word: a user's
+    probe at 2 ranks found the gathered weights 0.48 from either rank's. DDP hides this by
+    broadcasting rank 0's values; ``outcore.init`` refuses ranks whose RNG states differ
+    (zero/init.py). Here every rank hashes each parameter it is about to shard (xxh3 of its
+    bytes: exact, with no floating-point sum whose order could differ) and one collective
+    compares the digests, so all ranks refuse together, naming the parameters. It reads
+    the model once, at initialize only; parameters already sharded (built under
+    ``outcore.init``) are not read again."""
+    if rt.world_size == 1 or not named:
+        return
+    mine = torch.tensor([_digest(p) for _, p in named], dtype=torch.int64)
+    spread = rt.comm.all_reduce_max(torch.cat([mine, -mine]))
+    differ = [named[i][0] for i in (spread[:len(named)] != -spread[len(named):]).nonzero()
+              .flatten().tolist()]
+    if differ:
+        shown = ", ".join(differ[:3]) + (f" and {len(differ) - 3} more" if len(differ) > 3 else "")
+        raise ConfigError(
+            f"the ranks passed different values for {shown}: each rank would keep its slice "
+            "of its own model, a mix equal to none of them. Build the model alike on every "
+            "rank: seed each the same (torch.manual_seed) before building it, or build it "
+            "under outcore.init (which checks the seed), or load the same weights on each")
+
+
+def _digest(p: torch.Tensor) -> int:
+    t = p.detach()
+    if t.device.type == "meta":
+        return 0  # no values yet: nothing to compare
+    data = t.contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
+    return xxhash.xxh3_64_intdigest(data) & _DIGEST_BITS  # type: ignore[arg-type]
 
 
 def keep_resident(groups: list[GatherGroup], rt: Runtime, budget: int) -> set[int]:

@@ -3,6 +3,7 @@ never an AttributeError or TypeError from deep inside (found by a user-style pro
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -96,3 +97,40 @@ def test_a_gradient_written_by_hand_is_refused(offload: str, tmp_path: Path) -> 
             model[0].bias.grad = torch.ones(16)
         model[0].bias.grad = None
         assert model[0].bias.grad is None
+
+
+def _seeded(seed: int, load: bool) -> dict:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+    if load:  # the same weights loaded on every rank make any seed right
+        torch.manual_seed(0)
+        model.load_state_dict(nn.Sequential(nn.Linear(8, 16), nn.GELU(),
+                                            nn.Linear(16, 4)).state_dict())
+    try:
+        engine = outcore.initialize(model, {"dtype": "fp32"})
+    except ConfigError as e:
+        return {"error": str(e)}
+    engine.close()
+    return {"error": None}
+
+
+@pytest.mark.parametrize("load", [False, True])
+def test_ranks_handing_initialize_different_weights_are_refused(load: bool) -> None:
+    """A model built with another seed on each rank: every rank kept its slice of its own
+    values, a mix equal to neither rank's model, and trained on silently. All ranks refuse
+    together, naming parameters; the same weights loaded on each rank pass."""
+    from tests.distributed import run_world
+
+    said = run_world(_seeded_by_rank, 2, load)
+    if load:
+        assert said == [{"error": None}, {"error": None}]
+    else:
+        for got in said:
+            assert got["error"] is not None
+            assert "the ranks passed different values for 0.weight, 0.bias, 2.weight" in (
+                got["error"]), got
+            assert "and 1 more" in got["error"] and "torch.manual_seed" in got["error"]
+
+
+def _seeded_by_rank(load: bool) -> dict:
+    return _seeded(int(os.environ["RANK"]), load)

@@ -387,3 +387,45 @@ def test_saving_over_a_checkpoint_with_other_files_in_it(tmp_path: Path,
             engine.save_checkpoint(plain)
         assert (plain / "mine.txt").read_text() == "mine"
     engine.close()
+
+
+def test_a_rank_lost_while_preparing_leaves_no_partial_folder(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another rank dying just after rank 0 made ``<path>.partial`` (the first agreement
+    raises ``CommError``) left the empty folder behind on the surviving rank."""
+    model, eng = _engine(BASE, 0)
+    agree = checkpoint._agree
+
+    def peer_gone(engine, err, what, row=()):
+        if what.startswith("preparing"):
+            assert (tmp_path / "step-1.partial").is_dir()  # rank 0 made it
+            raise outcore.CommError("rank 0/2: preparing failed; another rank probably died")
+        return agree(engine, err, what, row)
+
+    monkeypatch.setattr(checkpoint, "_agree", peer_gone)
+    with pytest.raises(outcore.CommError, match="another rank probably died"):
+        eng.save_checkpoint(tmp_path / "step-1", {"n": 1})
+    assert not (tmp_path / "step-1.partial").exists()
+    eng.close()
+
+
+def _save_to_own_path(cfg: dict, root: str) -> str:
+    model, eng = _engine(cfg, 0)
+    try:
+        eng.save_checkpoint(Path(root) / f"rank{eng.rank}" / "step-1", {"n": 1})
+    except outcore.ConfigError as e:
+        return str(e)
+    finally:
+        eng.close()
+    return "saved"
+
+
+def test_ranks_given_different_paths_are_refused_in_words(tmp_path: Path) -> None:
+    """Each rank writes into rank 0's folder: a path that differs between ranks made rank 1
+    fail with 'No such file or directory' and named nothing. Now every rank refuses, naming
+    its own path, and rank 0 takes its ``.partial`` folder back."""
+    said = run_world(_save_to_own_path, 2, BASE, str(tmp_path))
+    for rank, text in enumerate(said):
+        assert "given another path on some rank" in text, text
+        assert str(tmp_path / f"rank{rank}" / "step-1") in text
+    assert not list(tmp_path.rglob("*.partial")) and not list(tmp_path.rglob("step-1"))

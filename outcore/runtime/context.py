@@ -98,6 +98,9 @@ class Runtime:
         # whether a tentative update of the parameter is outstanding (optim/speculation.py)
         self.is_tentative: Callable[[Any], bool] = lambda sp: False
         self.engine = None  # weakref to the Engine training this model, if any
+        # a model load's trial run at more ranks: writes to shards are checked, not made
+        # (zero/load_agreement.py)
+        self.trial_load = False
         # whether a backward ran since the last step() or zero_grad() (the engine sets it):
         # torch would show p.grad there (zero/surface.py's [Note: p.grad stays None, and says so])
         self.gradients_held: Callable[[], bool] = lambda: False

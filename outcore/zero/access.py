@@ -410,6 +410,8 @@ def _write(func: Any, args: Args, kwargs: Kwargs, t: Touch, others: list[Touch])
             "by other ranks; do it inside `with engine.gathered_parameters([p], modify=True):` "
             "on every rank (writes that overwrite or are pointwise, like copy_, fill_, "
             "nn.init's random fills or mul_, work as they are)")
+    if sp.rt.trial_load:  # a load's trial run: checked, not made (load_agreement.py)
+        return t.obj
     if not t.chain and func in registry.OVERWRITE_CALLS:  # nothing old survives the call
         full = torch.empty(sp.shape, dtype=torch.float32, device=sp.rt.device)
     elif world > 1:
@@ -427,6 +429,8 @@ def _write(func: Any, args: Args, kwargs: Kwargs, t: Touch, others: list[Touch])
 def _in_place(func: Any, args: Args, kwargs: Kwargs, t: Touch, others: list[Touch]) -> Any:
     """Run the write where ``t``'s values live in place: on the parameter itself (so
     autograd's rules apply as in plain PyTorch), or on the tensor a view stands for."""
+    if t.sp is not None and t.sp.rt.trial_load:  # as in _write
+        return t.obj
     values = _values_of(others)
     if t.chain or t.detached or t.sp is None:
         values[id(t.obj)] = _resolve(t)

@@ -1,0 +1,74 @@
+"""``model.load_state_dict`` at more ranks: every rank loads, or none does.
+
+[Note: a load refused on one rank is refused on every rank]
+Each rank writes only its own slice of each parameter, so a load that fails on one rank
+(another state dict there: a shape that differs, a key missing) and succeeds on another
+left a parameter half new and half old, one rank reporting success, and training went on
+with the mix (a user's probe at 2 ranks: a weight whose first rows were the new values and
+whose last were the old). The optimizer's ``load_state_dict`` already agrees across ranks
+(engine/torch_optimizer.py); the model's is torch's own, which checks and writes module by
+module, so it cannot be checked first from outside without re-doing torch's rules (key
+renames in a model's own pre-hooks, extra state, strictness). So the model's load runs
+twice at more ranks: first a trial, torch's whole ``load_state_dict`` with every write to a
+sharded parameter checked but not made (``Runtime.trial_load``, zero/access.py), then one
+collective that tells every rank whether any rank's trial raised, and whether the keys it
+left missing or unexpected are the same everywhere; only then the load itself, on every
+rank, or the error on every rank: the rank whose trial failed raises what torch raised, the
+others a ``ConfigError`` saying so. The trial is never strict, since torch tells its hooks
+``strict=True`` whatever the caller passed: keys that differ between ranks are refused
+either way (strict, some ranks would fail; lenient, the ranks would load different
+parameters), and keys missing alike on every rank are left to the load itself, which then
+fails or passes alike. The cost is torch's checks and the
+full-size temporaries twice, and one small collective, so a load is a collective: every
+rank calls it (as it already had to, each writing its own slices). Buffers are plain
+tensors that every rank holds whole, written in the trial as in the load, so a refused load
+may have changed them. One rank alone (and a closed engine) loads as torch does.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any
+
+import torch
+from torch import nn
+
+from outcore.errors import ConfigError
+from outcore.runtime import Runtime
+
+
+def agree_on_loads(rt: Runtime) -> Any:
+    """A ``load_state_dict`` pre-hook for every module of ``rt``'s model (see the note)."""
+
+    def hook(module: nn.Module, state_dict: dict[str, Any], prefix: str,
+             local_metadata: dict[str, Any], *_: object) -> None:
+        if prefix or rt.world_size == 1 or rt.trial_load:
+            return  # a submodule of the load, one rank, or the trial itself
+        error: BaseException | None = None
+        keys = ""
+        rt.trial_load = True
+        try:
+            got = module.load_state_dict(
+                state_dict, strict=False,
+                assign=bool(local_metadata.get("assign_to_params_buffers")))
+            keys = f"missing {sorted(got.missing_keys)}, unexpected {sorted(got.unexpected_keys)}"
+        except Exception as e:  # noqa: BLE001 - raised below, once every rank knows
+            error = e
+        finally:
+            rt.trial_load = False
+        mine = zlib.crc32(keys.encode())
+        spread = rt.comm.all_reduce_max(torch.tensor(
+            [int(error is not None), mine, -mine], dtype=torch.int64, device=rt.device))
+        if error is not None:
+            raise error
+        if int(spread[0]):
+            raise ConfigError("model load_state_dict() was refused on another rank (its error "
+                              "says why); this rank loaded nothing either, so the ranks' "
+                              "slices stay one model")
+        if int(spread[1]) != -int(spread[2]):
+            raise ConfigError(f"model load_state_dict(): the ranks' state dicts hold different "
+                              f"keys (this rank's: {keys[:300]}); every rank loads the same "
+                              "keys, or the ranks' slices would come from different models. "
+                              "Nothing was loaded")
+
+    return hook

@@ -49,6 +49,7 @@ from safetensors import safe_open
 from outcore.errors import ConfigError, OutcoreError, StorageError
 from outcore.io import base_record
 from outcore.io import safetensors_stream as sts
+from outcore.io.client_state import check_client_state, jsonable
 from outcore.io.safetensors_stream import CHECKSUM, FileInfo, StreamWriter, TensorSpec
 from outcore.offload.storage import load_now
 
@@ -130,18 +131,6 @@ def _save(engine: Any, path: Path, client_state: dict[str, Any],
     return path
 
 
-def check_client_state(client_state: dict[str, Any]) -> None:
-    """Checkpoints hold JSON, never pickle: reject what JSON cannot carry, naming the key."""
-    if not isinstance(client_state, dict):
-        raise ConfigError(f"client_state must be a dict, got {type(client_state).__name__}")
-    for key, value in client_state.items():
-        if not isinstance(key, str):
-            raise ConfigError(f"client_state key {key!r} is not a string (JSON keys are strings)")
-        if not _jsonable(value):
-            raise ConfigError(f"client_state[{key!r}] ({type(value).__name__}) is not "
-                              "JSON-serializable; checkpoints store JSON only, never pickle")
-
-
 def _state(engine: Any, sp: Any) -> list[tuple[str, Any]]:
     """(key suffix, StoredShard) saved for one parameter: master + optimizer states, or values."""
     state = engine.sharded_optimizer.state.get(sp)
@@ -210,7 +199,7 @@ def _manifest(engine: Any, client_state: dict[str, Any], files: dict[str, dict])
                            "aliases": [n for n in names if n != sp.name]}
         if base_record.in_place(sp):
             params[sp.name]["base"] = sp.compute_shard.entry.name
-    groups = [{k: v for k, v in hp.items() if _jsonable(v)} for hp in engine.param_groups]
+    groups = [{k: v for k, v in hp.items() if jsonable(v)} for hp in engine.param_groups]
     man = {"format": FORMAT, "version": VERSION, "world_size": engine.rt.world_size,
            "dtype": engine.cfg.dtype, "dtype_reason": engine.dtype_choice.reason,
            "global_steps": engine.global_steps,
@@ -230,14 +219,6 @@ def manifest_checksum(man: dict) -> str:
     a shape, step or learning rate is caught like a flipped bit in a tensor."""
     body = {k: v for k, v in man.items() if k != "manifest_checksum"}
     return sts.checksum_hex(sts.checksum_update(0, json.dumps(body, sort_keys=True).encode()))
-
-
-def _jsonable(value: Any) -> bool:
-    try:
-        json.dumps(value)
-        return True
-    except (TypeError, ValueError):
-        return False
 
 
 def _check_replaceable(path: Path, whole: bool = False) -> None:

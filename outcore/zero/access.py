@@ -387,6 +387,8 @@ def _repr(func: Any, args: Args, kwargs: Kwargs, found: list[Touch]) -> Any:
 def _write(func: Any, args: Args, kwargs: Kwargs, t: Touch, others: list[Touch]) -> Any:
     """An in-place call on ``t`` (see surface.py's note for what each state does)."""
     sp = t.sp
+    if sp is not None and sp.rt.trial_load:  # a load's trial: nothing written (its refusals
+        return t.obj  # would refuse the load itself on every rank alike; load_agreement.py)
     if sp is None or is_live(sp) and sp.rt.phase is Phase.IDLE:
         return _in_place(func, args, kwargs, t, others)
     if sp.state in USER_OWNED:
@@ -410,8 +412,6 @@ def _write(func: Any, args: Args, kwargs: Kwargs, t: Touch, others: list[Touch])
             "by other ranks; do it inside `with engine.gathered_parameters([p], modify=True):` "
             "on every rank (writes that overwrite or are pointwise, like copy_, fill_, "
             "nn.init's random fills or mul_, work as they are)")
-    if sp.rt.trial_load:  # a load's trial run: checked, not made (load_agreement.py)
-        return t.obj
     if not t.chain and func in registry.OVERWRITE_CALLS:  # nothing old survives the call
         full = torch.empty(sp.shape, dtype=torch.float32, device=sp.rt.device)
     elif world > 1:
@@ -429,8 +429,6 @@ def _write(func: Any, args: Args, kwargs: Kwargs, t: Touch, others: list[Touch])
 def _in_place(func: Any, args: Args, kwargs: Kwargs, t: Touch, others: list[Touch]) -> Any:
     """Run the write where ``t``'s values live in place: on the parameter itself (so
     autograd's rules apply as in plain PyTorch), or on the tensor a view stands for."""
-    if t.sp is not None and t.sp.rt.trial_load:  # as in _write
-        return t.obj
     values = _values_of(others)
     if t.chain or t.detached or t.sp is None:
         values[id(t.obj)] = _resolve(t)

@@ -3,7 +3,9 @@
 Inside the context each chosen parameter's ``.data`` is its full value in fp32 (from the
 master shard, so nothing is rounded). With ``modify=True`` the values are cut back into the
 shards on exit, on every rank; if the body raises, nothing is written. This is a collective:
-every rank must enter it with the same parameters. Inside, the parameters are SHOWN
+every rank must enter it with the same parameters (checked: one small collective), and with
+``modify=True`` each rank writes back its own slice of what it wrote, so every rank writes the
+same values. Inside, the parameters are SHOWN
 (state.py): reads and writes of ``.data`` are plain PyTorch's. With ``modify=False`` a write
 on the parameter itself is refused rather than silently discarded; ``.data`` is the plain
 shown tensor, whose writes torch does not report, so a write through it is lost on exit.
@@ -12,7 +14,9 @@ shown tensor, whose writes torch does not report, so a write through it is lost 
 from __future__ import annotations
 
 import contextlib
+import zlib
 from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -20,6 +24,9 @@ from torch import nn
 from outcore.errors import ParamAccessError
 from outcore.zero.registry import managed
 from outcore.zero.state import ParamState
+
+if TYPE_CHECKING:
+    from outcore.zero.param import ShardedParam
 
 
 @contextlib.contextmanager
@@ -37,6 +44,8 @@ def gathered_parameters(params: Iterable[nn.Parameter] | nn.Module,
             raise ParamAccessError(f"gathered_parameters around parameter {sp.label()}, "
                                    "which an enclosing gathered_parameters shows already: use "
                                    "that one (with modify=True to write)")
+    if sps and sps[0].rt.world_size > 1:
+        _same_on_every_rank(sps, modify)
     if modify and sps:  # its writes could not take in updates this backward applied
         sps[0].rt.before_overwrite("gathered_parameters(modify=True)")
     groups = []
@@ -63,3 +72,17 @@ def gathered_parameters(params: Iterable[nn.Parameter] | nn.Module,
                 sp.end_shown(write_back=ok and modify)
             for g in groups:
                 g.shown_elsewhere()
+
+
+def _same_on_every_rank(sps: list[ShardedParam], modify: bool) -> None:
+    """Refuse, on every rank together, ranks that ask for different parameters: the
+    all-gathers would pair one rank's slices with another parameter's (the same sizes gave
+    each rank wrong values, silently; other sizes killed a rank inside gloo, SIGABRT)."""
+    asked = ", ".join(f"{sp.label()} ({sp.numel})" for sp in sps)
+    mine = zlib.crc32(f"{modify} {asked}".encode())
+    spread = sps[0].rt.comm.all_reduce_max(torch.tensor([mine, -mine], dtype=torch.int64))
+    if int(spread[0]) != -int(spread[1]):
+        raise ParamAccessError(
+            f"gathered_parameters: the ranks asked for different parameters or modify values "
+            f"(this rank's: {asked[:300]}, modify={modify}); it is a collective: every rank "
+            "enters it with the same parameters, in the same order")

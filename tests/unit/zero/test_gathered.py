@@ -8,6 +8,7 @@ shards again afterwards."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
@@ -183,3 +184,37 @@ def test_two_ranks_see_the_full_values_and_write_back_their_own_slices() -> None
         assert (got["shard_weight"] == got["want_weight"]).all()
         assert (got["shard_bias"] == got["want_bias"]).all()
         assert (got["after"] == 2.0 * got["ref_weight"]).all()
+
+
+def _ask(which: str) -> dict:
+    rank = int(os.environ["RANK"])
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 32))
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    engine = outcore.initialize(model, {"dtype": "fp32"})
+    mine = [model[0].bias if which == "same" or rank == 0 else model[2].bias]
+    try:
+        with engine.gathered_parameters(mine) as shown:
+            got = shown[0].detach().clone()
+        said = None
+    except outcore.ParamAccessError as e:
+        got, said = None, str(e)
+    with engine.gathered_parameters([model[2].bias]):  # the ranks still work together
+        after = model[2].bias.detach().clone()
+    engine.close()
+    return {"said": said, "right": got is not None and torch.equal(got, expected["0.bias"]),
+            "after": torch.equal(after, expected["2.bias"])}
+
+
+@pytest.mark.parametrize("which", ["same", "different"])
+def test_ranks_asking_for_different_parameters_are_refused_together(which: str) -> None:
+    """Rank 0 gathers one bias, rank 1 another of the same size: each rank got wrong values,
+    silently (of other sizes, gloo killed a rank). Now every rank refuses, naming what it
+    asked for, and the ranks go on in step."""
+    for rank, got in enumerate(run_world(_ask, 2, which)):
+        assert got["after"], got
+        if which == "same":
+            assert got["said"] is None and got["right"], got
+        else:
+            assert "the ranks asked for different parameters" in got["said"], got
+            assert ("0.bias (32)" if rank == 0 else "2.bias (32)") in got["said"]

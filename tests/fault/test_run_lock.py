@@ -139,6 +139,7 @@ def _second_engine(root: str) -> list[str]:
     """A rank of another job: refused on save and on load while the test's engine holds the
     root; saves once the holder has closed its engine."""
     rank, root_p = int(os.environ["RANK"]), Path(root)
+    torch.manual_seed(0)  # the same model on every rank, as initialize requires
     engine = outcore.initialize(torch.nn.Linear(4, 4), outcore.Config(dtype="fp32"))
     refusals = []
     for act in (lambda: engine.save_checkpoint(root_p / "step-2"),

@@ -18,11 +18,13 @@ others a ``ConfigError`` saying so. The trial is never strict, since torch tells
 ``strict=True`` whatever the caller passed: keys that differ between ranks are refused
 either way (strict, some ranks would fail; lenient, the ranks would load different
 parameters), and keys missing alike on every rank are left to the load itself, which then
-fails or passes alike. The cost is torch's checks and the
-full-size temporaries twice, and one small collective, so a load is a collective: every
-rank calls it (as it already had to, each writing its own slices). Buffers are plain
-tensors that every rank holds whole, written in the trial as in the load, so a refused load
-may have changed them. One rank alone (and a closed engine) loads as torch does.
+fails or passes alike. The cost is torch's checks twice (the trial builds no full-size
+values: ``access._write`` returns before) and one small collective, so a load is a
+collective: every rank calls it (as it already had to, each writing its own slices). What
+is not a sharded parameter sees the load twice: buffers, which every rank holds whole, are
+written in the trial as in the load (a refused load may have changed them), and a load
+hook of the model's own runs twice. One rank alone (and a closed engine) loads as torch
+does.
 """
 
 from __future__ import annotations

@@ -67,7 +67,7 @@ from outcore.overlap.tied_rows import TiedRows
 from outcore.runtime.phase import Phase
 from outcore.zero.access_mode import ParamAccessMode
 from outcore.zero.group import GatherGroup, PendingReduce
-from outcore.zero.load_agreement import agree_on_loads
+from outcore.zero.load_agreement import agree_on_load
 from outcore.zero.registry import owner
 from outcore.zero.state import GroupState
 from outcore.zero.surface import refuse_replacing_load
@@ -142,11 +142,10 @@ class Hooks:
         # per thread, the autograd node whose unpack recomputes now (see the note)
         self._recomputing: dict[int, object] = {}
         self._handles: list[RemovableHandle] = []
-        agree = agree_on_loads(rt)
         for m, gs in module_groups.items():
             # a load that would replace sharded parameters: refused (surface.py); at more
             # ranks, one refused on any rank refused on all (load_agreement.py)
-            for pre_load in (refuse_replacing_load, agree):
+            for pre_load in (refuse_replacing_load, agree_on_load):
                 self._handles.append(m.register_load_state_dict_pre_hook(  # type: ignore[no-untyped-call]
                     pre_load))  # torch leaves this method unannotated
             if gs:

@@ -36,41 +36,43 @@ import torch
 from torch import nn
 
 from outcore.errors import ConfigError
-from outcore.runtime import Runtime
+from outcore.zero.registry import managed
 
 
-def agree_on_loads(rt: Runtime) -> Any:
-    """A ``load_state_dict`` pre-hook for every module of ``rt``'s model (see the note)."""
-
-    def hook(module: nn.Module, state_dict: dict[str, Any], prefix: str,
-             local_metadata: dict[str, Any], *_: object) -> None:
-        if prefix or rt.world_size == 1 or rt.trial_load:
-            return  # a submodule of the load, one rank, or the trial itself
-        error: BaseException | None = None
-        keys = ""
-        rt.trial_load = True
-        try:
-            got = module.load_state_dict(
-                state_dict, strict=False,
-                assign=bool(local_metadata.get("assign_to_params_buffers")))
-            keys = f"missing {sorted(got.missing_keys)}, unexpected {sorted(got.unexpected_keys)}"
-        except Exception as e:  # noqa: BLE001 - raised below, once every rank knows
-            error = e
-        finally:
-            rt.trial_load = False
-        mine = zlib.crc32(keys.encode())
-        spread = rt.comm.all_reduce_max(torch.tensor(
-            [int(error is not None), mine, -mine], dtype=torch.int64, device=rt.device))
-        if error is not None:
-            raise error
-        if int(spread[0]):
-            raise ConfigError("model load_state_dict() was refused on another rank (its error "
-                              "says why); this rank loaded nothing either, so the ranks' "
-                              "slices stay one model")
-        if int(spread[1]) != -int(spread[2]):
-            raise ConfigError(f"model load_state_dict(): the ranks' state dicts hold different "
-                              f"keys (this rank's: {keys[:300]}); every rank loads the same "
-                              "keys, or the ranks' slices would come from different models. "
-                              "Nothing was loaded")
-
-    return hook
+def agree_on_load(module: nn.Module, state_dict: dict[str, Any], prefix: str,
+                  local_metadata: dict[str, Any], *_: object) -> None:
+    """A ``load_state_dict`` pre-hook on every module of an engine's model (see the note).
+    A plain function, not a closure over the runtime: ``torch.save(model)`` pickles the
+    hooks with the module."""
+    if prefix:
+        return  # a submodule of the load: its root decided
+    sp = next((s for s in map(managed, module.parameters()) if s is not None), None)
+    if sp is None or sp.rt.world_size == 1 or sp.rt.trial_load:
+        return  # nothing sharded, one rank, or the trial itself
+    rt = sp.rt
+    error: BaseException | None = None
+    keys = ""
+    rt.trial_load = True
+    try:
+        got = module.load_state_dict(
+            state_dict, strict=False,
+            assign=bool(local_metadata.get("assign_to_params_buffers")))
+        keys = f"missing {sorted(got.missing_keys)}, unexpected {sorted(got.unexpected_keys)}"
+    except Exception as e:  # noqa: BLE001 - raised below, once every rank knows
+        error = e
+    finally:
+        rt.trial_load = False
+    mine = zlib.crc32(keys.encode())
+    spread = rt.comm.all_reduce_max(torch.tensor(
+        [int(error is not None), mine, -mine], dtype=torch.int64, device=rt.device))
+    if error is not None:
+        raise error
+    if int(spread[0]):
+        raise ConfigError("model load_state_dict() was refused on another rank (its error "
+                          "says why); this rank loaded nothing either, so the ranks' "
+                          "slices stay one model")
+    if int(spread[1]) != -int(spread[2]):
+        raise ConfigError(f"model load_state_dict(): the ranks' state dicts hold different "
+                          f"keys (this rank's: {keys[:300]}); every rank loads the same "
+                          "keys, or the ranks' slices would come from different models. "
+                          "Nothing was loaded")

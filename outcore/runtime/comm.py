@@ -65,6 +65,9 @@ _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+_BITS_62 = (1 << 62) - 1
+
+
 class _Done:
     """Handle of a collective that already finished (world size 1)."""
 
@@ -122,6 +125,17 @@ class Comm:
         if wire is not t:
             t.copy_(wire)
         return t
+
+    def alike(self, values: list[int]) -> list[bool]:
+        """Whether each of ``values`` (digests, flags) is the same on every rank: the largest
+        and the negated smallest over the ranks in one collective, so every rank gets the
+        same answer and a refusal happens on all of them together. Values are cut to 62 bits
+        (a digest's collisions stay negligible) so that they and their negation fit int64."""
+        if self.world_size == 1:
+            return [True] * len(values)
+        mine = torch.tensor([v & _BITS_62 for v in values], dtype=torch.int64)
+        spread = self.all_reduce_max(torch.cat([mine, -mine]))
+        return (spread[:len(values)] == -spread[len(values):]).tolist()
 
     def barrier(self) -> None:
         if self.world_size > 1:

@@ -10,13 +10,13 @@ import warnings
 from typing import Any
 
 import torch
-import xxhash
 from torch import nn
 
 from outcore.config import Config
 from outcore.device.compute_dtype import DTYPES
 from outcore.errors import ConfigError, user_stacklevel
 from outcore.offload.host_memory import MOSTLY_FROZEN
+from outcore.offload.storage import digest
 from outcore.offload.tier import Tier
 from outcore.runtime import Runtime
 from outcore.zero.group import GatherGroup
@@ -44,9 +44,6 @@ def shard_params(module: nn.Module, rt: Runtime, prepare: bool = True) -> list[S
     return sps
 
 
-_DIGEST_BITS = (1 << 62) - 1  # an xxh3 digest kept to what int64 and its negation hold
-
-
 def check_alike_across_ranks(named: list[tuple[str, nn.Parameter]], rt: Runtime) -> None:
     """[Note: every rank hands initialize the same values]
     Each rank keeps its 1/W slice of the values *it* was given, so a model built with
@@ -61,10 +58,8 @@ def check_alike_across_ranks(named: list[tuple[str, nn.Parameter]], rt: Runtime)
     ``outcore.init``) are not read again."""
     if rt.world_size == 1 or not named:
         return
-    mine = torch.tensor([_digest(p) for _, p in named], dtype=torch.int64)
-    spread = rt.comm.all_reduce_max(torch.cat([mine, -mine]))
-    differ = [named[i][0] for i in (spread[:len(named)] != -spread[len(named):]).nonzero()
-              .flatten().tolist()]
+    alike = rt.comm.alike([_digest(p) for _, p in named])
+    differ = [name for (name, _), same in zip(named, alike, strict=True) if not same]
     if differ:
         shown = ", ".join(differ[:3]) + (f" and {len(differ) - 3} more" if len(differ) > 3 else "")
         raise ConfigError(
@@ -76,10 +71,7 @@ def check_alike_across_ranks(named: list[tuple[str, nn.Parameter]], rt: Runtime)
 
 def _digest(p: torch.Tensor) -> int:
     t = p.detach()
-    if t.device.type == "meta":
-        return 0  # no values yet: nothing to compare
-    data = t.contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
-    return xxhash.xxh3_64_intdigest(data) & _DIGEST_BITS  # type: ignore[arg-type]
+    return 0 if t.device.type == "meta" else digest(t.contiguous().cpu())  # meta: no values
 
 
 def keep_resident(groups: list[GatherGroup], rt: Runtime, budget: int) -> set[int]:

@@ -79,9 +79,7 @@ def _same_on_every_rank(sps: list[ShardedParam], modify: bool) -> None:
     all-gathers would pair one rank's slices with another parameter's (the same sizes gave
     each rank wrong values, silently; other sizes killed a rank inside gloo, SIGABRT)."""
     asked = ", ".join(f"{sp.label()} ({sp.numel})" for sp in sps)
-    mine = zlib.crc32(f"{modify} {asked}".encode())
-    spread = sps[0].rt.comm.all_reduce_max(torch.tensor([mine, -mine], dtype=torch.int64))
-    if int(spread[0]) != -int(spread[1]):
+    if not sps[0].rt.comm.alike([zlib.crc32(f"{modify} {asked}".encode())])[0]:
         raise ParamAccessError(
             f"gathered_parameters: the ranks asked for different parameters or modify values "
             f"(this rank's: {asked[:300]}, modify={modify}); it is a collective: every rank "

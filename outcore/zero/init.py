@@ -149,12 +149,8 @@ def _check_same_rng(rt: Runtime) -> None:
     """Ranks drawing different random numbers would build inconsistent shards: refuse."""
     if rt.world_size == 1:
         return
-    digest = hashlib.sha256(torch.get_rng_state().numpy().tobytes()).digest()[:6]
-    mine = int.from_bytes(digest, "little")
-    # the largest and (negated) the smallest digest over the ranks, in one collective, so
-    # every rank sees the same answer and all of them refuse together
-    spread = rt.comm.all_reduce_max(torch.tensor([mine, -mine], dtype=torch.int64))
-    if int(spread[0]) != -int(spread[1]):
+    digest = hashlib.sha256(torch.get_rng_state().numpy().tobytes()).digest()[:8]
+    if not rt.comm.alike([int.from_bytes(digest, "little")])[0]:
         raise ConfigError(
             "ranks entered outcore.init with different torch RNG states; call "
             "torch.manual_seed(seed) with the same seed on every rank before building the model"

@@ -32,7 +32,6 @@ from __future__ import annotations
 import zlib
 from typing import Any
 
-import torch
 from torch import nn
 
 from outcore.errors import ConfigError
@@ -62,16 +61,16 @@ def agree_on_load(module: nn.Module, state_dict: dict[str, Any], prefix: str,
         error = e
     finally:
         rt.trial_load = False
-    mine = zlib.crc32(keys.encode())
-    spread = rt.comm.all_reduce_max(torch.tensor(
-        [int(error is not None), mine, -mine], dtype=torch.int64, device=rt.device))
+    # one collective: a failure flag that differs means some rank failed
+    same_outcome, same_keys = rt.comm.alike([int(error is not None),
+                                             zlib.crc32(keys.encode())])
     if error is not None:
         raise error
-    if int(spread[0]):
+    if not same_outcome:
         raise ConfigError("model load_state_dict() was refused on another rank (its error "
                           "says why); this rank loaded nothing either, so the ranks' "
                           "slices stay one model")
-    if int(spread[1]) != -int(spread[2]):
+    if not same_keys:
         raise ConfigError(f"model load_state_dict(): the ranks' state dicts hold different "
                           f"keys (this rank's: {keys[:300]}); every rank loads the same "
                           "keys, or the ranks' slices would come from different models. "

@@ -503,8 +503,8 @@ def test_a_failed_update_of_a_weight_read_directly_is_raised_by_every_later_forw
     engine.step()
     engine.synchronize()  # that step's updates all land before the failure is armed
     failing[0] = True
+    release.clear()  # before backward: the update of a layer may start while backward runs
     engine.backward(engine(*_batch(1)))
-    release.clear()
     engine.step()  # returns with the gates' update held
     release.set()
     futures.wait([job.done for job in engine.sharded_optimizer.pending_jobs])  # it failed

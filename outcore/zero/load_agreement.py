@@ -21,10 +21,11 @@ parameters), and keys missing alike on every rank are left to the load itself, w
 fails or passes alike. The cost is torch's checks twice (the trial builds no full-size
 values: ``access._write`` returns before) and one small collective, so a load is a
 collective: every rank calls it (as it already had to, each writing its own slices). What
-is not a sharded parameter sees the load twice: buffers, which every rank holds whole, are
-written in the trial as in the load (a refused load may have changed them), and a load
-hook of the model's own runs twice. One rank alone (and a closed engine) loads as torch
-does.
+is not a sharded parameter sees the load twice: a load hook of the model's own runs twice.
+Buffers, which every rank holds whole and torch writes in place, are not sharded parameters
+either: the trial writes them into copies put in their place (the persistent ones, those a
+state dict holds; the copies live only for the trial), so a refused load leaves them as they
+were. One rank alone (and a closed engine) loads as torch does.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from __future__ import annotations
 import zlib
 from typing import Any
 
+import torch
 from torch import nn
 
 from outcore.errors import ConfigError
@@ -52,6 +54,7 @@ def agree_on_load(module: nn.Module, state_dict: dict[str, Any], prefix: str,
     error: BaseException | None = None
     keys = ""
     rt.trial_load = True
+    originals = _stand_in_buffers(module)
     try:
         got = module.load_state_dict(
             state_dict, strict=False,
@@ -61,6 +64,8 @@ def agree_on_load(module: nn.Module, state_dict: dict[str, Any], prefix: str,
         error = e
     finally:
         rt.trial_load = False
+        for buffers, name, buffer in originals:
+            buffers[name] = buffer
     # one collective: a failure flag that differs means some rank failed
     same_outcome, same_keys = rt.comm.alike([int(error is not None),
                                              zlib.crc32(keys.encode())])
@@ -75,3 +80,17 @@ def agree_on_load(module: nn.Module, state_dict: dict[str, Any], prefix: str,
                           f"keys (this rank's: {keys[:300]}); every rank loads the same "
                           "keys, or the ranks' slices would come from different models. "
                           "Nothing was loaded")
+
+
+def _stand_in_buffers(module: nn.Module) -> list[tuple[dict[str, torch.Tensor | None], str,
+                                                      torch.Tensor]]:
+    """Put a copy in place of every persistent buffer for the trial, which writes into it;
+    return where each original goes back."""
+    originals: list[tuple[dict[str, torch.Tensor | None], str, torch.Tensor]] = []
+    for m in module.modules():
+        for name, buffer in m._buffers.items():
+            if buffer is not None and name not in m._non_persistent_buffers_set:
+                originals.append((m._buffers, name, buffer))
+    for buffers, name, buffer in originals:
+        buffers[name] = buffer.detach().clone()
+    return originals

@@ -14,8 +14,8 @@ from tests.distributed import run_world
 
 
 def _net() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, 4), nn.GELU(), nn.Linear(4, 2))
+    torch.manual_seed(0)  # (the batch norm's buffers: a refused load leaves them too)
+    return nn.Sequential(nn.Linear(4, 4), nn.GELU(), nn.Linear(4, 2), nn.BatchNorm1d(2))
 
 
 def _load(case: str, offload: str, swap: str) -> dict:
@@ -53,7 +53,8 @@ def test_a_load_refused_on_one_rank_is_refused_on_every_rank(tmp_path, case: str
                                                              offload: str) -> None:
     """Rank 1's state dict has a wrong shape (or lacks a key): it raised torch's error while
     rank 0 loaded its slices, leaving a weight half new, half old. Now rank 1 raises torch's
-    error, rank 0 a ConfigError saying so, and neither rank's model changed."""
+    error, rank 0 a ConfigError saying so, and neither rank's model changed, buffers included
+    (the trial had written the batch norm's statistics)."""
     zero, one = run_world(_load, 2, case, offload, str(tmp_path))
     if case == "shape":
         assert zero["said"].startswith("ConfigError: model load_state_dict() was refused on "

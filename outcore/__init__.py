@@ -19,8 +19,8 @@ from outcore.errors import (
     StorageError,
 )
 from outcore.guard.preemption import Preemption, preemption
-from outcore.io.checkpoint import latest_checkpoint
 from outcore.io.full_weights import consolidate
+from outcore.io.manifest import latest_checkpoint
 from outcore.io.pretrained import load_pretrained
 from outcore.memory.activations import checkpoint_activations, offload_activations
 from outcore.memory.tiling import TiledLinear, tile_linears

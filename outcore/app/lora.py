@@ -37,7 +37,7 @@ from outcore.errors import ConfigError
 from outcore.hf import require
 from outcore.hf.lora import apply_lora, parse_spec
 from outcore.hf.saving import save_adapters
-from outcore.io.checkpoint import read_manifest
+from outcore.io.manifest import read_manifest
 from outcore.units import format_bytes, format_count
 from outcore.zero.registry import parameter_counts
 

@@ -25,7 +25,6 @@ import contextlib
 import json
 import math
 import os
-import shutil
 import signal
 import sys
 import time
@@ -50,7 +49,7 @@ from outcore.engine import initialize
 from outcore.errors import CommError, ConfigError
 from outcore.guard.lock import lock_run_folder
 from outcore.guard.preemption import EXIT_PREEMPTED, Preemption, preemption
-from outcore.io.checkpoint import latest_checkpoint, read_manifest
+from outcore.io.manifest import latest_checkpoint, read_manifest
 from outcore.offload.nvme import MADE_MARK, remove_if_left_empty
 from outcore.offload.storage import Tier
 from outcore.sizing.estimate import shape_from_hf_config
@@ -471,12 +470,12 @@ def _save(engine: Any, sampler: datamod.BatchSampler, job: dict[str, Any], step:
               "model": job["model"], "elapsed_s": state["elapsed"], "run": state["run"]}
     if state.get("lora") is not None:  # a resume must name the same spec (app/lora.py)
         client["lora"] = state["lora"]
-    path = engine.save_checkpoint(job["out"] / "checkpoints" / f"step-{step:08d}",
-                                  client_state=client)
-    if engine.rank == 0 and models.is_hf_folder(job["model"]) and state.get("lora") is None:
-        # lets `outcore consolidate` put config.json beside the weights for from_pretrained;
-        # not for LoRA, whose weights are PEFT's names that from_pretrained would skip
-        shutil.copyfile(Path(job["model"]) / "config.json", path / "config.json")
+    # the model's config.json lets `outcore consolidate` put it beside the weights for
+    # from_pretrained; not for LoRA, whose weights are PEFT's names that it would skip
+    files = ({"config.json": Path(job["model"]) / "config.json"}
+             if models.is_hf_folder(job["model"]) and state.get("lora") is None else None)
+    engine.save_checkpoint(job["out"] / "checkpoints" / f"step-{step:08d}",
+                           client_state=client, files=files)
 
 
 def _finish(out: Path, job: dict[str, Any], n_params: int, start: int,

@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import os
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -355,21 +355,28 @@ class Engine:
     # -- checkpoints -------------------------------------------------------------------------
     def save_checkpoint(self, path: str | os.PathLike[str],
                         client_state: dict[str, Any] | None = None, *,
-                        replace_folder: bool = False) -> Path:
+                        replace_folder: bool = False,
+                        files: Mapping[str, str | os.PathLike[str]] | None = None) -> Path:
         """Write a complete checkpoint folder atomically (a collective: every rank calls).
         ``replace_folder``: an existing folder at ``path`` goes whole, not only the files of a
-        checkpoint (io/checkpoint.py's [Note: replacing a folder]).
+        checkpoint (io/publish.py's [Note: replacing a folder]). ``files``: name -> file to
+        copy into the checkpoint beside its own (a model's ``config.json``, which
+        ``outcore.consolidate`` puts beside the full weights); they are the checkpoint's, so
+        a later save into ``path`` replaces them.
 
         From the first save into a folder's parent (the checkpoint root) until ``close()``,
         another process's engine saving into or loading from that root is refused with
         ``FolderInUseError`` (guard/lock.py's [Note: two runs, one folder])."""
         self._check_open()
+        self._check_nothing_shown("save_checkpoint()")
         self._reopen_boundary("save_checkpoint()")  # half this step's updates would be saved
         path, client_state = Path(path), client_state or {}
         checkpoint.check_client_state(client_state)  # a mistake here creates no folder
+        copied = checkpoint.check_files(files)
         self._folders.hold(path.parent, self.rt.comm, self.rt.accel, create=True)
         try:
-            return checkpoint.save(self, path, client_state, replace_folder=replace_folder)
+            return checkpoint.save(self, path, client_state, replace_folder=replace_folder,
+                                   files=copied)
         finally:  # saving read every shard through the I/O pool
             self.rt.release_idle_io_buffers()
 
@@ -384,6 +391,7 @@ class Engine:
 
         The checkpoint root (``path``'s parent) is held from here on, as after a save."""
         self._check_open()
+        self._check_nothing_shown("load_checkpoint()")
         self._reopen_boundary("load_checkpoint()")  # step() would drop the next update
         self._folders.hold(Path(path).parent, self.rt.comm, self.rt.accel, create=False)
         try:
@@ -466,11 +474,13 @@ class Engine:
                 "takes boundary=False), or set zero.overlap_optimizer: false")
 
     def _check_nothing_shown(self, what: str) -> None:
+        """Training, saving and loading work on the shards, which a gathered context's
+        copies do not follow until it exits (and then replace, with ``modify=True``)."""
         if self.rt.shown:
             raise ParamAccessError(
                 f"{what} inside gathered_parameters: the context shows {self.rt.shown} "
-                "parameters as the user's copies, and on exit they replace what training "
-                "would write; train outside the context")
+                "parameters as copies that the shards do not follow until it exits (and that "
+                "then replace them, with modify=True); call it outside the context")
 
     def _check_open(self) -> None:
         if self._closed is not None:

@@ -298,15 +298,34 @@ def prepared_moments(opt: ShardedOptimizer, sp: ShardedParam, entry: dict,
     return write
 
 
+def prepared_reset(opt: ShardedOptimizer, sp: ShardedParam) -> Callable[[], None]:
+    """What loading a state dict that holds no state for ``sp`` writes: none, as torch's
+    ``load_state_dict`` leaves a parameter it holds no entry for without state (its moments
+    zero, its count from 0: a load of a fresh optimizer's state dict restarts them)."""
+    state = opt.state[sp]
+
+    def write() -> None:
+        if state.step == 0:
+            return  # nothing to take back
+        for stored in state.moments.values():
+            stored.save(torch.zeros(sp.shard_numel, dtype=torch.float32,
+                                    device=opt.rt.device)).result()
+        for target in (opt.adafactor.factors_of_live(sp) if opt.adafactor else []):
+            target.zero_()
+        state.step = 0
+    return write
+
+
 def _checked_step(opt: ShardedOptimizer, sp: ShardedParam, entry: dict, current: int) -> int:
     """The update count an entry holds: a whole number from 1 (outcore counts a parameter's
     state from its first update). Adam's and AdamW's entries always hold one, as torch's do;
-    SGD's may not (torch's keeps none), and then the count stays."""
+    SGD's may not (torch's keeps none): then the count stays, from 1 where the entry brings a
+    momentum buffer (the parameter has state now, which ``state_dict()`` must show)."""
     if "step" not in entry:
         if opt.kind in ("adam", "adamw"):
             raise ConfigError(f"optimizer state for {sp.label()} has moments but no 'step' "
                               f"({sorted(entry)}); {opt.kind}'s bias correction needs it")
-        return current
+        return max(current, 1)
     step = _whole_step(entry["step"])
     if step is None:
         raise ConfigError(f"optimizer state 'step' for {sp.label()} is {entry['step']!r}: "

@@ -39,9 +39,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
-from outcore.engine.optimizer_state import OptimizerState, moments_of, prepared_moments
+from outcore.engine.optimizer_state import (
+    OptimizerState,
+    moments_of,
+    prepared_moments,
+    prepared_reset,
+)
 from outcore.errors import ConfigError, EngineClosedError
-from outcore.optim.param_groups import check_loaded_group
+from outcore.optim.param_groups import TORCH_GROUP_KEYS, check_loaded_group
 
 if TYPE_CHECKING:
     from outcore.engine.core import Engine
@@ -118,7 +123,8 @@ class TorchOptimizer(torch.optim.Optimizer):
                     state[index] = {"step": torch.tensor(float(sharded.step_of(sp))), **moments}
                 ids.append(index)
                 index += 1
-            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
+            groups.append({**TORCH_GROUP_KEYS.get(self._engine.cfg.optimizer.type, {}),
+                           **{k: v for k, v in group.items() if k != "params"}, "params": ids})
         rt = self._engine.rt
         return {"state": state, "param_groups": groups,
                 "outcore": {"world_size": rt.world_size, "rank": rt.rank}}
@@ -182,6 +188,8 @@ class TorchOptimizer(torch.optim.Optimizer):
                 entry = saved_state.get(key)
                 if sp is not None and entry:
                     writes.append(prepared_moments(sharded, sp, entry, saved_world=world))
+                elif sp is not None:  # torch leaves it without state: so does outcore
+                    writes.append(prepared_reset(sharded, sp))
         return writes, groups
 
     def __repr__(self) -> str:

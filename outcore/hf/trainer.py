@@ -38,7 +38,7 @@ from outcore.errors import ConfigError
 from outcore.hf import saving
 from outcore.hf.args import OutcoreConfigSource, build_config, check_world, deepspeed_from_args
 from outcore.hf.schedule import deepspeed_scheduler
-from outcore.io.checkpoint import MANIFEST
+from outcore.io.publish import MANIFEST
 
 # Trainer methods OutcoreTrainer overrides; private ones move between transformers releases
 OVERRIDDEN = ("create_accelerator_and_postprocess", "_move_model_to_device", "_wrap_model",

@@ -33,67 +33,95 @@ the file to W for nothing.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import re
-import secrets
 import shutil
 import warnings
 import zlib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import safe_open
 
-from outcore.errors import ConfigError, OutcoreError, StorageError
+from outcore.errors import ConfigError, OutcoreError, StorageError, user_stacklevel
 from outcore.io import base_record
 from outcore.io import safetensors_stream as sts
 from outcore.io.client_state import check_client_state, jsonable
+from outcore.io.manifest import (
+    FORMAT,
+    VERSION,
+    check_file,
+    manifest_checksum,
+    rank_file,
+    read_manifest,
+)
+from outcore.io.publish import (
+    MANIFEST,
+    OWN_FILES,
+    PARTIAL,
+    check_replaceable,
+    publish,
+    remove_ours,
+    settle,
+)
 from outcore.io.safetensors_stream import CHECKSUM, FileInfo, StreamWriter, TensorSpec
 from outcore.offload.storage import load_now
+from outcore.optim.param_groups import HP_KEYS
 
-FORMAT, VERSION, MANIFEST = "outcore-checkpoint", 1, "manifest.json"
-_PARTIAL, _ASIDE = ".partial", ".replaced-"
-OWN_FILES = re.compile(  # the files a checkpoint folder holds
-    r"^(rank\d{5}-of-\d{5}\.safetensors|manifest\.json|config\.json)(\.tmp)?$")
 _RNG_CPU, _RNG_CUDA = "__rng__::torch_cpu", "__rng__::torch_cuda"
 _OPTIM = "__optimizer__::"  # replicated optimizer state (rank 0's file)
 
 
-def rank_file(rank: int, world: int) -> str:
-    return f"rank{rank:05d}-of-{world:05d}.safetensors"  # rank's file of a world-rank save
-
-
 # -- save ----------------------------------------------------------------------------------------
 def save(engine: Any, path: Path, client_state: dict[str, Any], *,
-         replace_folder: bool = False) -> Path:
+         replace_folder: bool = False, files: dict[str, Path] | None = None) -> Path:
     """``replace_folder``: a folder already at ``path`` goes whole once the new one is in
     place, other files included (a Trainer's ``checkpoint-N``, which the Trainer itself
-    deletes whole); otherwise only the files of a checkpoint go ([Note: replacing a folder])."""
+    deletes whole); otherwise only the files of a checkpoint go (publish.py's [Note:
+    replacing a folder]). ``files``: copied into the checkpoint by name (``check_files``)."""
     engine.sharded_optimizer.wait()  # updates running during backward must land before we read
-    return _save(engine, path, client_state, replace_folder)
+    return _save(engine, path, client_state, replace_folder, files or {})
+
+
+def check_files(files: Mapping[str, str | os.PathLike[str]] | None) -> dict[str, Path]:
+    """``save_checkpoint(files=)``: plain file names, none a checkpoint's own, to the files
+    to copy (whether those exist is checked by the rank that copies, rank 0)."""
+    out = {}
+    for name, src in (files or {}).items():
+        if (not isinstance(name, str) or name in ("", ".", "..") or "/" in name
+                or os.sep in name or OWN_FILES.match(name)):
+            raise ConfigError(f"save_checkpoint(files=): {name!r} is not a file name a "
+                              "checkpoint can hold (a plain name, not manifest.json or a "
+                              "rank file)")
+        out[name] = Path(src)
+    return out
 
 
 def _save(engine: Any, path: Path, client_state: dict[str, Any],
-          replace_folder: bool = False) -> Path:
+          replace_folder: bool = False, files: dict[str, Path] | None = None) -> Path:
     """Write a complete checkpoint of ``engine`` to ``path`` (a collective; see the notes).
 
     ``path`` must be on a filesystem every rank sees. Rank 0's ``client_state`` is the one
     recorded. Save at an accumulation boundary: gradients of unfinished micro-steps are not kept.
     """
-    comm, path = engine.rt.comm, Path(path)
+    comm, path, files = engine.rt.comm, Path(path), files or {}
     check_client_state(client_state)
-    partial = path.with_name(path.name + _PARTIAL)
+    partial = path.with_name(path.name + PARTIAL)
     err: OutcoreError | OSError | None = None
     if comm.rank == 0:
         try:
-            _check_replaceable(path, replace_folder)
+            for name, src in files.items():
+                if not src.is_file():
+                    raise ConfigError(f"save_checkpoint(files=): {name!r} names {src}, which "
+                                      "is not a file")
+            check_replaceable(path, replace_folder)
             path.parent.mkdir(parents=True, exist_ok=True)
-            _remove_ours(partial)
+            settle(path)  # what a save killed between its renames left aside
+            remove_ours(partial, files)
             partial.mkdir(mode=0o700)
         except (OutcoreError, OSError) as e:
-            err = e
+            err = _storage_error(e, path)
     try:  # the path's digest rides along: each rank writes into rank 0's folder
         where = _agree(engine, err, f"preparing {partial}",
                        (zlib.crc32(os.path.abspath(path).encode()),))
@@ -102,7 +130,7 @@ def _save(engine: Any, path: Path, client_state: dict[str, Any],
                               f"rank's: {path}); every rank saves to the same folder")
     except OutcoreError:  # another rank failed or died (CommError): take back the folder
         if comm.rank == 0 and err is None:
-            _remove_ours(partial)
+            remove_ours(partial)
         raise
     info, err = None, None
     try:
@@ -115,18 +143,22 @@ def _save(engine: Any, path: Path, client_state: dict[str, Any],
                        (info.nbytes, int(info.checksum, 16)) if info else (0, 0))
     except OutcoreError:
         if comm.rank == 0:  # every rank is past its write: give the space back (disk full)
-            _remove_ours(partial)
+            remove_ours(partial)
         raise
-    files = {rank_file(r, world): {"bytes": int(n), "checksum": f"{int(c):08x}"}
+    sizes = {rank_file(r, world): {"bytes": int(n), "checksum": f"{int(c):08x}"}
              for r, (n, c) in enumerate(table.tolist())}
     if comm.rank == 0:
         try:
-            manifest = _manifest(engine, client_state, files)
+            for name, src in files.items():
+                shutil.copyfile(src, partial / name)
+            manifest = _manifest(engine, client_state, sizes, sorted(files))
             sts.write_json_durably(partial / MANIFEST, manifest)
             sts.fsync_dir(partial)
-            _publish(partial, path, replace_folder)
+            publish(partial, path, replace_folder)
         except (OutcoreError, OSError) as e:
             err = _storage_error(e, path)
+            with contextlib.suppress(OSError):
+                remove_ours(partial, files)  # (gone already where it was published)
     _agree(engine, err, f"publishing {path}")
     return path
 
@@ -187,7 +219,8 @@ def _write_rank_file(engine: Any, folder: Path) -> FileInfo:
         return w.finish()
 
 
-def _manifest(engine: Any, client_state: dict[str, Any], files: dict[str, dict]) -> dict:
+def _manifest(engine: Any, client_state: dict[str, Any], files: dict[str, dict],
+              copied: list[str]) -> dict:
     aliases: dict[int, list[str]] = {}
     for name, p in engine.module.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(p), []).append(name)
@@ -209,60 +242,11 @@ def _manifest(engine: Any, client_state: dict[str, Any], files: dict[str, dict])
            "params": params, "buffers": list(_buffers(engine.module)),
            "scaler": engine.scaler.state_dict(), "param_groups": groups,
            "config": engine.cfg.model_dump(mode="json"), "client_state": client_state,
-           "checksum": CHECKSUM, "files": files,
+           "checksum": CHECKSUM, "files": files, "copied_files": copied,
+           "group_members": [[sp.name for sp in members]
+                             for members in engine.sharded_optimizer.members],
            "base": base_record.record(base_record.base_files(engine))}
     return {**man, "manifest_checksum": manifest_checksum(man)}
-
-
-def manifest_checksum(man: dict) -> str:
-    """Checksum of the manifest's own content (all keys but this one), so a flipped digit in
-    a shape, step or learning rate is caught like a flipped bit in a tensor."""
-    body = {k: v for k, v in man.items() if k != "manifest_checksum"}
-    return sts.checksum_hex(sts.checksum_update(0, json.dumps(body, sort_keys=True).encode()))
-
-
-def _check_replaceable(path: Path, whole: bool = False) -> None:
-    """Refuse to replace anything but an empty folder or an outcore checkpoint (any folder
-    where the caller owns it ``whole``)."""
-    if path.exists() and not path.is_dir():
-        raise StorageError(f"checkpoint path {path} exists and is not a folder")
-    if not whole and path.is_dir() and any(path.iterdir()) and not (path / MANIFEST).exists():
-        raise StorageError(f"{path} exists and is not an outcore checkpoint; not replacing it")
-
-
-def _publish(partial: Path, path: Path, replace_folder: bool = False) -> None:
-    """Move the finished folder into place; delete the old checkpoint only afterwards.
-
-    [Note: replacing a folder]
-    The old folder is renamed aside first, so a crash leaves either checkpoint whole. Then
-    only the files a checkpoint consists of are deleted from it, and a folder still holding
-    others (someone else's) is left with a warning, unless the caller owns the whole
-    folder: under ``OutcoreTrainer`` the ``checkpoint-N`` folders are the Trainer's, with its
-    own files in them, and a second run into the same ``output_dir`` replaces them whole, as
-    the Trainer's own rotation deletes them."""
-    aside = None
-    if path.exists():
-        aside = path.with_name(path.name + _ASIDE + secrets.token_hex(4))
-        os.replace(path, aside)
-    os.replace(partial, path)
-    sts.fsync_dir(path.parent)
-    if aside is not None and replace_folder:
-        shutil.rmtree(aside, ignore_errors=True)
-    elif aside is not None:
-        _remove_ours(aside)
-
-
-def _remove_ours(folder: Path) -> None:
-    """Delete the files a checkpoint consists of, then the folder if nothing else is left."""
-    if not folder.is_dir():
-        return
-    for f in folder.iterdir():
-        if f.is_file() and OWN_FILES.match(f.name):
-            f.unlink()
-    try:
-        folder.rmdir()
-    except OSError:
-        warnings.warn(f"left {folder}: it holds files outcore did not write", stacklevel=3)
 
 
 def _storage_error(e: Exception, path: Path) -> Exception:
@@ -290,67 +274,6 @@ def _agree(engine: Any, err: Exception | None, what: str,
     return table[:, 1:]
 
 
-# -- reading -------------------------------------------------------------------------------------
-def read_manifest(folder: Path) -> dict[str, Any]:
-    """The manifest of a checkpoint folder, checked for format and version."""
-    mf = Path(folder) / MANIFEST
-    try:
-        man = json.loads(mf.read_text())
-    except FileNotFoundError:
-        raise StorageError(f"{folder} is not a complete checkpoint (no {MANIFEST})") from None
-    except (OSError, ValueError) as e:
-        raise StorageError(f"{mf} is unreadable or not JSON: {e}") from None
-    if not isinstance(man, dict) or man.get("format") != FORMAT:
-        raise StorageError(f"{mf} is not an outcore checkpoint manifest")
-    if man.get("version") != VERSION:
-        raise StorageError(f"{mf}: format version {man.get('version')}, this outcore reads "
-                           f"version {VERSION}")
-    if man.get("checksum") != CHECKSUM:
-        raise StorageError(f"{mf}: unknown checksum algorithm {man.get('checksum')!r}")
-    if man.get("manifest_checksum") != manifest_checksum(man):
-        raise StorageError(f"{mf} is corrupt: its content does not match its checksum")
-    return man
-
-
-def check_file(folder: Path, man: dict, name: str, full: bool = True) -> None:
-    """Check checkpoint file ``name`` against the manifest ``man``: its size always, with
-    ``full`` also its checksum (reads the whole file once). ``StorageError`` names the file."""
-    rec, path = man["files"].get(name), folder / name
-    if rec is None or not path.is_file():
-        raise StorageError(f"checkpoint file {path} is missing")
-    size = path.stat().st_size
-    if size != rec["bytes"]:
-        raise StorageError(f"checkpoint file {path} has {size} bytes, the manifest says "
-                           f"{rec['bytes']}: truncated or replaced")
-    if full and (digest := sts.file_checksum(path)[1]) != rec["checksum"]:
-        raise StorageError(f"checkpoint file {path} is corrupt: {CHECKSUM} {digest}, the "
-                           f"manifest says {rec['checksum']}")
-
-
-def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
-    """The complete checkpoint with the highest global step among ``root``'s subfolders.
-
-    Complete means: a valid manifest and every rank file present at its recorded size
-    (checksums are verified by ``load``, not here, so this stays cheap).
-    """
-    root, best = Path(root), None
-    if not root.is_dir():
-        return None
-    for child in sorted(root.iterdir()):
-        if not child.is_dir() or child.name.endswith(_PARTIAL) or _ASIDE in child.name:
-            continue
-        try:
-            man = read_manifest(child)
-            for r in range(man["world_size"]):
-                check_file(child, man, rank_file(r, man["world_size"]), full=False)
-            key = (int(man["global_steps"]), child.name)
-        except (StorageError, KeyError, TypeError, ValueError):
-            continue
-        if best is None or key > best[0]:
-            best = (key, child)
-    return None if best is None else best[1]
-
-
 # -- load ----------------------------------------------------------------------------------------
 def load(engine: Any, path: Path) -> dict[str, Any]:
     engine.sharded_optimizer.wait()  # a background update must not overwrite what we load
@@ -370,6 +293,7 @@ def _load(engine: Any, path: Path) -> dict[str, Any]:
         plan = _plan(engine, man, folder)
         for r in sorted(plan["ranks"]):
             check_file(folder, man, rank_file(r, man["world_size"]))
+        _check_buffers(engine, folder, man)
     except OutcoreError as e:
         err = e
     _agree(engine, err, f"checking checkpoint {folder}")
@@ -399,6 +323,7 @@ def _load(engine: Any, path: Path) -> dict[str, Any]:
     except (OutcoreError, OSError) as e:
         err = e
     _agree(engine, err, f"loading checkpoint {folder}")
+    _warn_replaced_settings(engine, man)
     for hp, saved in zip(engine.param_groups, man["param_groups"], strict=True):
         hp.update({k: tuple(v) if isinstance(hp.get(k), tuple) else v for k, v in saved.items()})
     engine.scaler.load_state_dict(man["scaler"])
@@ -407,6 +332,59 @@ def _load(engine: Any, path: Path) -> dict[str, Any]:
     for g in engine.groups:
         g.refresh_after_step()
     return man["client_state"]
+
+
+def _warn_replaced_settings(engine: Any, man: dict) -> None:
+    """A resume takes the optimizer's hyper-parameters from the checkpoint, as torch's
+    ``load_state_dict`` does (a scheduler's learning rate must go on from where it was); a
+    config that sets other values than the saved run's says so once, on rank 0, so a run
+    resumed "with a lower learning rate" does not silently keep the old one."""
+    saved = (man.get("config") or {}).get("optimizer") or {}
+    mine = engine.cfg.optimizer.model_dump(mode="json")
+    differ = [f"{k} {mine[k]} -> {saved[k]}" for k in HP_KEYS
+              if k in saved and k in mine and saved[k] != mine[k]]
+    if differ and engine.rt.rank == 0:
+        warnings.warn(f"load_checkpoint(): the checkpoint's optimizer settings replace this "
+                      f"engine's config ({', '.join(differ)}), as torch's load_state_dict "
+                      "does; to change them, set engine.optimizer.param_groups after "
+                      "loading", stacklevel=user_stacklevel())
+
+
+def _check_buffers(engine: Any, folder: Path, man: dict) -> None:
+    """Each persistent buffer's saved shape is the model's: ``copy_`` would broadcast a
+    smaller one without a word, or fail after the weights were written."""
+    bufs = _buffers(engine.module)
+    if not bufs:
+        return
+    with safe_open(folder / rank_file(0, man["world_size"]), "pt") as f:
+        differ = [f"{name}: checkpoint {list(shape)}, model {list(buf.shape)}"
+                  for name, buf in bufs.items()
+                  if list(shape := f.get_slice(f"__buffer__::{name}").get_shape())
+                  != list(buf.shape)]
+    if differ:
+        raise ConfigError(f"checkpoint buffer shapes differ from the model's: {differ}; "
+                          "nothing was loaded")
+
+
+def _check_groups(engine: Any, man: dict, by_name: dict[str, tuple[str, dict]]) -> None:
+    """The checkpoint's param groups hold the engine's groups' parameters, group by group:
+    matched by position alone, groups built in another order would swap their learning
+    rates and weight decays without a word (torch refuses such a load too). Checkpoints
+    from before the groups' members were recorded are matched by count only."""
+    saved = man.get("group_members")
+    if saved is None:
+        return
+    for i, (members, names) in enumerate(zip(engine.sharded_optimizer.members, saved,
+                                             strict=True)):
+        mine = {by_name[sp.name][0] for sp in members}
+        if mine != set(names):
+            only_model = sorted(mine - set(names))[:3]
+            only_saved = sorted(set(names) - mine)[:3]
+            raise ConfigError(
+                f"checkpoint's param group {i} holds other parameters than this engine's "
+                f"group {i} (only in the engine's: {only_model}, only in the checkpoint's: "
+                f"{only_saved}); build the groups in the order and with the members they "
+                "had when saved")
 
 
 def _plan(engine: Any, man: dict, folder: Path) -> dict[str, Any]:
@@ -443,6 +421,7 @@ def _plan(engine: Any, man: dict, folder: Path) -> dict[str, Any]:
     if len(man["param_groups"]) != len(engine.param_groups):
         raise ConfigError(f"checkpoint has {len(man['param_groups'])} param groups, the engine "
                           f"{len(engine.param_groups)}")
+    _check_groups(engine, man, by_name)
     old, rank = man["world_size"], engine.rt.rank
     rng_rank = rank if rank < old else 0  # a new rank past the old world takes rank 0's RNG
     ranks = {rng_rank}

@@ -20,7 +20,8 @@ from safetensors import safe_open
 from outcore.errors import ConfigError
 from outcore.io import base_record
 from outcore.io import safetensors_stream as sts
-from outcore.io.checkpoint import OWN_FILES, check_file, rank_file, read_manifest
+from outcore.io.manifest import check_file, rank_file, read_manifest
+from outcore.io.publish import OWN_FILES
 from outcore.io.safetensors_stream import StreamWriter, TensorSpec
 from outcore.offload.aio import AioEngine
 from outcore.offload.source_file import SourceReader, TensorEntry

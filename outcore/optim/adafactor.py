@@ -194,6 +194,11 @@ class Runner:
         return {"exp_avg_sq_row": f.row.view(sp.shape[:-1]).clone(),
                 "exp_avg_sq_col": f.col.view((*sp.shape[:-2], sp.shape[-1])).clone()}
 
+    def factors_of_live(self, sp: ShardedParam) -> list[torch.Tensor]:
+        """``sp``'s factors themselves (none for a parameter that keeps none), to reset."""
+        f = self.factors[id(sp)]
+        return [] if f.row is None or f.col is None else [f.row, f.col]
+
     def load_factors(self, sp: ShardedParam, entry: dict[str, Any]) -> None:
         for target, value in self.checked_factors(sp, entry):
             target.copy_(value)

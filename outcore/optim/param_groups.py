@@ -7,6 +7,7 @@ biases, another learning rate for a head). They are checked before anything is s
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -29,6 +30,16 @@ _TORCH_KEYS = {"foreach": None, "fused": None, "capturable": False, "differentia
                # SWALR), made before or after initialize
                "max_lr": None, "min_lr": None, "base_momentum": None, "max_momentum": None,
                "swa_lr": None}
+# what torch's own optimizers of each type keep in a group beyond the hyper-parameters, at
+# the values outcore's kernels run with: ``state_dict()`` gives them, so that torch's
+# optimizer loads it and steps (torch's SGD reads ``dampening`` and sets no default for it)
+_ADAM_KEYS = {"amsgrad": False, "maximize": False, "foreach": None, "capturable": False,
+              "differentiable": False, "fused": None}
+TORCH_GROUP_KEYS: dict[str, dict[str, Any]] = {
+    "adam": {**_ADAM_KEYS, "decoupled_weight_decay": False},
+    "adamw": {**_ADAM_KEYS, "decoupled_weight_decay": True},
+    "sgd": {"dampening": 0, "maximize": False, "foreach": None, "differentiable": False,
+            "fused": None}}
 _TORCH_TYPES = {("torch.optim", "AdamW"): "adamw", ("torch.optim", "Adam"): "adam",
                 ("torch.optim", "SGD"): "sgd",
                 ("transformers.optimization", "Adafactor"): "adafactor"}
@@ -77,6 +88,7 @@ def check_param_groups(module: nn.Module, param_groups: Iterable[dict[str, Any]]
             raise ConfigError(f"param_groups[{i}]: unknown keys {sorted(unknown)}; "
                               f"allowed: params, {', '.join(HP_KEYS)}")
         _check_torch_keys(f"param_groups[{i}]", spec)
+        check_group_numbers(f"param_groups[{i}]", spec)
         params = list(spec.get("params", []))
         for p in params:
             if id(p) not in names:
@@ -97,11 +109,37 @@ def check_loaded_group(i: int, saved: dict[str, Any]) -> None:
     kernels match and its numbers numbers, as ``initialize`` checks them, so a refused load
     changes nothing and a taken one steps."""
     _check_torch_keys(f"optimizer state_dict's param group {i}", saved)
-    for key in ("lr", "weight_decay", "momentum"):  # (Adafactor's eps is a pair)
-        value = saved.get(key)
-        if value is not None and not isinstance(value, (int, float, torch.Tensor)):
-            raise ConfigError(f"optimizer state_dict's param group {i}: {key}={value!r} is "
-                              "not a number")
+    check_group_numbers(f"optimizer state_dict's param group {i}", saved)
+
+
+def check_group_numbers(where: str, group: dict[str, Any]) -> None:
+    """A group's numbers within what the config accepts for them (``schema.OptimizerConfig``),
+    but for a learning rate of 0, which a scheduler's warm-up sets: a NaN or negative one
+    would train every weight to NaN, or away from the loss, without a word."""
+    for key, low, strict in (("lr", 0.0, False), ("weight_decay", 0.0, False),
+                             ("momentum", 0.0, False), ("eps", 0.0, True)):
+        value = group.get(key)
+        if value is None or (key == "eps" and isinstance(value, (tuple, list))):
+            continue  # (Adafactor's eps is a pair, its lr may be None)
+        number = _number(value)
+        if number is None or not math.isfinite(number) or number < low or (
+                strict and number == low):
+            raise ConfigError(f"{where}: {key}={value!r} is not a finite number "
+                              f"{'>' if strict else '>='} {low:g}")
+    betas = group.get("betas")
+    if betas is not None:
+        numbers = [_number(b) for b in betas] if isinstance(betas, (tuple, list)) else []
+        if len(numbers) != 2 or any(b is None or not 0.0 <= b < 1.0 for b in numbers):
+            raise ConfigError(f"{where}: betas={betas!r} is not two numbers in [0, 1)")
+
+
+def _number(value: Any) -> float | None:
+    """``value`` as a float: a number, or a tensor of one (torch allows a tensor ``lr``)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, torch.Tensor):
+        return float(value) if value.numel() == 1 and not value.is_complex() else None
+    return float(value) if isinstance(value, (int, float)) else None
 
 
 def _check_torch_keys(where: str, group: dict[str, Any]) -> None:

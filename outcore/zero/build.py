@@ -58,7 +58,7 @@ def check_alike_across_ranks(named: list[tuple[str, nn.Parameter]], rt: Runtime)
     ``outcore.init``) are not read again."""
     if rt.world_size == 1 or not named:
         return
-    alike = rt.comm.alike([_digest(p) for _, p in named])
+    alike = rt.comm.alike([value_digest(p) for _, p in named])
     differ = [name for (name, _), same in zip(named, alike, strict=True) if not same]
     if differ:
         shown = ", ".join(differ[:3]) + (f" and {len(differ) - 3} more" if len(differ) > 3 else "")
@@ -69,7 +69,8 @@ def check_alike_across_ranks(named: list[tuple[str, nn.Parameter]], rt: Runtime)
             "under outcore.init (which checks the seed), or load the same weights on each")
 
 
-def _digest(p: torch.Tensor) -> int:
+def value_digest(p: torch.Tensor) -> int:
+    """xxh3 of a tensor's values wherever it lives (0 for a meta tensor, which has none)."""
     t = p.detach()
     return 0 if t.device.type == "meta" else digest(t.contiguous().cpu())  # meta: no values
 

@@ -11,8 +11,11 @@ module, so it cannot be checked first from outside without re-doing torch's rule
 renames in a model's own pre-hooks, extra state, strictness). So the model's load runs
 twice at more ranks: first a trial, torch's whole ``load_state_dict`` with every write to a
 sharded parameter checked but not made (``Runtime.trial_load``, zero/access.py), then one
-collective that tells every rank whether any rank's trial raised, and whether the keys it
-left missing or unexpected are the same everywhere; only then the load itself, on every
+collective that tells every rank whether any rank's trial raised, whether the keys it
+left missing or unexpected are the same everywhere, and whether the values it gives the
+sharded parameters are (an xxh3 digest of each, as ``initialize`` compares the model's:
+different values would leave each rank its slice of its own, a mix equal to none; a second
+collective names them); only then the load itself, on every
 rank, or the error on every rank: the rank whose trial failed raises what torch raised, the
 others a ``ConfigError`` saying so. The trial is never strict, since torch tells its hooks
 ``strict=True`` whatever the caller passed: keys that differ between ranks are refused
@@ -34,9 +37,11 @@ import zlib
 from typing import Any
 
 import torch
+import xxhash
 from torch import nn
 
 from outcore.errors import ConfigError
+from outcore.zero.build import value_digest
 from outcore.zero.registry import managed
 
 
@@ -67,8 +72,10 @@ def agree_on_load(module: nn.Module, state_dict: dict[str, Any], prefix: str,
         for buffers, name, buffer in originals:
             buffers[name] = buffer
     # one collective: a failure flag that differs means some rank failed
-    same_outcome, same_keys = rt.comm.alike([int(error is not None),
-                                             zlib.crc32(keys.encode())])
+    values = _sharded_values(module, state_dict)
+    same_outcome, same_keys, same_values = rt.comm.alike([
+        int(error is not None), zlib.crc32(keys.encode()),
+        xxhash.xxh3_64_intdigest(b"".join(d.to_bytes(8, "little") for d in values.values()))])
     if error is not None:
         raise error
     if not same_outcome:
@@ -80,6 +87,14 @@ def agree_on_load(module: nn.Module, state_dict: dict[str, Any], prefix: str,
                           f"keys (this rank's: {keys[:300]}); every rank loads the same "
                           "keys, or the ranks' slices would come from different models. "
                           "Nothing was loaded")
+    if not same_values and same_outcome:  # the same keys, so the same count on every rank
+        differ = [k for k, same in zip(values, rt.comm.alike(list(values.values())),
+                                       strict=True) if not same]
+        raise ConfigError(f"model load_state_dict(): the ranks' state dicts hold different "
+                          f"values for {', '.join(differ[:3])}"
+                          f"{f' and {len(differ) - 3} more' if len(differ) > 3 else ''}: each "
+                          "rank would keep its slice of its own values, a mix equal to none of "
+                          "them. Load the same state dict on every rank. Nothing was loaded")
 
 
 def _stand_in_buffers(module: nn.Module) -> list[tuple[dict[str, torch.Tensor | None], str,
@@ -94,3 +109,12 @@ def _stand_in_buffers(module: nn.Module) -> list[tuple[dict[str, torch.Tensor | 
     for buffers, name, buffer in originals:
         buffers[name] = buffer.detach().clone()
     return originals
+
+
+def _sharded_values(module: nn.Module, state_dict: dict[str, Any]) -> dict[str, int]:
+    """The digest of each value ``state_dict`` holds for a sharded parameter, by key (in the
+    state dict's order): what every rank must load alike (buffers every rank holds whole
+    may differ, as in DDP without their broadcast)."""
+    params = dict(module.named_parameters(remove_duplicate=False))
+    return {k: value_digest(v) for k, v in state_dict.items()
+            if isinstance(v, torch.Tensor) and k in params and managed(params[k]) is not None}

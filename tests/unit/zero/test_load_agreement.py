@@ -30,6 +30,9 @@ def _load(case: str, offload: str, swap: str) -> dict:
         new["0.weight"] = torch.zeros(5, 4)
     elif case == "missing" and rank == 1:
         del new["2.bias"]
+    elif case == "values" and rank == 1:  # another seed's weights, another checkpoint's
+        new["0.weight"] = torch.full_like(new["0.weight"], 8.0)
+        new["2.bias"] = torch.full_like(new["2.bias"], 8.0)
     strict = case != "missing-lenient"
     if case == "missing-lenient":
         del new["2.bias"]
@@ -74,3 +77,12 @@ def test_a_load_that_every_rank_accepts_loads_everywhere(tmp_path, case: str) ->
         assert rank["said"] is None, rank
         expected = {k: not (case == "missing-lenient" and k == "2.bias") for k in rank["loaded"]}
         assert rank["loaded"] == expected
+
+
+def test_a_load_of_other_values_on_each_rank_is_refused(tmp_path) -> None:
+    """Each rank loaded its slice of its own state dict: a weight of rank 0's first rows and
+    rank 1's last, equal to neither, with no word. Now every rank refuses, naming the keys."""
+    for rank in run_world(_load, 2, "values", "none", str(tmp_path)):
+        assert rank["said"].startswith("ConfigError: model load_state_dict(): the ranks' state "
+                                       "dicts hold different values for 0.weight, 2.bias: "), rank
+        assert rank["unchanged"]

@@ -163,7 +163,7 @@ def test_gathered_parameters_refuses_discarded_writes_and_training(tmp_path: Pat
         with torch.no_grad():
             model[0].weight.fill_(1.0)
         out = model(torch.ones(1, 16))  # the model runs on the shown values
-        with pytest.raises(outcore.ParamAccessError, match="train outside the context"):
+        with pytest.raises(outcore.ParamAccessError, match="call it outside the context"):
             engine.backward(out.sum())
     assert torch.equal(model[0].weight.detach(), torch.ones(16, 16, device=engine.device))
     engine.close()

@@ -1,0 +1,92 @@
+"""A checkpoint's manifest and files: reading and checking them, and finding the latest
+complete checkpoint under a root (checkpoint.py writes them)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from outcore.errors import StorageError
+from outcore.io import safetensors_stream as sts
+from outcore.io.publish import ASIDE, MANIFEST, PARTIAL, asides
+from outcore.io.safetensors_stream import CHECKSUM
+
+FORMAT, VERSION = "outcore-checkpoint", 1
+
+
+def rank_file(rank: int, world: int) -> str:
+    return f"rank{rank:05d}-of-{world:05d}.safetensors"  # rank's file of a world-rank save
+
+
+def manifest_checksum(man: dict) -> str:
+    """Checksum of the manifest's own content (all keys but this one), so a flipped digit in
+    a shape, step or learning rate is caught like a flipped bit in a tensor."""
+    body = {k: v for k, v in man.items() if k != "manifest_checksum"}
+    return sts.checksum_hex(sts.checksum_update(0, json.dumps(body, sort_keys=True).encode()))
+
+
+def read_manifest(folder: Path) -> dict[str, Any]:
+    """The manifest of a checkpoint folder, checked for format and version."""
+    mf = Path(folder) / MANIFEST
+    try:
+        man = json.loads(mf.read_text())
+    except FileNotFoundError:
+        raise StorageError(f"{folder} is not a complete checkpoint (no {MANIFEST})") from None
+    except (OSError, ValueError) as e:
+        raise StorageError(f"{mf} is unreadable or not JSON: {e}") from None
+    if not isinstance(man, dict) or man.get("format") != FORMAT:
+        raise StorageError(f"{mf} is not an outcore checkpoint manifest")
+    if man.get("version") != VERSION:
+        raise StorageError(f"{mf}: format version {man.get('version')}, this outcore reads "
+                           f"version {VERSION}")
+    if man.get("checksum") != CHECKSUM:
+        raise StorageError(f"{mf}: unknown checksum algorithm {man.get('checksum')!r}")
+    if man.get("manifest_checksum") != manifest_checksum(man):
+        raise StorageError(f"{mf} is corrupt: its content does not match its checksum")
+    return man
+
+
+def check_file(folder: Path, man: dict, name: str, full: bool = True) -> None:
+    """Check checkpoint file ``name`` against the manifest ``man``: its size always, with
+    ``full`` also its checksum (reads the whole file once). ``StorageError`` names the file."""
+    rec, path = man["files"].get(name), folder / name
+    if rec is None or not path.is_file():
+        raise StorageError(f"checkpoint file {path} is missing")
+    size = path.stat().st_size
+    if size != rec["bytes"]:
+        raise StorageError(f"checkpoint file {path} has {size} bytes, the manifest says "
+                           f"{rec['bytes']}: truncated or replaced")
+    if full and (digest := sts.file_checksum(path)[1]) != rec["checksum"]:
+        raise StorageError(f"checkpoint file {path} is corrupt: {CHECKSUM} {digest}, the "
+                           f"manifest says {rec['checksum']}")
+
+
+def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
+    """The complete checkpoint with the highest global step among ``root``'s subfolders.
+
+    Complete means: a valid manifest and every rank file present at its recorded size
+    (checksums are verified by ``load``, not here, so this stays cheap). A checkpoint that a
+    save killed between its renames left aside counts as its folder (publish.py's notes).
+    """
+    root, best = Path(root), None
+    if not root.is_dir():
+        return None
+    for child in sorted(root.iterdir()):
+        if not child.is_dir() or child.name.endswith(PARTIAL):
+            continue
+        if ASIDE in child.name:  # a save killed between its renames moved it aside
+            base = child.with_name(child.name[:child.name.rindex(ASIDE)])
+            if base.exists() or asides(base)[0] != child:
+                continue  # (publish.py's [Note: what a kill between the renames leaves])
+        try:
+            man = read_manifest(child)
+            for r in range(man["world_size"]):
+                check_file(child, man, rank_file(r, man["world_size"]), full=False)
+            key = (int(man["global_steps"]), child.name)
+        except (StorageError, KeyError, TypeError, ValueError):
+            continue
+        if best is None or key > best[0]:
+            best = (key, child)
+    return None if best is None else best[1]

@@ -1,0 +1,119 @@
+"""Putting a finished checkpoint folder in the place of an old one, and what a crash there
+leaves behind.
+
+[Note: replacing a folder]
+The old folder is renamed aside (``<path>.replaced-<hex>``) first, the finished one renamed
+into place, and only then is the old one deleted, so a crash leaves either checkpoint whole.
+Only the files a checkpoint consists of are deleted from the old folder (its rank files and
+manifest, and the files its manifest lists as copied in, ``files=`` of ``save_checkpoint``),
+and a folder still holding others (someone else's notes, a ``config.json`` a user put there)
+is left with a warning, unless the caller owns the whole folder: under ``OutcoreTrainer``
+the ``checkpoint-N`` folders are the Trainer's, with its own files in them, and a second run
+into the same ``output_dir`` replaces them whole, as the Trainer's own rotation deletes them.
+Once the new folder is in place the save has succeeded: a failure to delete the old one (a
+read-only folder) is a warning naming it, not an error, as the new checkpoint is published.
+
+[Note: what a kill between the renames leaves]
+Killed between the two renames, a save leaves no ``<path>`` and the old checkpoint aside,
+whole; killed after them, before the old one is deleted, it leaves both. ``latest_checkpoint``
+takes an aside folder whose ``<path>`` is missing as that checkpoint, so a resume finds it,
+and the next save into ``<path>`` first puts it back (``settle``), or deletes a leftover copy
+aside of a published one, so nothing is left for good.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import secrets
+import shutil
+import warnings
+from collections.abc import Iterable
+from pathlib import Path
+
+from outcore.errors import StorageError
+from outcore.io import safetensors_stream as sts
+
+MANIFEST = "manifest.json"
+PARTIAL, ASIDE = ".partial", ".replaced-"
+OWN_FILES = re.compile(  # the files outcore writes into every checkpoint folder
+    r"^(rank\d{5}-of-\d{5}\.safetensors|manifest\.json)(\.tmp)?$")
+
+
+def check_replaceable(path: Path, whole: bool = False) -> None:
+    """Refuse to replace anything but an empty folder or an outcore checkpoint (any folder
+    where the caller owns it ``whole``), and a path under a file."""
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise StorageError(f"checkpoint path {path}: {parent} is a file, not a folder")
+            break
+    if path.exists() and not path.is_dir():
+        raise StorageError(f"checkpoint path {path} exists and is not a folder")
+    if not whole and path.is_dir() and any(path.iterdir()) and not (path / MANIFEST).exists():
+        raise StorageError(f"{path} exists and is not an outcore checkpoint; not replacing it")
+
+
+def asides(path: Path) -> list[Path]:
+    """The folders a save into ``path`` moved aside and a crash left, newest first."""
+    found = [p for p in path.parent.glob(glob.escape(path.name + ASIDE) + "*") if p.is_dir()]
+    return sorted(found, key=lambda p: p.stat().st_mtime, reverse=True)
+
+
+def settle(path: Path) -> None:
+    """Before a save into ``path``: an old checkpoint a killed save left aside goes back to
+    ``path`` if nothing is there, a copy aside of a published one goes ([Note: what a kill
+    between the renames leaves])."""
+    for aside in asides(path):
+        if not path.exists() and (aside / MANIFEST).is_file():
+            os.replace(aside, path)
+        else:
+            remove_ours(aside)
+
+
+def publish(partial: Path, path: Path, replace_folder: bool = False) -> None:
+    """Move the finished folder into place; delete the old checkpoint only afterwards
+    ([Note: replacing a folder])."""
+    aside = None
+    if path.exists():
+        aside = path.with_name(path.name + ASIDE + secrets.token_hex(4))
+        os.replace(path, aside)
+    os.replace(partial, path)
+    sts.fsync_dir(path.parent)
+    if aside is None:
+        return
+    try:
+        if replace_folder:
+            shutil.rmtree(aside)
+        else:
+            remove_ours(aside)
+    except OSError as e:
+        warnings.warn(f"saved {path}; the checkpoint it replaced is left at {aside}: deleting "
+                      f"it failed ({e.strerror or e})", stacklevel=4)
+
+
+def remove_ours(folder: Path, extra: Iterable[str] = ()) -> None:
+    """Delete the files a checkpoint consists of (those its manifest lists as copied in,
+    and ``extra``), then the folder if nothing else is left."""
+    if not folder.is_dir():
+        return
+    names = {*extra, *copied_files(folder)}
+    for f in folder.iterdir():
+        if f.is_file() and (OWN_FILES.match(f.name) or f.name in names):
+            f.unlink()
+    try:
+        folder.rmdir()
+    except OSError:
+        warnings.warn(f"left {folder}: it holds files outcore did not write", stacklevel=3)
+
+
+def copied_files(folder: Path) -> list[str]:
+    """The names a checkpoint's manifest lists as copied in by ``save_checkpoint(files=)``."""
+    try:
+        man = json.loads((folder / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return []
+    names = man.get("copied_files", []) if isinstance(man, dict) else []
+    return [n for n in names if isinstance(n, str) and "/" not in n and n not in ("", ".", "..")]

@@ -1,0 +1,234 @@
+"""Checkpoints as users meet them: a model that changed since the save (a buffer's shape,
+the param groups' order), a save or load inside ``gathered_parameters``, a save killed
+between its renames or unable to delete what it replaced, files copied in, a path under a
+file, and a resume whose config sets other optimizer values than the saved run's."""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import outcore
+from outcore.io import publish
+from outcore.io.publish import ASIDE
+
+
+class Scaled(nn.Module):
+    """A linear layer and a persistent buffer of ``n`` values that enters the output."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("scale", torch.arange(1.0, n + 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.scale.mean()
+
+
+def _fp32(tmp_path: Path, **optimizer: object) -> dict:
+    return {"dtype": "fp32", "optimizer": {"lr": 1e-2, **optimizer},
+            "offload": {"nvme_path": str(tmp_path / "swap")}}
+
+
+def _trained(tmp_path: Path, model: nn.Module, **optimizer: object) -> outcore.Engine:
+    engine = outcore.initialize(model, _fp32(tmp_path, **optimizer))
+    engine.backward(model(torch.ones(2, 4)).sum())
+    engine.step()
+    return engine
+
+
+@pytest.mark.parametrize("saved,loaded", [(1, 4), (4, 8)])
+def test_a_buffer_of_another_shape_is_refused_before_anything_loads(
+        tmp_path: Path, saved: int, loaded: int) -> None:
+    """A saved buffer of 1 value was broadcast into a model's 4 without a word; one of 4 into
+    8 failed with torch's message after the weights were written."""
+    torch.manual_seed(0)
+    engine = _trained(tmp_path, Scaled(saved))
+    engine.save_checkpoint(tmp_path / "ck")
+    engine.close()
+    torch.manual_seed(1)
+    model = Scaled(loaded)
+    engine = outcore.initialize(model, _fp32(tmp_path))
+    with engine.gathered_parameters():
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(outcore.ConfigError, match=rf"buffer shapes differ.*scale: checkpoint "
+                       rf"\[{saved}\], model \[{loaded}\].*nothing was loaded"):
+        engine.load_checkpoint(tmp_path / "ck")
+    with engine.gathered_parameters():
+        assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert engine.global_steps == 0
+    engine.close()
+
+
+def _grouped(tmp_path: Path, reverse: bool) -> tuple[nn.Module, outcore.Engine]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 1))
+    groups = [{"params": [p for p in model.parameters() if p.ndim >= 2], "weight_decay": 0.1},
+              {"params": [p for p in model.parameters() if p.ndim < 2], "lr": 1e-4,
+               "weight_decay": 0.0}]
+    engine = outcore.initialize(model, _fp32(tmp_path),
+                                param_groups=groups[::-1] if reverse else groups)
+    return model, engine
+
+
+def test_param_groups_built_in_another_order_are_refused(tmp_path: Path) -> None:
+    """Matched by position, the biases' group took the weights' learning rate and weight
+    decay without a word (torch's own load refuses this)."""
+    _, engine = _grouped(tmp_path, reverse=False)
+    engine.save_checkpoint(tmp_path / "ck")
+    engine.close()
+    _, engine = _grouped(tmp_path, reverse=True)
+    hps = [dict(g) for g in engine.param_groups]
+    with pytest.raises(outcore.ConfigError, match=r"param group 0 holds other parameters"):
+        engine.load_checkpoint(tmp_path / "ck")
+    assert [g["lr"] for g in engine.param_groups] == [g["lr"] for g in hps]
+    engine.close()
+    _, engine = _grouped(tmp_path, reverse=False)  # the same groups load
+    engine.load_checkpoint(tmp_path / "ck")
+    assert [g["weight_decay"] for g in engine.param_groups] == [0.1, 0.0]
+    engine.close()
+
+
+@pytest.mark.parametrize("call", ["save", "load"])
+def test_save_and_load_inside_gathered_parameters_are_refused(tmp_path: Path,
+                                                              call: str) -> None:
+    """Inside ``gathered_parameters(modify=True)`` a load's weights were overwritten by the
+    context's on exit, and a save missed the context's edits."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4)
+    engine = outcore.initialize(model, _fp32(tmp_path))
+    engine.save_checkpoint(tmp_path / "ck")
+    with engine.gathered_parameters(modify=True):
+        with torch.no_grad():
+            model.weight.fill_(7.0)
+        with pytest.raises(outcore.ParamAccessError, match=rf"{call}_checkpoint\(\) inside "
+                           "gathered_parameters"):
+            if call == "save":
+                engine.save_checkpoint(tmp_path / "other")
+            else:
+                engine.load_checkpoint(tmp_path / "ck")
+    assert not (tmp_path / "other").exists() and not (tmp_path / "other.partial").exists()
+    assert float(model.weight.detach()[0, 0]) == 7.0  # the context's edit, kept
+    engine.close()
+
+
+def _steps(folder: Path) -> int:
+    return json.loads((folder / "manifest.json").read_text())["global_steps"]
+
+
+def test_a_save_killed_between_its_renames_leaves_the_old_checkpoint_found(
+        tmp_path: Path) -> None:
+    """Killed after moving the old checkpoint aside and before the new one took its place,
+    a save left no folder at the path: ``latest_checkpoint`` passed the aside one over (a
+    resume started from scratch), and nothing ever deleted it."""
+    torch.manual_seed(0)
+    engine = _trained(tmp_path, nn.Linear(4, 4))
+    root = tmp_path / "ckpts"
+    engine.save_checkpoint(root / "latest")
+    aside = root / f"latest{ASIDE}0000dead"
+    os.replace(root / "latest", aside)  # the state the kill left
+    assert outcore.latest_checkpoint(root) == aside
+    client = engine.load_checkpoint(aside)  # whole, and loadable where it is
+    assert client == {}
+    engine.backward(engine(torch.ones(2, 4)).sum())
+    engine.step()
+    engine.save_checkpoint(root / "latest")  # puts it back first, then replaces it
+    assert sorted(p.name for p in root.iterdir()) == [".outcore-lock", "latest"]
+    assert _steps(root / "latest") == 2 and outcore.latest_checkpoint(root) == root / "latest"
+
+    # killed after both renames, before the old one was deleted: the next save deletes it
+    os.mkdir(aside)
+    for f in (root / "latest").iterdir():
+        (aside / f.name).write_bytes(f.read_bytes())
+    assert outcore.latest_checkpoint(root) == root / "latest"  # the published one wins
+    engine.save_checkpoint(root / "latest")
+    assert sorted(p.name for p in root.iterdir()) == [".outcore-lock", "latest"]
+    engine.close()
+
+
+def test_a_replaced_checkpoint_that_cannot_be_deleted_is_a_warning(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In a read-only folder the new checkpoint was published, yet the save raised
+    "failed" and left the old copy aside without saying where."""
+    torch.manual_seed(0)
+    engine = _trained(tmp_path, nn.Linear(4, 4))
+    engine.save_checkpoint(tmp_path / "ck", {"v": 1})
+
+    def denied(folder: Path, extra: object = ()) -> None:
+        raise PermissionError(13, "Permission denied", str(folder / "manifest.json"))
+
+    monkeypatch.setattr(publish, "remove_ours", denied)
+    with pytest.warns(UserWarning, match=r"saved .*ck; the checkpoint it replaced is left at "
+                      r".*ck\.replaced-.*Permission denied"):
+        path = engine.save_checkpoint(tmp_path / "ck", {"v": 2})
+    assert path == tmp_path / "ck"
+    assert json.loads((path / "manifest.json").read_text())["client_state"] == {"v": 2}
+    engine.close()
+
+
+def test_files_copied_into_a_checkpoint_are_its_own_and_a_users_are_kept(
+        tmp_path: Path) -> None:
+    """A ``config.json`` a user put into a checkpoint folder was deleted by the next save
+    there (outcore took every ``config.json`` for its own); one passed as ``files=`` is the
+    checkpoint's, replaced with it and put beside consolidated weights."""
+    torch.manual_seed(0)
+    engine = _trained(tmp_path, nn.Linear(4, 4))
+    (tmp_path / "config.json").write_text('{"model_type": "mine"}')
+    path = engine.save_checkpoint(tmp_path / "ck", files={"config.json": tmp_path /
+                                                           "config.json"})
+    assert (path / "config.json").read_text() == '{"model_type": "mine"}'
+    out = outcore.consolidate(path, tmp_path / "full")
+    assert (out.parent / "config.json").read_text() == '{"model_type": "mine"}'
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing of someone else's is left aside
+        engine.save_checkpoint(tmp_path / "ck")  # replaced with the checkpoint
+    assert not (path / "config.json").exists()
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("ck")) == ["ck"]
+
+    (path / "config.json").write_text('{"model_type": "user"}')  # the user's own
+    with pytest.warns(UserWarning, match="holds files outcore did not write"):
+        engine.save_checkpoint(tmp_path / "ck")
+    aside = [p for p in tmp_path.iterdir() if ASIDE in p.name]
+    assert [p.name for p in aside[0].iterdir()] == ["config.json"]
+
+    for bad in ("manifest.json", "rank00000-of-00001.safetensors", "a/b", ""):
+        with pytest.raises(outcore.ConfigError, match="is not a file name a checkpoint"):
+            engine.save_checkpoint(tmp_path / "ck2", files={bad: tmp_path / "config.json"})
+    with pytest.raises(outcore.ConfigError, match="names .*missing.json, which is not a file"):
+        engine.save_checkpoint(tmp_path / "ck2", files={"x.json": tmp_path / "missing.json"})
+    assert not (tmp_path / "ck2").exists() and not (tmp_path / "ck2.partial").exists()
+    engine.close()
+
+
+def test_a_checkpoint_path_under_a_file_is_a_storage_error(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    engine = _trained(tmp_path, nn.Linear(4, 4))
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(outcore.StorageError, match=r"afile is a file, not a folder"):
+        engine.save_checkpoint(tmp_path / "afile" / "ck")
+    engine.close()
+
+
+def test_a_resume_with_other_optimizer_values_says_the_checkpoints_win(
+        tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    engine = _trained(tmp_path, nn.Linear(4, 4), weight_decay=0.0)
+    engine.save_checkpoint(tmp_path / "ck")
+    engine.close()
+    engine = outcore.initialize(nn.Linear(4, 4), _fp32(tmp_path, lr=5e-4, weight_decay=0.1))
+    with pytest.warns(UserWarning, match=r"the checkpoint's optimizer settings replace this "
+                      r"engine's config \(lr 0.0005 -> 0.01, weight_decay 0.1 -> 0.0\)"):
+        engine.load_checkpoint(tmp_path / "ck")
+    assert (engine.param_groups[0]["lr"], engine.param_groups[0]["weight_decay"]) == (1e-2, 0.0)
+    engine.close()
+    engine = outcore.initialize(nn.Linear(4, 4), _fp32(tmp_path, weight_decay=0.0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the same settings: no word
+        engine.load_checkpoint(tmp_path / "ck")
+    engine.close()

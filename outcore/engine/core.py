@@ -371,8 +371,16 @@ class Engine:
         self._check_nothing_shown("save_checkpoint()")
         self._reopen_boundary("save_checkpoint()")  # half this step's updates would be saved
         path, client_state = Path(path), client_state or {}
-        checkpoint.check_client_state(client_state)  # a mistake here creates no folder
-        copied = checkpoint.check_files(files)
+        try:  # a mistake here creates no folder, and is refused on every rank together
+            checkpoint.check_client_state(client_state)
+            copied, error = checkpoint.check_files(files), None
+        except ConfigError as e:
+            copied, error = {}, e
+        if not all(self.rt.comm.alike([int(error is not None)])) and error is None:
+            error = ConfigError("save_checkpoint() was refused on another rank (its error says "
+                                "why: client_state or files); this rank saved nothing either")
+        if error is not None:
+            raise error
         self._folders.hold(path.parent, self.rt.comm, self.rt.accel, create=True)
         try:
             return checkpoint.save(self, path, client_state, replace_folder=replace_folder,

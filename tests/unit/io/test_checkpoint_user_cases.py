@@ -17,6 +17,7 @@ from torch import nn
 import outcore
 from outcore.io import publish
 from outcore.io.publish import ASIDE
+from tests.distributed import run_world
 
 
 class Scaled(nn.Module):
@@ -232,3 +233,26 @@ def test_a_resume_with_other_optimizer_values_says_the_checkpoints_win(
         warnings.simplefilter("error")  # the same settings: no word
         engine.load_checkpoint(tmp_path / "ck")
     engine.close()
+
+
+def _client_state_on_one_rank(root: str) -> str:
+    rank = int(os.environ["RANK"])
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4)
+    engine = outcore.initialize(model, {"dtype": "fp32"})
+    try:
+        engine.save_checkpoint(Path(root) / "ck", {"when": object() if rank == 1 else 1})
+        said = "saved"
+    except outcore.OutcoreError as e:
+        said = f"{type(e).__name__}: {e}"
+    engine.close()
+    return said
+
+
+def test_a_client_state_refused_on_one_rank_is_refused_on_every_rank(tmp_path: Path) -> None:
+    """Rank 1's client_state held no JSON: it raised at once, and rank 0 waited in the save's
+    first collective for a rank that never came, then failed with a CommError."""
+    zero, one = run_world(_client_state_on_one_rank, 2, str(tmp_path))
+    assert one.startswith("ConfigError: client_state['when'] (object) is not JSON"), one
+    assert zero.startswith("ConfigError: save_checkpoint() was refused on another rank"), zero
+    assert not (tmp_path / "ck").exists() and not (tmp_path / "ck.partial").exists()

@@ -115,5 +115,6 @@ def copied_files(folder: Path) -> list[str]:
         man = json.loads((folder / MANIFEST).read_text())
     except (OSError, ValueError):
         return []
-    names = man.get("copied_files", []) if isinstance(man, dict) else []
+    # (a manifest from before files were listed: outcore train had copied its config.json)
+    names = man.get("copied_files", ["config.json"]) if isinstance(man, dict) else []
     return [n for n in names if isinstance(n, str) and "/" not in n and n not in ("", ".", "..")]

@@ -32,6 +32,7 @@ import json
 import os
 import re
 import select
+import signal
 import sys
 import warnings
 from pathlib import Path
@@ -40,6 +41,7 @@ from typing import Any, NoReturn
 
 from outcore.app.models import preset_shape
 from outcore.errors import ConfigError, DataError, OutcoreError
+from outcore.guard.preemption import EXIT_PREEMPTED, Terminated, terminate_as_interrupt
 from outcore.sizing import efficiency as eff
 from outcore.sizing import estimate as est
 from outcore.sizing.frozen_base import FrozenBaseEstimate, frozen_base
@@ -426,7 +428,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command is None:
             parser.print_help(sys.stderr)
             return 2
-        return int(args.run(args) or 0)
+        with terminate_as_interrupt((signal.SIGTERM, signal.SIGUSR1)):
+            return int(args.run(args) or 0)
     except SystemExit as e:  # argparse: --help, --version, bad arguments (already printed)
         if isinstance(e.code, str):
             print(_one_line(prog, e), file=sys.stderr)
@@ -437,6 +440,9 @@ def main(argv: list[str] | None = None) -> int:
     except OutcoreError as e:
         print(_one_line(prog, e), file=sys.stderr)
         return 1
+    except Terminated as e:  # SIGTERM before (or after) the loop: cleaned up as Ctrl-C is
+        print(f"{prog}: stopped by {e}; nothing more was saved", file=sys.stderr)
+        return EXIT_PREEMPTED
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130

@@ -54,16 +54,18 @@ boundary, where the engine's state is exactly "after step s", and saves there.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal as _signal
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from types import FrameType
 from typing import Any
 
 import torch
 
-__all__ = ["EXIT_INTERRUPTED", "EXIT_PREEMPTED", "Preemption", "preemption"]
+__all__ = ["EXIT_INTERRUPTED", "EXIT_PREEMPTED", "Preemption", "Terminated", "preemption",
+           "terminate_as_interrupt"]
 
 EXIT_PREEMPTED = 75
 """Exit code after a stop for SIGTERM (or any signal but SIGINT): ``EX_TEMPFAIL`` of
@@ -181,3 +183,40 @@ def _restore(previous: dict[_signal.Signals, _Handler]) -> None:
     for sig, handler in previous.items():
         # None: the previous handler was installed outside Python and cannot be put back
         _signal.signal(sig, _signal.SIG_DFL if handler is None else handler)
+
+
+class Terminated(KeyboardInterrupt):
+    """A stop signal where no step boundary answers it (a command's start-up, its report).
+
+    [Note: a stop signal outside the loop]
+    Before the training loop's ``preemption`` context (building the model, creating the
+    swap file, ``outcore probe``'s measurement), SIGTERM's default action ended the process
+    where it stood, leaving a swap file as large as the model and the run folder's lock.
+    ``terminate_as_interrupt`` raises this in the main thread instead, as Python raises
+    ``KeyboardInterrupt`` for Ctrl-C, so the clean-up Ctrl-C already gets (contexts exiting,
+    swap files deleted, a folder the command made removed) runs for SIGTERM too; it is a
+    ``KeyboardInterrupt`` so that every such path catches it without a second list."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(_signal.Signals(signum).name)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def terminate_as_interrupt(signals: Iterable[int] = (_signal.SIGTERM,)) -> Iterator[None]:
+    """While active, ``signals`` raise ``Terminated`` in the main thread ([Note: a stop
+    signal outside the loop]); a ``preemption`` context inside it takes them over and gives
+    them back. Elsewhere than the main thread it does nothing (Python lets only that one
+    install handlers)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, _: FrameType | None) -> None:
+        raise Terminated(signum)
+
+    previous = {_signal.Signals(sig): _signal.signal(sig, stop) for sig in signals}
+    try:
+        yield
+    finally:
+        _restore(previous)

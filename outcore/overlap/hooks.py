@@ -201,18 +201,23 @@ class Hooks:
             try:
                 yield
             finally:
-                with self.mode.suspended():
-                    self._release(self.frames.pop())
-                self._sync_phase()
+                self._end_frame()
             return
         saved = torch.autograd.graph.saved_tensors_hooks(_pack, self._unpack)
         try:
             with self.mode, saved:
                 yield
         finally:
+            self._end_frame()
+
+    def _end_frame(self) -> None:
+        """Release what the forward's frame fetched. Its frame is gone where the hooks were
+        removed meanwhile (a Ctrl-C in the forward closed the engine, and the interrupted
+        forward's context is finalized later, by the garbage collector)."""
+        if self.frames:
             with self.mode.suspended():
                 self._release(self.frames.pop())
-            self._sync_phase()
+        self._sync_phase()
 
     @uncompiled  # compiled.py's [Note: hooks run outside a compiled graph]
     def _pre_forward(self, module: nn.Module, args: tuple[object, ...]) -> None:

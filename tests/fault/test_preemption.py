@@ -150,6 +150,33 @@ def test_one_signal_finishes_the_step_saves_and_exits(tmp_path: Path, sig: signa
     assert said == (sig == signal.SIGINT)
 
 
+@pytest.mark.parametrize("command", ["train", "probe"])
+def test_sigterm_before_the_loop_removes_the_swap_and_exits_75(tmp_path: Path,
+                                                               command: str) -> None:
+    """SIGTERM once the swap file exists but before training (the model still building), or
+    during ``outcore probe``'s measurement: the default action killed the process there,
+    leaving the swap file (623 MB for gpt-125m, 512 MiB for the probe) and the run's lock."""
+    out, probe = tmp_path / "run", tmp_path / "probe"
+    probe.mkdir()
+    argv = ([sys.executable, "-m", "outcore", "train", "--model", "gpt-125m", "--dtype", "fp32",
+             "--data", str(_corpus(tmp_path)), "--out", str(out), "--steps", "2", "--batch",
+             "1", "--seq", "32", "--offload", "nvme"] if command == "train" else
+            [sys.executable, "-m", "outcore", "probe", "--path", str(probe)])
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=_ENV,
+                            start_new_session=True)
+    swap = out / "swap" if command == "train" else probe
+    deadline = time.monotonic() + 120
+    while not list(swap.glob("outcore-*/*")) and proc.poll() is None:
+        assert time.monotonic() < deadline, "no swap file appeared"
+        time.sleep(0.02)
+    os.kill(proc.pid, signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    said = err.decode().strip().splitlines()[-1]
+    assert proc.returncode == EXIT_PREEMPTED, said
+    assert said == f"outcore {command}: stopped by SIGTERM; nothing more was saved", said
+    assert not list(swap.glob("outcore-*")) and not (out / ".outcore-lock").exists()
+
+
 # -- the library context ---------------------------------------------------------------------
 def _deliver(stop: outcore.Preemption, sig: signal.Signals) -> None:
     """Send ``sig`` to this process and wait until the context's handler has run."""

@@ -173,7 +173,7 @@ class BatchSampler:
             raise DataError(f"batch ({batch}) and seq_len ({seq_len}) must be >= 1")
         if not 0 <= rank < world_size:
             raise DataError(f"rank {rank} is outside world size {world_size}")
-        if len(tokens) < seq_len + 2:
+        if len(tokens) < seq_len + 1:  # one window: seq_len inputs and its shifted targets
             raise DataError(f"data: {len(tokens)} tokens is too short for sequences of "
                             f"{seq_len}; give more text or a smaller --seq")
         self.tokens = tokens

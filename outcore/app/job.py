@@ -11,6 +11,8 @@ from typing import Any
 from outcore.app import blocks
 from outcore.app.models import is_hf_folder
 from outcore.errors import ConfigError
+from outcore.io.manifest import latest_checkpoint
+from outcore.io.publish import MANIFEST
 
 __all__ = ["JOB_DEFAULTS", "LR_SCHEDULES", "RUN_OPTIONS", "job_settings", "resumed_settings",
            "run_record", "same_setting"]
@@ -38,11 +40,14 @@ def job_settings(args: argparse.Namespace, file_job: Any) -> dict[str, Any]:
     for key in JOB_DEFAULTS:
         if getattr(args, key, None) is not None:
             job[key] = getattr(args, key)
+    def source(key: str) -> str:  # where the value came from: the flag, or the file
+        return (f"--{key.replace('_', '-')}" if getattr(args, key, None) is not None
+                else f"train.{key}")
+
     for key in ("steps", "save_every", "batch", "seq"):
         value = job[key]  # YAML's true is an int to Python, not a count
         if value is not None and (type(value) is not int or value < 1):
-            raise ConfigError(f"--{key.replace('_', '-')}: must be a whole number >= 1, "
-                              f"got {value!r}")
+            raise ConfigError(f"{source(key)}: must be a whole number >= 1, got {value!r}")
     for key, may_be_none in (("model", False), ("out", False), ("data", True)):
         value = job[key]
         if not (isinstance(value, str | Path) and str(value)) and not (
@@ -156,3 +161,53 @@ def resumed_settings(args: argparse.Namespace, file_cfg: dict[str, Any],
     if args.config is None and isinstance(saved_cfg, dict):
         file_cfg = saved_cfg
     return file_cfg, changed
+
+
+def check_out(out: Path) -> None:
+    """``--out`` is a run's folder, not one of its checkpoints nor their ``checkpoints``
+    folder: given those (a natural slip with ``--resume``), a run found no checkpoint in
+    ``OUT/checkpoints`` and started a new run from step 0 inside them."""
+    run = out.parent.parent if out.parent.name == "checkpoints" else out.parent
+    if (out / MANIFEST).is_file():
+        raise ConfigError(f"--out {out} is a checkpoint, not a run's folder; give the run's "
+                          f"folder ({run}), which holds checkpoints/")
+    if out.name == "checkpoints" and latest_checkpoint(out) is not None:
+        raise ConfigError(f"--out {out} is a run's checkpoints folder; give the run's folder "
+                          f"({out.parent})")
+
+
+def check_resume(latest: Path, client: dict[str, Any], model: str, steps: int) -> list[str]:
+    """Before the build, from ``latest``'s client state: refuse a checkpoint of another model
+    (loading it would fail on its parameter names, in a line listing all of them) or one past
+    ``steps`` (the total, not a count of more steps), and one in the way of the run's
+    saves; return the line that says which newer step folders ``latest_checkpoint``
+    passed over as incomplete or damaged."""
+    saved = client.get("model")
+    if saved is not None and not same_setting("model", saved, model):  # spelled either way
+        raise ConfigError(f"--resume: {latest} is a checkpoint of model {saved!r}, not "
+                          f"{model!r}; give --model {saved} to continue it, or another --out")
+    done = client.get("step")
+    if isinstance(done, int) and done > steps:
+        raise ConfigError(f"--steps {steps}: the run is at step {done} already ({latest.name}); "
+                          f"--steps is the total to reach, so give more than {done}")
+    newer = sorted(p.name for p in latest.parent.glob("step-*")
+                   if p.is_dir() and p.name > latest.name and "." not in p.name)
+    # one with no manifest is no checkpoint to replace: the save of its step would fail,
+    # after the steps since the last checkpoint were trained again, on every retry
+    blocked = [n for n in newer if not (latest.parent / n / MANIFEST).exists()
+               and any((latest.parent / n).iterdir()) and step_of(n) <= steps]
+    if blocked:
+        raise ConfigError(f"--resume: {latest.parent / blocked[0]} is in the way of this run's "
+                          "saves: it holds no manifest.json, so it is no checkpoint outcore may "
+                          "replace. Move it out of the checkpoints folder (or delete it), then "
+                          "resume")
+    if not newer:
+        return []
+    return [f"passing over {', '.join(newer)} (incomplete or damaged: a rank file missing or "
+            f"cut short, or no valid manifest); resuming from {latest.name}"]
+
+
+def step_of(name: str) -> int:
+    """The step of a ``step-NNNNNNNN`` folder's name (0 for another name)."""
+    digits = name.removeprefix("step-")
+    return int(digits) if digits.isdigit() else 0

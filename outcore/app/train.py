@@ -44,7 +44,7 @@ from outcore.app.job import JOB_DEFAULTS, LR_SCHEDULES
 from outcore.app.job import job_settings as _job_settings
 from outcore.app.report import MetricsWriter, read_metrics, write_report
 from outcore.config import Config, merge_mappings, read_mapping
-from outcore.config.deepspeed import is_deepspeed
+from outcore.config.deepspeed import is_deepspeed, translate_and_warn
 from outcore.engine import initialize
 from outcore.errors import CommError, ConfigError
 from outcore.guard.lock import lock_run_folder
@@ -121,8 +121,8 @@ def _read_config_file(path: str | None) -> dict[str, Any]:
     if path is None:
         return {}
     loaded = read_mapping(path)
-    if is_deepspeed(loaded):  # a DeepSpeed config: keep the keys that mean something
-        return Config.from_deepspeed(loaded).model_dump(mode="json")
+    if is_deepspeed(loaded):  # a DeepSpeed config: keep the keys that mean something, checked
+        return translate_and_warn(loaded)  # with the flags (an NVMe tier takes --nvme-path)
     return loaded
 
 
@@ -151,6 +151,8 @@ def _engine_config(args: argparse.Namespace, file_cfg: dict[str, Any], job: dict
         return file_cfg.get(key) or {}
 
     file_off, over = section("offload"), {"offload": {}}
+    if args.nvme_path == "":
+        raise ConfigError("--nvme-path: expected a folder for swap files, got ''")
     if args.nvme_path is not None or not file_off.get("nvme_path"):
         over["offload"]["nvme_path"] = str(args.nvme_path or job["out"] / "swap")
     tier = job["offload"]
@@ -245,6 +247,7 @@ def run(args: argparse.Namespace) -> int:
 
     file_cfg = _read_config_file(args.config)
     job = _job_settings(args, file_cfg.get("train") or {})  # YAML's empty "train:" is None
+    jobs.check_out(job["out"])
     latest = latest_checkpoint(job["out"] / "checkpoints") if args.resume else None
     changed: list[str] = []
     client: dict[str, Any] = {}
@@ -256,7 +259,7 @@ def run(args: argparse.Namespace) -> int:
     file_cfg = {k: v for k, v in file_cfg.items() if k != "train"}
     lora = loramod.prepare(job["lora"], job["model"])  # a typo fails before the build
     if latest is not None:  # from the manifest alone, before the build
-        _check_resume(latest, client, job["model"], job["steps"])
+        changed += jobs.check_resume(latest, client, job["model"], job["steps"])
         loramod.check_resume(lora, latest)
     for line in changed:
         _say(f"--resume: {line}")
@@ -295,26 +298,6 @@ def run(args: argparse.Namespace) -> int:
             with contextlib.suppress(OSError):  # not empty: kept
                 folder.rmdir()
         raise
-
-
-def _check_resume(latest: Path, client: dict[str, Any], model: str, steps: int) -> None:
-    """Before the build, from ``latest``'s client state: refuse a checkpoint of another model
-    (loading it would fail on its parameter names, in a line listing all of them) or one past
-    ``steps`` (the total, not a count of more steps), and say which newer step folders
-    ``latest_checkpoint`` passed over as incomplete or damaged."""
-    saved = client.get("model")
-    if saved is not None and not jobs.same_setting("model", saved, model):  # spelled either way
-        raise ConfigError(f"--resume: {latest} is a checkpoint of model {saved!r}, not "
-                          f"{model!r}; give --model {saved} to continue it, or another --out")
-    done = client.get("step")
-    if isinstance(done, int) and done > steps:
-        raise ConfigError(f"--steps {steps}: the run is at step {done} already ({latest.name}); "
-                          f"--steps is the total to reach, so give more than {done}")
-    newer = sorted(p.name for p in latest.parent.glob("step-*")
-                   if p.is_dir() and p.name > latest.name and "." not in p.name)
-    if newer:
-        _say(f"--resume: passing over {', '.join(newer)} (incomplete or damaged: a rank file "
-             f"missing or cut short, or no valid manifest); resuming from {latest.name}")
 
 
 def _run_holding_out(args: argparse.Namespace, job: dict[str, Any], cfg: Config, n_params: int,

@@ -148,7 +148,8 @@ class Config(_Section):
         "auto", description="compute dtype; auto: the fastest the device multiplies natively "
         "(bf16, else fp16 with loss scaling on a GPU, else fp32; device/compute_dtype.py). Master "
         "weights and optimizer states are always fp32")
-    seed: int = Field(0, ge=0, description="seed used by the training job for init and data")
+    seed: int = Field(0, ge=0, le=2**63 - 1,
+                      description="seed used by the training job for init and data")
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     offload: OffloadConfig = Field(default_factory=OffloadConfig)
     zero: ZeroConfig = Field(default_factory=ZeroConfig)

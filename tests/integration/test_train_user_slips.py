@@ -1,0 +1,123 @@
+"""``outcore train`` given what users get wrong (a probe's findings): a damaged checkpoint in
+the way of a resume's saves, ``--out`` naming a checkpoint or the checkpoints folder, a seed
+torch cannot take, an empty ``--nvme-path``, a config file's mistake named as a flag, a
+DeepSpeed config whose NVMe tier needs ``--nvme-path``, and the shortest text that holds one
+window."""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+from pathlib import Path
+
+import pytest
+
+from outcore.app.cli import main
+from outcore.app.report import read_metrics
+
+
+@pytest.fixture
+def text_file(tmp_path: Path) -> Path:
+    path = tmp_path / "corpus.txt"
+    path.write_text(Path(inspect.getsourcefile(argparse)).read_text())
+    return path
+
+
+def _job(out: Path, data: Path, *extra: str) -> list[str]:
+    return ["train", "--model", "tiny", "--dtype", "fp32", "--data", str(data), "--out",
+            str(out), "--batch", "2", "--seq", "32", *extra]
+
+
+def _error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    return err
+
+
+def test_a_checkpoint_without_its_manifest_in_the_way_is_refused_before_training(
+        tmp_path: Path, text_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The resume passed over the damaged folder, trained the steps since the last
+    checkpoint again, then failed at that step's save, on every retry."""
+    out = tmp_path / "run"
+    assert main(_job(out, text_file, "--steps", "4", "--save-every", "2")) == 0
+    damaged = out / "checkpoints" / "step-00000004"
+    (damaged / "manifest.json").unlink()
+    trained = read_metrics(out / "metrics.jsonl")
+    err = _error(capsys, _job(out, text_file, "--steps", "6", "--save-every", "2",
+                              "--resume"))
+    assert err == (f"outcore train: error: --resume: {damaged} is in the way of this run's "
+                   "saves: it holds no manifest.json, so it is no checkpoint outcore may "
+                   "replace. Move it out of the checkpoints folder (or delete it), then resume")
+    assert read_metrics(out / "metrics.jsonl") == trained  # no step trained again
+    damaged.rename(tmp_path / "kept-aside")
+    assert main(_job(out, text_file, "--steps", "6", "--save-every", "2", "--resume")) == 0
+    assert max(r["step"] for r in read_metrics(out / "metrics.jsonl")) == 6
+
+
+def test_out_naming_a_checkpoint_or_the_checkpoints_folder_is_refused(
+        tmp_path: Path, text_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Given either, ``--resume`` found no checkpoint under it and trained a new run from
+    step 0 inside the old run's checkpoints."""
+    out = tmp_path / "run"
+    assert main(_job(out, text_file, "--steps", "2")) == 0
+    ckpts = out / "checkpoints"
+    before = sorted(p.relative_to(out) for p in out.rglob("*"))
+    err = _error(capsys, _job(ckpts, text_file, "--steps", "4", "--resume"))
+    assert err == (f"outcore train: error: --out {ckpts} is a run's checkpoints folder; give "
+                   f"the run's folder ({out})")
+    step = ckpts / "step-00000002"
+    err = _error(capsys, _job(step, text_file, "--steps", "4", "--resume"))
+    assert err == (f"outcore train: error: --out {step} is a checkpoint, not a run's folder; "
+                   f"give the run's folder ({out}), which holds checkpoints/")
+    assert sorted(p.relative_to(out) for p in out.rglob("*")) == before
+
+
+@pytest.mark.parametrize(("extra", "words"), [
+    (["--seed", "99999999999999999999"], "seed: Input should be less than or equal to "
+                                         "9223372036854775807"),
+    (["--nvme-path", ""], "--nvme-path: expected a folder for swap files, got ''"),
+])
+def test_values_torch_or_the_disk_cannot_take_are_one_line(
+        tmp_path: Path, text_file: Path, capsys: pytest.CaptureFixture[str],
+        extra: list[str], words: str) -> None:
+    """A seed past 2**63 - 1 ended in torch's traceback ("Overflow when unpacking long
+    long"); an empty swap path was taken as the default."""
+    err = _error(capsys, _job(tmp_path / "run", text_file, "--steps", "1", *extra))
+    assert words in err, err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_config_files_mistake_is_named_as_the_files(
+        tmp_path: Path, text_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "job.yaml"
+    config.write_text("train:\n  steps: -3\n")
+    err = _error(capsys, _job(tmp_path / "run", text_file, "--config", str(config)))
+    assert err == "outcore train: error: train.steps: must be a whole number >= 1, got -3"
+    err = _error(capsys, _job(tmp_path / "run", text_file, "--config", str(config),
+                              "--steps", "0"))
+    assert err == "outcore train: error: --steps: must be a whole number >= 1, got 0"
+
+
+def test_a_deepspeed_config_on_nvme_takes_nvme_path(tmp_path: Path, text_file: Path) -> None:
+    """Its NVMe tier without a path was refused before ``--nvme-path`` (or OUT/swap) could
+    give one, as an outcore config's is not."""
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"zero_optimization": {
+        "stage": 3, "offload_param": {"device": "nvme"},
+        "offload_optimizer": {"device": "nvme"}}}))
+    out, swap = tmp_path / "run", tmp_path / "swap"
+    assert main(_job(out, text_file, "--steps", "1", "--config", str(config),
+                     "--nvme-path", str(swap))) == 0
+    run = json.loads((out / "checkpoints" / "step-00000001" / "manifest.json").read_text())
+    assert run["config"]["offload"]["nvme_path"] == str(swap)
+    assert run["config"]["offload"]["params"] == "nvme"
+
+
+def test_the_shortest_text_is_one_window(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """33 tokens hold one window of 32 inputs and their 32 targets; they were refused."""
+    data = tmp_path / "short.txt"
+    data.write_bytes(bytes(range(97, 97 + 26)) + b"abcdefg")  # 33 bytes: 33 byte tokens
+    assert main(_job(tmp_path / "run", data, "--steps", "1")) == 0

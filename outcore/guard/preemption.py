@@ -125,7 +125,8 @@ class Preemption:
         if self._interrupts > 1:
             raise KeyboardInterrupt
         if os.environ.get("RANK", "0") == "0":
-            os.write(2, b"outcore: Ctrl-C: stopping at the next step boundary; "
+            # on a line of its own: a progress bar's line is not ended yet
+            os.write(2, b"\noutcore: Ctrl-C: stopping at the next step boundary; "
                         b"press Ctrl-C again to stop at once\n")
 
     # -- what the loop asks ------------------------------------------------------------------

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from outcore.errors import ConfigError
+from outcore.errors import ConfigError, StorageError
 from outcore.io import base_record
 from outcore.io import safetensors_stream as sts
 from outcore.io.manifest import check_file, rank_file, read_manifest
@@ -55,7 +55,23 @@ def consolidate(ckpt: str | os.PathLike[str], out: str | os.PathLike[str]) -> Pa
     old = man["world_size"]
     for r in range(old):
         check_file(folder, man, rank_file(r, old))
-    out.parent.mkdir(parents=True, exist_ok=True)
+    above = next((p for p in out.parents if p.exists()), None)
+    if above is not None and not above.is_dir():
+        raise StorageError(f"consolidate: cannot write {out}: {above} is a file, not a folder")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        _write(folder, out, man, old)
+    except OSError as e:  # where it cannot write: a read-only place, a parent that is a file
+        if isinstance(e, StorageError):
+            raise
+        raise StorageError(f"consolidate: cannot write {out}: {e.strerror or e}") from None
+    _copy_hf_config(folder, out.parent)
+    sts.fsync_dir(out.parent)
+    return out
+
+
+def _write(folder: Path, out: Path, man: dict, old: int) -> None:
+    """Stream the full weights into ``out`` (its temporary file goes on a failure)."""
     base = _base_reader(man, folder)
     with contextlib.ExitStack() as stack:
         handles = {r: stack.enter_context(safe_open(folder / rank_file(r, old), "pt"))
@@ -85,9 +101,6 @@ def consolidate(ckpt: str | os.PathLike[str], out: str | os.PathLike[str]) -> Pa
             for name, dtype in buf_dtypes.items():
                 w.write(name, handles[0].get_tensor(f"__buffer__::{name}").to(dtype))
             w.finish()
-    _copy_hf_config(folder, out.parent)
-    sts.fsync_dir(out.parent)
-    return out
 
 
 def _base_reader(man: dict, folder: Path) -> tuple[dict[str, TensorEntry], SourceReader] | None:

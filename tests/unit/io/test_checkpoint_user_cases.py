@@ -256,3 +256,18 @@ def test_a_client_state_refused_on_one_rank_is_refused_on_every_rank(tmp_path: P
     assert one.startswith("ConfigError: client_state['when'] (object) is not JSON"), one
     assert zero.startswith("ConfigError: save_checkpoint() was refused on another rank"), zero
     assert not (tmp_path / "ck").exists() and not (tmp_path / "ck.partial").exists()
+
+
+def test_consolidating_where_nothing_can_be_written_is_a_storage_error(tmp_path: Path) -> None:
+    """``outcore consolidate`` into /proc, or under a file, ended in a traceback."""
+    torch.manual_seed(0)
+    engine = _trained(tmp_path, nn.Linear(4, 4))
+    path = engine.save_checkpoint(tmp_path / "ck")
+    engine.close()
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(outcore.StorageError, match=r"cannot write .*afile/w.safetensors: "
+                       r".*afile is a file, not a folder"):
+        outcore.consolidate(path, tmp_path / "afile" / "w.safetensors")
+    with pytest.raises(outcore.StorageError, match=r"cannot write /proc/outcore-w.safetensors"):
+        outcore.consolidate(path, "/proc/outcore-w.safetensors")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "ck"]

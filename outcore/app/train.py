@@ -400,7 +400,7 @@ def _loop(engine: Any, sampler: datamod.BatchSampler, job: dict[str, Any], seq: 
         for step in range(start + 1, steps + 1):
             if stop.stop_requested(engine):  # every rank, at the same step boundary
                 if step - 1 > start and (step - 1) % job["save_every"]:
-                    _save(engine, sampler, job, step - 1, state)
+                    _save(engine, sampler, job, step - 1, state, bar)
                 return step - 1
             lr = _lr_at(step, steps, peak_lr, job["lr_schedule"])
             for group in engine.param_groups:
@@ -431,7 +431,7 @@ def _loop(engine: Any, sampler: datamod.BatchSampler, job: dict[str, Any], seq: 
                 refresh=False)
             bar.update(1)
             if step % job["save_every"] == 0 or step == steps:
-                _save(engine, sampler, job, step, state)
+                _save(engine, sampler, job, step, state, bar)
     finally:
         bar.close()
     return None
@@ -448,7 +448,20 @@ def _stopped(stop: Preemption, step: int, ckpt_root: Path) -> int:
 
 
 def _save(engine: Any, sampler: datamod.BatchSampler, job: dict[str, Any], step: int,
-          state: dict[str, Any]) -> None:
+          state: dict[str, Any], bar: Any = None) -> None:
+    """Checkpoint step ``step``; the progress bar says so meanwhile (a large model's save
+    takes minutes, in which the bar would otherwise stand still without a word)."""
+    if bar is not None:
+        bar.set_description_str(f"saving step-{step:08d}", refresh=True)
+    try:
+        _save_now(engine, sampler, job, step, state)
+    finally:
+        if bar is not None:
+            bar.set_description_str("", refresh=True)
+
+
+def _save_now(engine: Any, sampler: datamod.BatchSampler, job: dict[str, Any], step: int,
+              state: dict[str, Any]) -> None:
     client = {"step": step, "sampler": sampler.state_dict(), "seed": state["seed"],
               "model": job["model"], "elapsed_s": state["elapsed"], "run": state["run"]}
     if state.get("lora") is not None:  # a resume must name the same spec (app/lora.py)

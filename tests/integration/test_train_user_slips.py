@@ -121,3 +121,12 @@ def test_the_shortest_text_is_one_window(tmp_path: Path, capsys: pytest.CaptureF
     data = tmp_path / "short.txt"
     data.write_bytes(bytes(range(97, 97 + 26)) + b"abcdefg")  # 33 bytes: 33 byte tokens
     assert main(_job(tmp_path / "run", data, "--steps", "1")) == 0
+
+
+def test_the_progress_bar_says_when_it_saves(tmp_path: Path, text_file: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """A save (minutes for a large model) stood the bar still with no word of why."""
+    capsys.readouterr()
+    assert main(_job(tmp_path / "run", text_file, "--steps", "2", "--save-every", "1")) == 0
+    err = capsys.readouterr().err
+    assert "saving step-00000001" in err and "saving step-00000002" in err, err

@@ -23,6 +23,7 @@ from outcore.guard.memory import available_memory
 from outcore.memory.activations import checkpoint_activations, offload_activations
 from outcore.runtime.bootstrap import join_world
 from outcore.sizing.estimate import MemoryEstimate, memory_estimate, shape_from_hf_config
+from outcore.units import format_bytes
 
 __all__ = ["ACTIVATION_PLACES", "CHECKPOINT_MODES", "checkpoint_blocks", "checkpoint_mode",
            "offload_blocks", "repeated_blocks"]
@@ -92,6 +93,7 @@ def checkpoint_blocks(model: nn.Module, mode: str | int, batch: int, seq: int) -
     count = len(blocks) if mode == "on" else (
         _agreed(_blocks_needed(model, batch, seq, len(blocks))) if mode == "auto"
         else min(int(mode), len(blocks)))
+    _check_fits(model, batch, seq, len(blocks))
     if count == 0:
         return 0
     config = getattr(model, "config", None)
@@ -153,6 +155,24 @@ def _blocks_needed(model: nn.Module, batch: int, seq: int, blocks: int) -> int:
         return blocks
     needed = math.ceil((estimate.activations_full - budget) / saved)
     return min(blocks, math.ceil(needed * blocks / layers))
+
+
+def _check_fits(model: nn.Module, batch: int, seq: int, blocks: int) -> None:
+    """Refuse a batch whose activations exceed the memory even with every block
+    checkpointed: it ran until the kernel killed the process for memory (with its swap file
+    left) or torch failed to allocate, in a traceback."""
+    estimate = _activation_estimate(model, batch, seq)
+    if estimate is None or not blocks:
+        return
+    layers = estimate.shape.layers
+    logits = 4 * batch * seq * estimate.shape.vocab
+    per_block = (estimate.activations_full - logits) / layers
+    least = estimate.activation_checkpoints + per_block + logits  # inputs, one block, logits
+    memory = _device_memory()
+    if least > memory:
+        raise ConfigError(f"--batch {batch} x --seq {seq}: the activations need about "
+                          f"{format_bytes(least)} even with every block checkpointed, and "
+                          f"{format_bytes(memory)} is free; give a smaller --batch or --seq")
 
 
 def _device_memory() -> int:

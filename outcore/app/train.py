@@ -326,16 +326,22 @@ def _run_holding_out(args: argparse.Namespace, job: dict[str, Any], cfg: Config,
     if weights is not None:
         _say(f"fine-tuning: {'reading' if lora is not None else 'loading'} the weights in "
              f"{job['model']}")
-    with init(cfg, frozen=lora is not None, weights=weights):
+    building = init(cfg, frozen=lora is not None, weights=weights)
+    with building:
         model = _build(job["model"])
-    if lora is not None:  # before the engine: its optimizer gets the adapters only
-        torch.manual_seed(cfg.seed)  # the adapters' init, whatever the base's build drew
-        model = loramod.wrap(model, lora, job["model"])
-    # offloaded blocks keep no activations in memory: auto has nothing to checkpoint then
-    offloaded = blocks.offload_blocks(model, job["offload_activations"])
-    mode = job["checkpoint_activations"]
-    checkpointed = blocks.checkpoint_blocks(model, "off" if offloaded and mode == "auto"
-                                            else mode, job["batch"], seq)
+    try:  # until initialize takes the runtime, a failure here must close it (its swap file)
+        if lora is not None:  # before the engine: its optimizer gets the adapters only
+            torch.manual_seed(cfg.seed)  # the adapters' init, whatever the base's build drew
+            model = loramod.wrap(model, lora, job["model"])
+        # offloaded blocks keep no activations in memory: auto has nothing to checkpoint then
+        offloaded = blocks.offload_blocks(model, job["offload_activations"])
+        mode = job["checkpoint_activations"]
+        checkpointed = blocks.checkpoint_blocks(model, "off" if offloaded and mode == "auto"
+                                                else mode, job["batch"], seq)
+    except BaseException:
+        if building.runtime is not None:
+            building.runtime.close()
+        raise
     # SIGTERM, SIGUSR1 or Ctrl-C: finish the step, save, close (swap removed), then exit 75
     # or 130 (see STOP_SIGNALS)
     with preemption(STOP_SIGNALS) as stop, initialize(model, cfg) as engine:

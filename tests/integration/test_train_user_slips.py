@@ -130,3 +130,15 @@ def test_the_progress_bar_says_when_it_saves(tmp_path: Path, text_file: Path,
     assert main(_job(tmp_path / "run", text_file, "--steps", "2", "--save-every", "1")) == 0
     err = capsys.readouterr().err
     assert "saving step-00000001" in err and "saving step-00000002" in err, err
+
+
+def test_a_batch_no_memory_holds_is_one_line_and_leaves_nothing(
+        tmp_path: Path, text_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """It ran until the kernel killed the process for memory (the swap file and the lock
+    left behind), or torch failed to allocate in a traceback."""
+    out = tmp_path / "run"
+    err = _error(capsys, _job(out, text_file, "--steps", "1", "--batch", "10000000"))
+    assert err.startswith("outcore train: error: --batch 10000000 x --seq 32: the activations "
+                          "need about "), err
+    assert "even with every block checkpointed" in err and "give a smaller --batch" in err
+    assert not out.exists()

@@ -197,7 +197,7 @@ _GPT2_KEYS = {"n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 300, "n_pos
     ("train: {model: 5}\n", [], ["--model", "5"]),
     ("train: {data: [a, b]}\n", [], ["--data"]),
     ("train: {lr_schedule: linear}\n", [], ["lr_schedule", "linear", "cosine"]),
-    ("train: {steps: true}\n", [], ["--steps", "True"]),
+    ("train: {steps: true}\n", [], ["train.steps", "True"]),
     ("offload: cpu\n", [], ["offload:", "mapping"]),  # was run with the job's own tiers
     ("optimizer: 3\n", [], ["optimizer:", "mapping"]),  # was dropped
     ("optimizer: 3\n", ["--lr", "0.001"], ["optimizer:", "mapping"]),  # with --lr too

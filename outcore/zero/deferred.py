@@ -130,8 +130,9 @@ class DeferredBuild:
         buffers = {n for r in roots for n, _ in r.named_buffers()}
         unexpected = sorted(n for n in self.tensors if n not in used and n not in buffers)
         if missing or unexpected:
-            hint = ("; parameters that are not in the files (LoRA adapters) are made after "
-                    "the with block" if missing else "")
+            hint = ("; a weight file of the folder may be missing, or, in a Python script, "
+                    "parameters the files do not hold (LoRA adapters) are made after the "
+                    "outcore.init block" if missing else "")
             raise ConfigError(f"weights in {self.folder} do not match the model: missing "
                               f"{few_names(missing)}; unexpected {few_names(unexpected)}{hint}")
         if bad:

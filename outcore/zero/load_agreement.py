@@ -58,9 +58,11 @@ def agree_on_load(module: nn.Module, state_dict: dict[str, Any], prefix: str,
     rt = sp.rt
     error: BaseException | None = None
     keys = ""
+    values: dict[str, int] = {}
     rt.trial_load = True
     originals = _stand_in_buffers(module)
     try:
+        values = _sharded_values(module, state_dict)  # (what it cannot read fails the load)
         got = module.load_state_dict(
             state_dict, strict=False,
             assign=bool(local_metadata.get("assign_to_params_buffers")))
@@ -72,7 +74,6 @@ def agree_on_load(module: nn.Module, state_dict: dict[str, Any], prefix: str,
         for buffers, name, buffer in originals:
             buffers[name] = buffer
     # one collective: a failure flag that differs means some rank failed
-    values = _sharded_values(module, state_dict)
     same_outcome, same_keys, same_values = rt.comm.alike([
         int(error is not None), zlib.crc32(keys.encode()),
         xxhash.xxh3_64_intdigest(b"".join(d.to_bytes(8, "little") for d in values.values()))])

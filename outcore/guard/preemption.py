@@ -214,9 +214,13 @@ def terminate_as_interrupt(signals: Iterable[int] = (_signal.SIGTERM,)) -> Itera
         return
 
     def stop(signum: int, _: FrameType | None) -> None:
+        for sig in previous:  # a repeat (torchrun forwards one, schedulers send several)
+            _signal.signal(sig, _signal.SIG_IGN)  # must not cut the clean-up short
         raise Terminated(signum)
 
-    previous = {_signal.Signals(sig): _signal.signal(sig, stop) for sig in signals}
+    previous: dict[_signal.Signals, _Handler] = {}
+    for sig in signals:
+        previous[_signal.Signals(sig)] = _signal.signal(sig, stop)
     try:
         yield
     finally:

@@ -4,6 +4,7 @@ swap, exits 75, and ``--resume`` reproduces the uninterrupted losses bit for bit
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -170,6 +171,9 @@ def test_sigterm_before_the_loop_removes_the_swap_and_exits_75(tmp_path: Path,
         assert time.monotonic() < deadline, "no swap file appeared"
         time.sleep(0.02)
     os.kill(proc.pid, signal.SIGTERM)
+    time.sleep(0.005)
+    with contextlib.suppress(ProcessLookupError):  # a repeat, as torchrun forwards one: it
+        os.kill(proc.pid, signal.SIGTERM)  # must not cut the clean-up short
     _, err = proc.communicate(timeout=120)
     said = err.decode().strip().splitlines()[-1]
     assert proc.returncode == EXIT_PREEMPTED, said

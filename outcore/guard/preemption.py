@@ -207,8 +207,10 @@ class Terminated(KeyboardInterrupt):
 def terminate_as_interrupt(signals: Iterable[int] = (_signal.SIGTERM,)) -> Iterator[None]:
     """While active, ``signals`` raise ``Terminated`` in the main thread ([Note: a stop
     signal outside the loop]); a ``preemption`` context inside it takes them over and gives
-    them back. Elsewhere than the main thread it does nothing (Python lets only that one
-    install handlers)."""
+    them back. Once one was raised the signals stay ignored, past the context: the command
+    is ending, and a repeat (torchrun forwards one) must not kill its clean-up or its exit.
+    Elsewhere than the main thread it does nothing (Python lets only that one install
+    handlers)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -223,5 +225,10 @@ def terminate_as_interrupt(signals: Iterable[int] = (_signal.SIGTERM,)) -> Itera
         previous[_signal.Signals(sig)] = _signal.signal(sig, stop)
     try:
         yield
-    finally:
+    except Terminated:
+        raise  # the signals stay ignored: the command is ending, a repeat would kill its exit
+    except BaseException:
+        _restore(previous)
+        raise
+    else:
         _restore(previous)

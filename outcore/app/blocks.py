@@ -150,7 +150,7 @@ def _blocks_needed(model: nn.Module, batch: int, seq: int, blocks: int) -> int:
         return 0
     layers = estimate.shape.layers
     kept = estimate.activation_checkpoints / layers  # a checkpointed block keeps its input
-    saved = (estimate.activations_full - 4 * batch * seq * estimate.shape.vocab) / layers - kept
+    saved = _per_block(estimate, batch, seq)[1] - kept
     if saved <= 0:
         return blocks
     needed = math.ceil((estimate.activations_full - budget) / saved)
@@ -164,15 +164,19 @@ def _check_fits(model: nn.Module, batch: int, seq: int, blocks: int) -> None:
     estimate = _activation_estimate(model, batch, seq)
     if estimate is None or not blocks:
         return
-    layers = estimate.shape.layers
-    logits = 4 * batch * seq * estimate.shape.vocab
-    per_block = (estimate.activations_full - logits) / layers
+    logits, per_block = _per_block(estimate, batch, seq)
     least = estimate.activation_checkpoints + per_block + logits  # inputs, one block, logits
     memory = _device_memory()
     if least > memory:
         raise ConfigError(f"--batch {batch} x --seq {seq}: the activations need about "
                           f"{format_bytes(least)} even with every block checkpointed, and "
                           f"{format_bytes(memory)} is free; give a smaller --batch or --seq")
+
+
+def _per_block(estimate: MemoryEstimate, batch: int, seq: int) -> tuple[float, float]:
+    """(the logits' bytes, one block's activations) of the estimate without checkpointing."""
+    logits = 4 * batch * seq * estimate.shape.vocab
+    return logits, (estimate.activations_full - logits) / estimate.shape.layers
 
 
 def _device_memory() -> int:

@@ -14,8 +14,8 @@ from outcore.errors import ConfigError
 from outcore.io.manifest import latest_checkpoint
 from outcore.io.publish import MANIFEST
 
-__all__ = ["JOB_DEFAULTS", "LR_SCHEDULES", "RUN_OPTIONS", "job_settings", "resumed_settings",
-           "run_record", "same_setting"]
+__all__ = ["JOB_DEFAULTS", "LR_SCHEDULES", "RUN_OPTIONS", "check_out", "check_resume",
+           "job_settings", "resumed_settings", "run_record", "same_setting", "step_of"]
 
 JOB_DEFAULTS: dict[str, Any] = {
     "model": "small", "data": None, "steps": 300, "save_every": 100, "out": "./outcore-run",

@@ -376,7 +376,7 @@ class Engine:
             copied, error = checkpoint.check_files(files), None
         except ConfigError as e:
             copied, error = {}, e
-        if not all(self.rt.comm.alike([int(error is not None)])) and error is None:
+        if self.rt.comm.any_failed(error is not None) and error is None:
             error = ConfigError("save_checkpoint() was refused on another rank (its error says "
                                 "why: client_state or files); this rank saved nothing either")
         if error is not None:

@@ -138,12 +138,10 @@ class TorchOptimizer(torch.optim.Optimizer):
             error: Exception | None = None
         except Exception as e:  # noqa: BLE001 - raised below, once every rank knows
             writes, groups, error = [], [], e
-        rt = self._engine.rt
-        if rt.world_size > 1:  # every rank reaches this, refused or not: no one waits alone
-            flag = torch.tensor([0.0 if error is None else 1.0], device=rt.device)
-            if float(rt.comm.all_reduce_max(flag)[0]) > 0 and error is None:
-                error = ConfigError("optimizer load_state_dict() was refused on another rank "
-                                    "(its error says why); this rank loaded nothing either")
+        # every rank reaches this, refused or not: no one waits alone
+        if self._engine.rt.comm.any_failed(error is not None) and error is None:
+            error = ConfigError("optimizer load_state_dict() was refused on another rank "
+                                "(its error says why); this rank loaded nothing either")
         if error is not None:
             raise error
         for write in writes:

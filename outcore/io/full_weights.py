@@ -21,7 +21,7 @@ from outcore.errors import ConfigError, StorageError
 from outcore.io import base_record
 from outcore.io import safetensors_stream as sts
 from outcore.io.manifest import check_file, rank_file, read_manifest
-from outcore.io.publish import OWN_FILES
+from outcore.io.publish import OWN_FILES, file_above
 from outcore.io.safetensors_stream import StreamWriter, TensorSpec
 from outcore.offload.aio import AioEngine
 from outcore.offload.source_file import SourceReader, TensorEntry
@@ -55,8 +55,7 @@ def consolidate(ckpt: str | os.PathLike[str], out: str | os.PathLike[str]) -> Pa
     old = man["world_size"]
     for r in range(old):
         check_file(folder, man, rank_file(r, old))
-    above = next((p for p in out.parents if p.exists()), None)
-    if above is not None and not above.is_dir():
+    if (above := file_above(out)) is not None:
         raise StorageError(f"consolidate: cannot write {out}: {above} is a file, not a folder")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -42,14 +42,18 @@ OWN_FILES = re.compile(  # the files outcore writes into every checkpoint folder
     r"^(rank\d{5}-of-\d{5}\.safetensors|manifest\.json)(\.tmp)?$")
 
 
+def file_above(path: Path) -> Path | None:
+    """The nearest existing folder above ``path``, where it is a file instead (nothing can
+    be made under it); else None."""
+    above = next((p for p in path.parents if p.exists()), None)
+    return above if above is not None and not above.is_dir() else None
+
+
 def check_replaceable(path: Path, whole: bool = False) -> None:
     """Refuse to replace anything but an empty folder or an outcore checkpoint (any folder
     where the caller owns it ``whole``), and a path under a file."""
-    for parent in path.parents:
-        if parent.exists():
-            if not parent.is_dir():
-                raise StorageError(f"checkpoint path {path}: {parent} is a file, not a folder")
-            break
+    if (above := file_above(path)) is not None:
+        raise StorageError(f"checkpoint path {path}: {above} is a file, not a folder")
     if path.exists() and not path.is_dir():
         raise StorageError(f"checkpoint path {path} exists and is not a folder")
     if not whole and path.is_dir() and any(path.iterdir()) and not (path / MANIFEST).exists():

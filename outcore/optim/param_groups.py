@@ -31,15 +31,16 @@ _TORCH_KEYS = {"foreach": None, "fused": None, "capturable": False, "differentia
                "max_lr": None, "min_lr": None, "base_momentum": None, "max_momentum": None,
                "swa_lr": None}
 # what torch's own optimizers of each type keep in a group beyond the hyper-parameters, at
-# the values outcore's kernels run with: ``state_dict()`` gives them, so that torch's
-# optimizer loads it and steps (torch's SGD reads ``dampening`` and sets no default for it)
-_ADAM_KEYS = {"amsgrad": False, "maximize": False, "foreach": None, "capturable": False,
-              "differentiable": False, "fused": None}
+# the values outcore's kernels run with (``_TORCH_KEYS``): ``state_dict()`` gives them, so
+# that torch's optimizer loads it and steps (torch's SGD reads ``dampening`` and sets no
+# default for it)
+_ADAM_KEYS = {k: _TORCH_KEYS[k] for k in ("amsgrad", "maximize", "foreach", "capturable",
+                                          "differentiable", "fused")}
 TORCH_GROUP_KEYS: dict[str, dict[str, Any]] = {
     "adam": {**_ADAM_KEYS, "decoupled_weight_decay": False},
     "adamw": {**_ADAM_KEYS, "decoupled_weight_decay": True},
-    "sgd": {"dampening": 0, "maximize": False, "foreach": None, "differentiable": False,
-            "fused": None}}
+    "sgd": {k: _TORCH_KEYS[k] for k in ("dampening", "maximize", "foreach", "differentiable",
+                                        "fused")}}
 _TORCH_TYPES = {("torch.optim", "AdamW"): "adamw", ("torch.optim", "Adam"): "adam",
                 ("torch.optim", "SGD"): "sgd",
                 ("transformers.optimization", "Adafactor"): "adafactor"}

@@ -137,6 +137,13 @@ class Comm:
         spread = self.all_reduce_max(torch.cat([mine, -mine]))
         return (spread[:len(values)] == -spread[len(values):]).tolist()
 
+    def any_failed(self, failed: bool) -> bool:
+        """Whether ``failed`` holds on any rank (every rank gets the same answer, in one small
+        collective): a refusal on one rank is then a refusal on all, and no rank waits alone
+        in a later collective."""
+        same = self.alike([int(failed)])[0]  # first: every rank joins the collective
+        return failed or not same
+
     def barrier(self) -> None:
         if self.world_size > 1:
             with NamedFailure(self, "barrier"):

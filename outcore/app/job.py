@@ -10,12 +10,15 @@ from typing import Any
 
 from outcore.app import blocks
 from outcore.app.models import is_hf_folder
+from outcore.config import Config, merge_mappings, read_mapping
+from outcore.config.deepspeed import is_deepspeed, translate_and_warn
 from outcore.errors import ConfigError
 from outcore.io.manifest import latest_checkpoint
 from outcore.io.publish import MANIFEST
 
 __all__ = ["JOB_DEFAULTS", "LR_SCHEDULES", "RUN_OPTIONS", "check_out", "check_resume",
-           "job_settings", "resumed_settings", "run_record", "same_setting", "step_of"]
+           "job_settings", "read_config_file", "resumed_settings", "run_record", "same_setting",
+           "step_of"]
 
 JOB_DEFAULTS: dict[str, Any] = {
     "model": "small", "data": None, "steps": 300, "save_every": 100, "out": "./outcore-run",
@@ -25,6 +28,21 @@ JOB_DEFAULTS: dict[str, Any] = {
 """The job's own settings when neither a flag nor the config file's ``train:`` section sets them."""
 
 LR_SCHEDULES = ("cosine", "constant")
+
+
+def read_config_file(path: str | None) -> dict[str, Any]:
+    """``--config``'s settings. A DeepSpeed config means what DeepSpeed makes of it: what it
+    leaves out takes ``Config``'s defaults, DeepSpeed's own (no offload where it names
+    none, Adam's betas 0.9, 0.999, no clipping), not the job's; only the NVMe folder is left
+    to ``--nvme-path`` (or ``OUT/swap``), and the whole is checked with the flags."""
+    if path is None:
+        return {}
+    loaded = read_mapping(path)
+    if not is_deepspeed(loaded):
+        return loaded
+    defaults = Config().model_dump(mode="json")
+    del defaults["offload"]["nvme_path"]
+    return merge_mappings(defaults, translate_and_warn(loaded))
 
 
 def job_settings(args: argparse.Namespace, file_job: Any) -> dict[str, Any]:

@@ -43,8 +43,7 @@ from outcore.app.evaluate import EVAL_BATCHES, held_out_loss
 from outcore.app.job import JOB_DEFAULTS, LR_SCHEDULES
 from outcore.app.job import job_settings as _job_settings
 from outcore.app.report import MetricsWriter, read_metrics, write_report
-from outcore.config import Config, merge_mappings, read_mapping
-from outcore.config.deepspeed import is_deepspeed, translate_and_warn
+from outcore.config import Config, merge_mappings
 from outcore.engine import initialize
 from outcore.errors import CommError, ConfigError
 from outcore.guard.lock import lock_run_folder
@@ -115,15 +114,6 @@ def _checkpoint_mode(text: str) -> str | int:
         return blocks.checkpoint_mode(text)
     except ConfigError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _read_config_file(path: str | None) -> dict[str, Any]:
-    if path is None:
-        return {}
-    loaded = read_mapping(path)
-    if is_deepspeed(loaded):  # a DeepSpeed config: keep the keys that mean something, checked
-        return translate_and_warn(loaded)  # with the flags (an NVMe tier takes --nvme-path)
-    return loaded
 
 
 def _default_lr(model: str, n_params: int) -> float:
@@ -245,7 +235,7 @@ def _global_mean(engine: Any, value: float) -> float:
 def run(args: argparse.Namespace) -> int:
     """Train as ``args`` say; returns the exit code. User mistakes raise ConfigError/DataError."""
 
-    file_cfg = _read_config_file(args.config)
+    file_cfg = jobs.read_config_file(args.config)
     job = _job_settings(args, file_cfg.get("train") or {})  # YAML's empty "train:" is None
     jobs.check_out(job["out"])
     latest = latest_checkpoint(job["out"] / "checkpoints") if args.resume else None
@@ -348,7 +338,7 @@ def _run_holding_out(args: argparse.Namespace, job: dict[str, Any], cfg: Config,
         rank, world = engine.rank, engine.world_size
         client: dict[str, Any] = {}
         if latest is not None:
-            client = engine.load_checkpoint(latest) or {}
+            client = engine.load_checkpoint(latest, keep_settings=True) or {}
         seed = args.seed if args.seed is not None else int(client.get("seed", cfg.seed))
         accum = cfg.gradient_accumulation_steps
         sampler = datamod.BatchSampler(train_tokens, job["batch"], seq, seed, rank, world)

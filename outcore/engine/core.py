@@ -394,16 +394,20 @@ class Engine:
         this when training ends, so the output folder holds no lock file afterwards."""
         self._folders.release_all()
 
-    def load_checkpoint(self, path: str | os.PathLike[str]) -> dict[str, Any]:
+    def load_checkpoint(self, path: str | os.PathLike[str],
+                        keep_settings: bool = False) -> dict[str, Any]:
         """Restore weights, optimizer state, step, scaler and RNG; return the client state.
 
+        The groups' settings (lr, betas, eps, weight decay...) come from the checkpoint, as
+        with torch's ``load_state_dict``, with a warning naming those that differ from this
+        engine's; ``keep_settings=True`` keeps this engine's (``outcore train --resume``).
         The checkpoint root (``path``'s parent) is held from here on, as after a save."""
         self._check_open()
         self._check_nothing_shown("load_checkpoint()")
         self._reopen_boundary("load_checkpoint()")  # step() would drop the next update
         self._folders.hold(Path(path).parent, self.rt.comm, self.rt.accel, create=False)
         try:
-            return checkpoint.load(self, Path(path))
+            return checkpoint.load(self, Path(path), keep_settings)
         finally:  # loading wrote every shard through the I/O pool
             self.rt.release_idle_io_buffers()
 

@@ -90,10 +90,13 @@ def check_files(files: Mapping[str, str | os.PathLike[str]] | None) -> dict[str,
     out = {}
     for name, src in (files or {}).items():
         if (not isinstance(name, str) or name in ("", ".", "..") or "/" in name
-                or os.sep in name or OWN_FILES.match(name)):
+                or os.sep in name or "\0" in name or OWN_FILES.match(name)):
             raise ConfigError(f"save_checkpoint(files=): {name!r} is not a file name a "
                               "checkpoint can hold (a plain name, not manifest.json or a "
                               "rank file)")
+        if not isinstance(src, (str, os.PathLike)) or "\0" in os.fspath(src):
+            raise ConfigError(f"save_checkpoint(files=): {name!r} names {src!r}, which is "
+                              "not a path")
         out[name] = Path(src)
     return out
 
@@ -108,7 +111,7 @@ def _save(engine: Any, path: Path, client_state: dict[str, Any],
     comm, path, files = engine.rt.comm, Path(path), files or {}
     check_client_state(client_state)
     partial = path.with_name(path.name + PARTIAL)
-    err: OutcoreError | OSError | None = None
+    err: Exception | None = None
     if comm.rank == 0:
         try:
             for name, src in files.items():
@@ -120,7 +123,7 @@ def _save(engine: Any, path: Path, client_state: dict[str, Any],
             settle(path)  # what a save killed between its renames left aside
             remove_ours(partial, files)
             partial.mkdir(mode=0o700)
-        except (OutcoreError, OSError) as e:
+        except Exception as e:  # noqa: BLE001 - every rank hears of it in _agree
             err = _storage_error(e, path)
     try:  # the path's digest rides along: each rank writes into rank 0's folder
         where = _agree(engine, err, f"preparing {partial}",
@@ -155,7 +158,7 @@ def _save(engine: Any, path: Path, client_state: dict[str, Any],
             sts.write_json_durably(partial / MANIFEST, manifest)
             sts.fsync_dir(partial)
             publish(partial, path, replace_folder)
-        except (OutcoreError, OSError) as e:
+        except Exception as e:  # noqa: BLE001 - every rank hears of it in _agree
             err = _storage_error(e, path)
             with contextlib.suppress(OSError):
                 remove_ours(partial, files)  # (gone already where it was published)
@@ -275,12 +278,12 @@ def _agree(engine: Any, err: Exception | None, what: str,
 
 
 # -- load ----------------------------------------------------------------------------------------
-def load(engine: Any, path: Path) -> dict[str, Any]:
+def load(engine: Any, path: Path, keep_settings: bool = False) -> dict[str, Any]:
     engine.sharded_optimizer.wait()  # a background update must not overwrite what we load
-    return _load(engine, path)
+    return _load(engine, path, keep_settings)
 
 
-def _load(engine: Any, path: Path) -> dict[str, Any]:
+def _load(engine: Any, path: Path, keep_settings: bool = False) -> dict[str, Any]:
     """Restore ``engine`` from the checkpoint at ``path``, at any world size; return client_state.
 
     Two phases, each ending in an agreement among ranks: first check the manifest against the
@@ -323,9 +326,11 @@ def _load(engine: Any, path: Path) -> dict[str, Any]:
     except (OutcoreError, OSError) as e:
         err = e
     _agree(engine, err, f"loading checkpoint {folder}")
-    _warn_replaced_settings(engine, man)
-    for hp, saved in zip(engine.param_groups, man["param_groups"], strict=True):
-        hp.update({k: tuple(v) if isinstance(hp.get(k), tuple) else v for k, v in saved.items()})
+    if not keep_settings:  # (kept: the groups' settings stay this engine's own)
+        _warn_replaced_settings(engine, man)
+        for hp, saved in zip(engine.param_groups, man["param_groups"], strict=True):
+            hp.update({k: tuple(v) if isinstance(hp.get(k), tuple) else v
+                       for k, v in saved.items()})
     engine.scaler.load_state_dict(man["scaler"])
     engine.global_steps, engine.micro_steps = int(man["global_steps"]), 0
     engine.sharded_optimizer.zero_grad()
@@ -346,8 +351,9 @@ def _warn_replaced_settings(engine: Any, man: dict) -> None:
     if differ and engine.rt.rank == 0:
         warnings.warn(f"load_checkpoint(): the checkpoint's optimizer settings replace this "
                       f"engine's config ({', '.join(differ)}), as torch's load_state_dict "
-                      "does; to change them, set engine.optimizer.param_groups after "
-                      "loading", stacklevel=user_stacklevel())
+                      "does; to keep this engine's, pass load_checkpoint(keep_settings=True), "
+                      "or set engine.optimizer.param_groups after loading",
+                      stacklevel=user_stacklevel())
 
 
 def _check_buffers(engine: Any, folder: Path, man: dict) -> None:
@@ -369,17 +375,22 @@ def _check_buffers(engine: Any, folder: Path, man: dict) -> None:
 def _check_groups(engine: Any, man: dict, by_name: dict[str, tuple[str, dict]]) -> None:
     """The checkpoint's param groups hold the engine's groups' parameters, group by group:
     matched by position alone, groups built in another order would swap their learning
-    rates and weight decays without a word (torch refuses such a load too). Checkpoints
+    rates and weight decays without a word (torch refuses such a load too). Only parameters
+    trainable on both sides are compared: groups hold trainable parameters only, so one
+    frozen or unfrozen since the save is in one side's groups and in neither's of the
+    other, and that is a change of what trains, not of which group is which. Checkpoints
     from before the groups' members were recorded are matched by count only."""
     saved = man.get("group_members")
     if saved is None:
         return
-    for i, (members, names) in enumerate(zip(engine.sharded_optimizer.members, saved,
-                                             strict=True)):
-        mine = {by_name[sp.name][0] for sp in members}
-        if mine != set(names):
-            only_model = sorted(mine - set(names))[:3]
-            only_saved = sorted(set(names) - mine)[:3]
+    mine = [{by_name[sp.name][0] for sp in members}
+            for members in engine.sharded_optimizer.members]
+    both = set().union(*mine) & set().union(*map(set, saved))
+    for i, (ours, names) in enumerate(zip(mine, saved, strict=True)):
+        ours, theirs = ours & both, set(names) & both
+        if ours != theirs:
+            only_model = sorted(ours - theirs)[:3]
+            only_saved = sorted(theirs - ours)[:3]
             raise ConfigError(
                 f"checkpoint's param group {i} holds other parameters than this engine's "
                 f"group {i} (only in the engine's: {only_model}, only in the checkpoint's: "

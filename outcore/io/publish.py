@@ -33,7 +33,7 @@ import warnings
 from collections.abc import Iterable
 from pathlib import Path
 
-from outcore.errors import StorageError
+from outcore.errors import StorageError, user_stacklevel
 from outcore.io import safetensors_stream as sts
 
 MANIFEST = "manifest.json"
@@ -71,10 +71,15 @@ def settle(path: Path) -> None:
     ``path`` if nothing is there, a copy aside of a published one goes ([Note: what a kill
     between the renames leaves])."""
     for aside in asides(path):
-        if not path.exists() and (aside / MANIFEST).is_file():
-            os.replace(aside, path)
-        else:
-            remove_ours(aside)
+        try:
+            if not path.exists() and (aside / MANIFEST).is_file():
+                os.replace(aside, path)
+            else:
+                remove_ours(aside)
+        except OSError as e:  # one undeletable old copy must not stop every later save
+            warnings.warn(f"left {aside}, an older copy of {path.name} that could not be "
+                          f"deleted ({e.strerror or e}); delete it by hand",
+                          stacklevel=user_stacklevel())
 
 
 def publish(partial: Path, path: Path, replace_folder: bool = False) -> None:
@@ -95,7 +100,7 @@ def publish(partial: Path, path: Path, replace_folder: bool = False) -> None:
             remove_ours(aside)
     except OSError as e:
         warnings.warn(f"saved {path}; the checkpoint it replaced is left at {aside}: deleting "
-                      f"it failed ({e.strerror or e})", stacklevel=4)
+                      f"it failed ({e.strerror or e})", stacklevel=user_stacklevel())
 
 
 def remove_ours(folder: Path, extra: Iterable[str] = ()) -> None:
@@ -110,7 +115,8 @@ def remove_ours(folder: Path, extra: Iterable[str] = ()) -> None:
     try:
         folder.rmdir()
     except OSError:
-        warnings.warn(f"left {folder}: it holds files outcore did not write", stacklevel=3)
+        warnings.warn(f"left {folder}: it holds files outcore did not write",
+                      stacklevel=user_stacklevel())
 
 
 def copied_files(folder: Path) -> list[str]:

@@ -8,6 +8,7 @@ biases, another learning rate for a head). They are checked before anything is s
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Iterable
 from typing import Any
 
@@ -123,10 +124,13 @@ def check_group_numbers(where: str, group: dict[str, Any]) -> None:
         if value is None or (key == "eps" and isinstance(value, (tuple, list))):
             continue  # (Adafactor's eps is a pair, its lr may be None)
         number = _number(value)
-        if number is None or not math.isfinite(number) or number < low or (
-                strict and number == low):
-            raise ConfigError(f"{where}: {key}={value!r} is not a finite number "
-                              f"{'>' if strict else '>='} {low:g}")
+        if number is None:
+            raise ConfigError(f"{where}: {key}={value!r} is not a number")
+        if not math.isfinite(number):
+            raise ConfigError(f"{where}: {key}={value!r} is not finite")
+        if number < low or (strict and number == low):
+            raise ConfigError(f"{where}: {key}={value!r} must be "
+                              f"{'above' if strict else 'at least'} {low:g}")
     betas = group.get("betas")
     if betas is not None:
         numbers = [_number(b) for b in betas] if isinstance(betas, (tuple, list)) else []
@@ -135,12 +139,13 @@ def check_group_numbers(where: str, group: dict[str, Any]) -> None:
 
 
 def _number(value: Any) -> float | None:
-    """``value`` as a float: a number, or a tensor of one (torch allows a tensor ``lr``)."""
+    """``value`` as a float: any real number (a NumPy scalar too, as a schedule computed
+    with NumPy gives), or a tensor of one (torch allows a tensor ``lr``)."""
     if isinstance(value, bool):
         return None
     if isinstance(value, torch.Tensor):
         return float(value) if value.numel() == 1 and not value.is_complex() else None
-    return float(value) if isinstance(value, (int, float)) else None
+    return float(value) if isinstance(value, numbers.Real) else None
 
 
 def _check_torch_keys(where: str, group: dict[str, Any]) -> None:

@@ -22,7 +22,9 @@ others a ``ConfigError`` saying so. The trial is never strict, since torch tells
 either way (strict, some ranks would fail; lenient, the ranks would load different
 parameters), and keys missing alike on every rank are left to the load itself, which then
 fails or passes alike. The cost is torch's checks twice (the trial builds no full-size
-values: ``access._write`` returns before) and one small collective, so a load is a
+values: ``access._write`` returns before), one pass of xxh3 over each value given to a
+sharded parameter (gigabytes a second on one core) and one small collective (a second
+only when the values differ, to name them), so a load is a
 collective: every rank calls it (as it already had to, each writing its own slices). What
 is not a sharded parameter sees the load twice: a load hook of the model's own runs twice.
 Buffers, which every rank holds whole and torch writes in place, are not sharded parameters
@@ -113,9 +115,11 @@ def _stand_in_buffers(module: nn.Module) -> list[tuple[dict[str, torch.Tensor | 
 
 
 def _sharded_values(module: nn.Module, state_dict: dict[str, Any]) -> dict[str, int]:
-    """The digest of each value ``state_dict`` holds for a sharded parameter, by key (in the
-    state dict's order): what every rank must load alike (buffers every rank holds whole
-    may differ, as in DDP without their broadcast)."""
+    """The digest of each value ``state_dict`` holds for a sharded parameter, by key in
+    sorted order (the same dict built in another order on another rank is the same load):
+    what every rank must load alike (buffers every rank holds whole may differ, as in DDP
+    without their broadcast)."""
     params = dict(module.named_parameters(remove_duplicate=False))
-    return {k: value_digest(v) for k, v in state_dict.items()
-            if isinstance(v, torch.Tensor) and k in params and managed(params[k]) is not None}
+    return {k: value_digest(state_dict[k]) for k in sorted(state_dict, key=str)
+            if isinstance(state_dict[k], torch.Tensor) and k in params
+            and managed(params[k]) is not None}

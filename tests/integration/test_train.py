@@ -13,6 +13,7 @@ import torch
 
 import outcore
 from outcore.app import data as datamod
+from outcore.app import job as jobs
 from outcore.app import train
 from outcore.app.report import read_metrics
 from outcore.device.accel import default_device
@@ -52,7 +53,7 @@ def test_flags_override_the_config_file(tmp_path: Path) -> None:
     cfg_file.write_text("dtype: fp32\noptimizer: {lr: 0.005}\noffload: {params: cpu, "
                         "optimizer: cpu}\ntrain: {steps: 7, batch: 3, model: tiny}\n")
     args = _parse("--config", str(cfg_file), "--batch", "5", "--out", str(tmp_path / "o"))
-    file_cfg = train._read_config_file(args.config)
+    file_cfg = jobs.read_config_file(args.config)
     job = train._job_settings(args, file_cfg.pop("train"))
     assert (job["steps"], job["batch"], job["model"]) == (7, 5, "tiny")
     cfg = train._engine_config(args, file_cfg, job, n_params=1000)
@@ -61,7 +62,7 @@ def test_flags_override_the_config_file(tmp_path: Path) -> None:
 
     args = _parse("--config", str(cfg_file), "--offload", "nvme", "--lr", "0.01",
                   "--dtype", "bf16", "--nvme-path", str(tmp_path / "swap"))
-    file_cfg = train._read_config_file(args.config)
+    file_cfg = jobs.read_config_file(args.config)
     job = train._job_settings(args, file_cfg.pop("train"))
     cfg = train._engine_config(args, file_cfg, job, n_params=1000)
     assert (cfg.dtype, cfg.optimizer.lr) == ("bf16", 0.01)
@@ -104,9 +105,9 @@ def test_bad_settings_raise_config_error(tmp_path: Path) -> None:
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
     with pytest.raises(ConfigError, match="bad.json"):
-        train._read_config_file(str(bad))
+        jobs.read_config_file(str(bad))
     with pytest.raises(ConfigError, match="missing.yaml"):
-        train._read_config_file(str(tmp_path / "missing.yaml"))
+        jobs.read_config_file(str(tmp_path / "missing.yaml"))
     with pytest.raises(ConfigError, match="--seq"):
         train.run(_parse("--model", "tiny", "--seq", "4096", "--out", str(tmp_path)))
 
@@ -128,23 +129,41 @@ def test_deepspeed_config_files_are_mapped(tmp_path: Path) -> None:
         "stage": 3, "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}},
         "optimizer": {"type": "AdamW", "params": {"lr": 0.002}}}))
     args = _parse("--config", str(ds))
-    file_cfg = train._read_config_file(args.config)
+    file_cfg = jobs.read_config_file(args.config)
     cfg = train._engine_config(args, file_cfg, train._job_settings(args, {}), n_params=1000)
     assert (cfg.offload.params, cfg.offload.optimizer, cfg.optimizer.lr) == ("cpu", "cpu", 0.002)
     # null sections, which DeepSpeed reads as absent, are absent here too
     ds.write_text(json.dumps({"zero_optimization": {"stage": 3, "offload_param": None,
                                                     "offload_optimizer": None}, "aio": None}))
     args = _parse("--config", str(ds), "--offload", "none")
-    file_cfg = train._read_config_file(args.config)
+    file_cfg = jobs.read_config_file(args.config)
     cfg = train._engine_config(args, file_cfg, train._job_settings(args, {}), n_params=1000)
     assert (cfg.offload.params, cfg.offload.optimizer) == ("none", "none")
+
+
+def test_a_deepspeed_config_means_what_it_means_to_deepspeed(tmp_path: Path) -> None:
+    """What a DeepSpeed file leaves out is DeepSpeed's default, not the job's: a file that
+    offloads parameters only keeps the optimizer states in memory, with Adam's betas 0.9,
+    0.999 and no clipping; its NVMe tier still takes --nvme-path."""
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 3,
+                                                    "offload_param": {"device": "nvme"}}}))
+    args = _parse("--config", str(ds), "--nvme-path", str(tmp_path / "swap"))
+    file_cfg = jobs.read_config_file(args.config)
+    cfg = train._engine_config(args, file_cfg, train._job_settings(args, {}), n_params=1000)
+    assert (cfg.offload.params, cfg.offload.optimizer) == ("nvme", "none")
+    assert cfg.offload.nvme_path == str(tmp_path / "swap")
+    assert (cfg.optimizer.betas, cfg.gradient_clipping) == ((0.9, 0.999), 0.0)
+    args = _parse("--config", str(ds), "--offload", "cpu")  # a flag still overrides it
+    cfg = train._engine_config(args, file_cfg, train._job_settings(args, {}), n_params=1000)
+    assert (cfg.offload.params, cfg.offload.optimizer) == ("cpu", "cpu")
 
 
 def test_empty_sections_keep_the_job_defaults(tmp_path: Path) -> None:
     cfg_file = tmp_path / "job.yaml"
     cfg_file.write_text("train:\noffload:\noptimizer:\n")  # YAML's empty sections are None
     args = _parse("--config", str(cfg_file))
-    file_cfg = train._read_config_file(args.config)
+    file_cfg = jobs.read_config_file(args.config)
     job = train._job_settings(args, file_cfg.pop("train") or {})
     cfg = train._engine_config(args, file_cfg, job, n_params=1000)
     assert cfg.optimizer.betas == (0.9, 0.95)  # the job's, not the schema's 0.999

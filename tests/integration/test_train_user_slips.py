@@ -1,8 +1,8 @@
 """``outcore train`` given what users get wrong (a probe's findings): a damaged checkpoint in
 the way of a resume's saves, ``--out`` naming a checkpoint or the checkpoints folder, a seed
 torch cannot take, an empty ``--nvme-path``, a config file's mistake named as a flag, a
-DeepSpeed config whose NVMe tier needs ``--nvme-path``, and the shortest text that holds one
-window."""
+DeepSpeed config whose NVMe tier needs ``--nvme-path``, the shortest text that holds one
+window, and a resume whose config was edited."""
 
 from __future__ import annotations
 
@@ -139,6 +139,23 @@ def test_a_batch_no_memory_holds_is_one_line_and_leaves_nothing(
     out = tmp_path / "run"
     err = _error(capsys, _job(out, text_file, "--steps", "1", "--batch", "10000000"))
     assert err.startswith("outcore train: error: --batch 10000000 x --seq 32: the activations "
-                          "need about "), err
+                          "need at least "), err
     assert "even with every block checkpointed" in err and "give a smaller --batch" in err
     assert not out.exists()
+
+
+def test_a_resume_takes_the_edited_configs_optimizer_settings(
+        tmp_path: Path, text_file: Path, recwarn: pytest.WarningsRecorder) -> None:
+    """The checkpoint's settings replaced the config's on resume, with a warning that also
+    named the learning rate, which the job's schedule sets at every step anyway: a weight
+    decay edited before the resume was dropped. Now the config's apply, without a word."""
+    out, first, edited = tmp_path / "run", tmp_path / "a.yaml", tmp_path / "b.yaml"
+    first.write_text("optimizer:\n  weight_decay: 0.0\n")
+    edited.write_text("optimizer:\n  weight_decay: 0.1\n")
+    assert main(_job(out, text_file, "--steps", "2", "--save-every", "2", "--config",
+                     str(first))) == 0
+    assert main(_job(out, text_file, "--steps", "3", "--save-every", "2", "--config",
+                     str(edited), "--resume")) == 0
+    assert not [w for w in recwarn if "optimizer settings replace" in str(w.message)]
+    saved = json.loads((out / "checkpoints" / "step-00000003" / "manifest.json").read_text())
+    assert [g["weight_decay"] for g in saved["param_groups"]] == [0.1]

@@ -43,6 +43,27 @@ def test_checkpointed_blocks_give_the_same_gradients_and_auto_picks_by_size(
         assert llama.config.use_cache is (blocks == 0)
 
 
+def test_a_long_context_that_trains_is_not_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The refusal counts what must be held whatever the attention kernel: at 32,768 tokens
+    the attention scores a plain kernel would keep (5·a·s²·b, 21 GB a layer here) are never
+    kept by SDPA, and this tiny Llama trains in under 1 GiB. A batch whose logits alone pass
+    the memory is still refused, naming the memory it would need."""
+    import transformers
+
+    from outcore.app import blocks as app_blocks
+
+    monkeypatch.setattr(app_blocks, "_device_memory", lambda: 4 << 30)
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      vocab_size=256, max_position_embeddings=32768)
+    with torch.device("meta"):
+        llama = transformers.LlamaForCausalLM(config)
+    assert checkpoint_blocks(llama, "auto", 1, 32768) == 2  # the upper bound: checkpoint
+    with pytest.raises(ConfigError, match=r"--batch 1000 x --seq 32768: the activations "
+                       r"need at least 113 GB .* and 4\.29 GB of host memory is free"):
+        checkpoint_blocks(llama, "auto", 1000, 32768)
+
+
 def test_a_part_of_the_blocks_is_the_first_ones_and_gives_the_same_gradients(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A number of blocks checkpoints that many, the model's first (backward reaches them

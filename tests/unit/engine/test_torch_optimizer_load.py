@@ -129,6 +129,37 @@ def test_hyper_parameters_no_config_takes_are_refused_by_a_load(
 def test_param_groups_with_a_nan_learning_rate_are_refused_by_initialize(
         tmp_path: Path) -> None:
     model = nn.Linear(4, 1)
-    with pytest.raises(outcore.ConfigError, match=r"param_groups\[0\]: lr=nan is not a finite"):
+    with pytest.raises(outcore.ConfigError, match=r"param_groups\[0\]: lr=nan is not finite"):
         outcore.initialize(model, {"dtype": "fp32"},
                            param_groups=[{"params": list(model.parameters()), "lr": math.nan}])
+
+
+def test_numpy_numbers_are_numbers_to_a_load_and_to_initialize(tmp_path: Path) -> None:
+    """A schedule computed with NumPy gives ``np.float32`` and ``np.float64`` learning rates:
+    torch takes them, and a load refused them as "not a finite number"."""
+    np = pytest.importorskip("numpy")
+    model, engine, twin, plain = _pair(tmp_path, "adamw")
+    data = _data(3)
+
+    def plain_step() -> None:
+        plain.step()
+        plain.zero_grad()
+
+    sd = engine.optimizer.state_dict()
+    for group in (sd["param_groups"][0], plain.param_groups[0]):
+        group.update(lr=np.float32(0.05), weight_decay=np.float64(0.01), eps=np.float32(1e-6))
+    engine.optimizer.load_state_dict(sd)
+    got = _train(model, engine.step, engine.backward, data)
+    want = _train(twin, plain_step, lambda loss: loss.backward(), data)
+    assert got == pytest.approx(want, rel=1e-6, abs=1e-7)
+    engine.close()
+    model = nn.Linear(4, 1)
+    engine = outcore.initialize(model, {"dtype": "fp32"}, param_groups=[
+        {"params": list(model.parameters()), "lr": np.float64(0.01)}])
+    assert engine.param_groups[0]["lr"] == 0.01
+    engine.close()
+    for bad, said in ((True, "lr=True is not a number"), (np.float32("inf"), "is not finite"),
+                      (np.float64(-1.0), "lr=.*-1.0.* must be at least 0")):
+        with pytest.raises(outcore.ConfigError, match=said):
+            outcore.initialize(model, {"dtype": "fp32"}, param_groups=[
+                {"params": list(model.parameters()), "lr": bad}])

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import warnings
 from pathlib import Path
 
@@ -96,6 +97,41 @@ def test_param_groups_built_in_another_order_are_refused(tmp_path: Path) -> None
     engine.close()
 
 
+@pytest.mark.parametrize("frozen_at", ["save", "load"])
+def test_a_parameter_frozen_or_unfrozen_since_the_save_loads(tmp_path: Path,
+                                                            frozen_at: str) -> None:
+    """The groups hold trainable parameters only, so the layer norm frozen on one side was in
+    one side's group and no group of the other's: that load was refused as groups built in
+    another order. Its weights load as saved either way."""
+    def grouped(frozen: bool, reverse: bool = False) -> tuple[nn.Module, outcore.Engine]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 1))
+        model[1].requires_grad_(not frozen)
+        train = [p for p in model.parameters() if p.requires_grad]
+        groups = [{"params": [p for p in train if p.ndim >= 2], "weight_decay": 0.1},
+                  {"params": [p for p in train if p.ndim < 2], "lr": 1e-4}]
+        return model, outcore.initialize(model, _fp32(tmp_path),
+                                         param_groups=groups[::-1] if reverse else groups)
+
+    model, engine = grouped(frozen=frozen_at == "save")
+    engine.backward(model(torch.ones(2, 8)).sum())
+    engine.step()
+    with engine.gathered_parameters():
+        saved = {k: v.clone() for k, v in model.state_dict().items()}
+    engine.save_checkpoint(tmp_path / "ck")
+    engine.close()
+    model, engine = grouped(frozen=frozen_at == "load")
+    engine.load_checkpoint(tmp_path / "ck")
+    with engine.gathered_parameters():
+        assert all(torch.equal(v, saved[k]) for k, v in model.state_dict().items())
+    assert [g["weight_decay"] for g in engine.param_groups] == [0.1, 0.0]
+    engine.close()
+    _, engine = grouped(frozen=frozen_at == "load", reverse=True)  # still refused
+    with pytest.raises(outcore.ConfigError, match=r"param group 0 holds other parameters"):
+        engine.load_checkpoint(tmp_path / "ck")
+    engine.close()
+
+
 @pytest.mark.parametrize("call", ["save", "load"])
 def test_save_and_load_inside_gathered_parameters_are_refused(tmp_path: Path,
                                                               call: str) -> None:
@@ -170,6 +206,15 @@ def test_a_replaced_checkpoint_that_cannot_be_deleted_is_a_warning(
         path = engine.save_checkpoint(tmp_path / "ck", {"v": 2})
     assert path == tmp_path / "ck"
     assert json.loads((path / "manifest.json").read_text())["client_state"] == {"v": 2}
+    # the next save meets the copy it could not delete: that stopped every later save
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        engine.save_checkpoint(tmp_path / "ck", {"v": 3})
+    first, second = (str(w.message) for w in said)  # the older copy, then the one replaced
+    assert re.fullmatch(r"left .*ck\.replaced-\w+, an older copy of ck that could not be "
+                        r"deleted \(Permission denied\); delete it by hand", first), first
+    assert second.startswith(f"saved {path}; the checkpoint it replaced is left at"), second
+    assert json.loads((path / "manifest.json").read_text())["client_state"] == {"v": 3}
     engine.close()
 
 
@@ -198,11 +243,13 @@ def test_files_copied_into_a_checkpoint_are_its_own_and_a_users_are_kept(
     aside = [p for p in tmp_path.iterdir() if ASIDE in p.name]
     assert [p.name for p in aside[0].iterdir()] == ["config.json"]
 
-    for bad in ("manifest.json", "rank00000-of-00001.safetensors", "a/b", ""):
+    for bad in ("manifest.json", "rank00000-of-00001.safetensors", "a/b", "", "a\0b"):
         with pytest.raises(outcore.ConfigError, match="is not a file name a checkpoint"):
             engine.save_checkpoint(tmp_path / "ck2", files={bad: tmp_path / "config.json"})
     with pytest.raises(outcore.ConfigError, match="names .*missing.json, which is not a file"):
         engine.save_checkpoint(tmp_path / "ck2", files={"x.json": tmp_path / "missing.json"})
+    with pytest.raises(outcore.ConfigError, match="names 'a\\\\x00b', which is not a path"):
+        engine.save_checkpoint(tmp_path / "ck2", files={"x.json": "a\0b"})
     assert not (tmp_path / "ck2").exists() and not (tmp_path / "ck2.partial").exists()
     engine.close()
 
@@ -232,6 +279,13 @@ def test_a_resume_with_other_optimizer_values_says_the_checkpoints_win(
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the same settings: no word
         engine.load_checkpoint(tmp_path / "ck")
+    engine.close()
+    engine = outcore.initialize(nn.Linear(4, 4), _fp32(tmp_path, lr=5e-4, weight_decay=0.1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # kept on purpose: no word
+        engine.load_checkpoint(tmp_path / "ck", keep_settings=True)
+    assert (engine.param_groups[0]["lr"], engine.param_groups[0]["weight_decay"]) == (5e-4, 0.1)
+    assert engine.global_steps == 1
     engine.close()
 
 

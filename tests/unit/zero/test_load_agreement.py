@@ -33,6 +33,8 @@ def _load(case: str, offload: str, swap: str) -> dict:
     elif case == "values" and rank == 1:  # another seed's weights, another checkpoint's
         new["0.weight"] = torch.full_like(new["0.weight"], 8.0)
         new["2.bias"] = torch.full_like(new["2.bias"], 8.0)
+    elif case == "reordered" and rank == 1:  # the same dict, built in another order
+        new = dict(reversed(new.items()))
     strict = case != "missing-lenient"
     if case == "missing-lenient":
         del new["2.bias"]
@@ -71,7 +73,7 @@ def test_a_load_refused_on_one_rank_is_refused_on_every_rank(tmp_path, case: str
     assert zero["unchanged"] and one["unchanged"]
 
 
-@pytest.mark.parametrize("case", ["all", "missing-lenient"])
+@pytest.mark.parametrize("case", ["all", "missing-lenient", "reordered"])
 def test_a_load_that_every_rank_accepts_loads_everywhere(tmp_path, case: str) -> None:
     for rank in run_world(_load, 2, case, "none", str(tmp_path)):
         assert rank["said"] is None, rank

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import re
+import warnings
 
 import torch
 import torch.nn as nn
@@ -90,6 +91,9 @@ def checkpoint_blocks(model: nn.Module, mode: str | int, batch: int, seq: int) -
     if not _is_checkpoint_mode(mode):  # strict: a Python caller's True is not "on"
         raise ConfigError(f"checkpoint_activations: got {mode!r}; allowed: {CHECKPOINT_MODES}")
     blocks = repeated_blocks(model)
+    if isinstance(mode, int) and mode > len(blocks):  # (a config written for a deeper model)
+        warnings.warn(f"checkpoint_activations: {mode} blocks asked for, the model has "
+                      f"{len(blocks)}; all of them are checkpointed", stacklevel=2)
     count = len(blocks) if mode == "on" else (
         _agreed(_blocks_needed(model, batch, seq, len(blocks))) if mode == "auto"
         else min(int(mode), len(blocks)))
@@ -178,7 +182,15 @@ def _check_fits(model: nn.Module, batch: int, seq: int, blocks: int) -> None:
     memory = _device_memory()
     room = (f"the GPU has {format_bytes(memory)}" if default_device().type == "cuda"
             else f"{format_bytes(memory)} of host memory is free")
-    if least > memory:
+    # every rank refuses where one does: the others would wait in initialize() until the
+    # process group's timeout (each rank's free memory differs)
+    refused = _agreed(int(least > memory))
+    if refused and least <= memory:
+        raise ConfigError(f"--batch {batch} x --seq {seq}: the activations need at least "
+                          f"{format_bytes(least)} even with every block checkpointed, more "
+                          "than another rank's memory holds (its error says how much); "
+                          "give a smaller --batch or --seq")
+    if refused:
         raise ConfigError(f"--batch {batch} x --seq {seq}: the activations need at least "
                           f"{format_bytes(least)} even with every block checkpointed, and "
                           f"{room}; give a smaller --batch or --seq")

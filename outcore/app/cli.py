@@ -27,6 +27,7 @@ and applies the error policy.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import os
@@ -40,7 +41,7 @@ from types import ModuleType
 from typing import Any, NoReturn
 
 from outcore.app.models import preset_shape
-from outcore.errors import ConfigError, DataError, OutcoreError
+from outcore.errors import ConfigError, DataError, OutcoreError, StorageError
 from outcore.guard.preemption import EXIT_PREEMPTED, Terminated, terminate_as_interrupt
 from outcore.sizing import efficiency as eff
 from outcore.sizing import estimate as est
@@ -176,11 +177,11 @@ def _add_estimate(p: argparse.ArgumentParser) -> None:
     w.add_argument("--trainable", type=_count, metavar="N",
                    help="LoRA: N trainable adapter parameters over the frozen --model, its "
                         "base read in place from its files (e.g. 13.1M)")
-    h = p.add_argument_group("largest model (--max-model)")
+    h = p.add_argument_group("largest model (--max-model; any of the sizes implies it)")
     h.add_argument("--max-model", action="store_true", help="largest model per strategy")
     h.add_argument("--gpu-memory", type=_size, help="memory per device, e.g. 32GB")
-    h.add_argument("--host-memory", type=_size, default=0, help="host memory per node")
-    h.add_argument("--nvme", type=_size, default=0, help="NVMe capacity per node")
+    h.add_argument("--host-memory", type=_size, help="host memory per node (default 0)")
+    h.add_argument("--nvme", type=_size, help="NVMe capacity per node (default 0)")
     e = p.add_argument_group("efficiency")
     e.add_argument("--probe", metavar="FILE.json", help="output of 'outcore probe --json'")
     e.add_argument("--tokens-per-step", type=_positive, help="per device (default batch x seq)")
@@ -216,6 +217,9 @@ def _preset_shape(name: str) -> est.ModelShape:
 
 
 def _run_estimate(args: argparse.Namespace) -> int:
+    # a size of the largest-model group asks for it: given alone, it was ignored without a word
+    args.max_model = args.max_model or any(
+        v is not None for v in (args.gpu_memory, args.host_memory, args.nvme))
     shape = _shape(args)
     if shape is None and not args.max_model and args.probe is None:
         raise ConfigError("give a model (--model, --params or --layers/--hidden), "
@@ -241,9 +245,9 @@ def _run_estimate(args: argparse.Namespace) -> int:
             raise ConfigError("--max-model needs --gpu-memory (and --host-memory, --nvme)"
                               if args.gpu_memory is None else "--gpu-memory: got 0; give "
                               "the memory of one device, e.g. 80GB")
-        out["max"] = est.max_model(args.gpus, args.gpu_memory, args.host_memory, args.nvme,
-                                   nodes=args.nodes, batch=args.batch, seq_len=seq,
-                                   state_bytes=state_bytes, tiles=args.tiles)
+        out["max"] = est.max_model(args.gpus, args.gpu_memory, args.host_memory or 0,
+                                   args.nvme or 0, nodes=args.nodes, batch=args.batch,
+                                   seq_len=seq, state_bytes=state_bytes, tiles=args.tiles)
     if args.probe is not None:
         if args.gpus % args.nodes:  # the probe's host is shared by a node's GPUs
             raise ConfigError(f"--gpus ({args.gpus}) must be a multiple of --nodes "
@@ -253,9 +257,9 @@ def _run_estimate(args: argparse.Namespace) -> int:
             _read_probe(args.probe), tokens, devices_per_node=args.gpus // args.nodes,
             hidden=shape.hidden if shape else None, source=args.probe)
     if args.json:
-        print(json.dumps(_estimate_json(out), indent=2))
+        _print(json.dumps(_estimate_json(out), indent=2))
     else:
-        print("\n\n".join(_render(k, v) for k, v in out.items()))
+        _print("\n\n".join(_render(k, v) for k, v in out.items()))
     return 0
 
 
@@ -369,7 +373,7 @@ def _run_probe(args: argparse.Namespace) -> int:
         kwargs["progress"] = True  # progress goes to stderr; a person is waiting ~20 s
     out = probe.measure(args.path, **kwargs).to_json()
     if args.json:
-        print(json.dumps(out, indent=2))
+        _print(json.dumps(out, indent=2))
         return 0
     m = out["machine"]
     rows = [["machine", f"{m['cpu']}, {m['cores']} cores" + (
@@ -383,7 +387,7 @@ def _run_probe(args: argparse.Namespace) -> int:
         rows.append([f"matmul {name} on {out['device']} ({how})",
                      f"{out[f'matmul_{name}_TFLOPs']:.3g} TFLOP/s"])
     rows.append(["dtype auto chooses", out["auto_dtype"]])
-    print(_table(rows))
+    _print(_table(rows))
     return 0
 
 
@@ -392,13 +396,27 @@ def _run_consolidate(args: argparse.Namespace) -> int:
         raise ConfigError(f"checkpoint {args.ckpt} does not exist")
     full_weights = _import_part("outcore.io.full_weights", "checkpoints")
     out = full_weights.consolidate(args.ckpt, args.out)
-    print(f"wrote {out} ({format_bytes(out.stat().st_size)})")
+    _print(f"wrote {out} ({format_bytes(out.stat().st_size)})")
     return 0
 
 
 def _one_line(prog: str, error: BaseException) -> str:
     text = " ".join(str(error).split()) or type(error).__name__
     return f"{prog}: error: {text}"
+
+
+def _print(text: str) -> None:
+    """Print a command's output. A stdout that cannot take it (``> /dev/full``, a full disk)
+    is one line, as a storage error is, not a traceback; a reader that has gone is
+    ``main``'s quiet ``BrokenPipeError``."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        raise
+    except OSError as e:
+        with contextlib.suppress(AttributeError, OSError, ValueError):  # (no fd: captured)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # exit's flush
+        raise StorageError(f"writing the output failed: {e.strerror or e}") from None
 
 
 def _stdout_gone() -> bool:

@@ -83,7 +83,8 @@ def test_a_part_of_the_blocks_is_the_first_ones_and_gives_the_same_gradients(
         m(x[:, :-1], x[:, 1:]).backward()
     for (name, a), b in zip(plain.named_parameters(), part.parameters(), strict=True):
         torch.testing.assert_close(a.grad, b.grad, msg=name)
-    assert checkpoint_blocks(GPT(cfg), 99, 2, 32) == 6  # more than there are: all of them
+    with pytest.warns(UserWarning, match="99 blocks asked for, the model has 6"):
+        assert checkpoint_blocks(GPT(cfg), 99, 2, 32) == 6  # more than there are: all
     for bad in (-1, True, 2.0):
         with pytest.raises(ConfigError, match="allowed: auto, on, off, or a number"):
             checkpoint_blocks(GPT(cfg), bad, 2, 32)  # type: ignore[arg-type]
@@ -123,6 +124,13 @@ class _Nested(torch.nn.Module):
         for layer in self.layers:
             x = layer(x)
         return x
+
+
+def test_more_blocks_than_the_model_has_checkpoints_all_and_says_so() -> None:
+    """``--checkpoint-activations 5`` on a 2-block model was taken as 2 without a word."""
+    model = build_model("tiny")
+    with pytest.warns(UserWarning, match=r"5 blocks asked for, the model has 2; all of them"):
+        assert checkpoint_blocks(model, 5, 2, 32) == 2
 
 
 def test_a_block_nested_in_another_counts_as_part_of_it() -> None:
@@ -177,3 +185,32 @@ def test_every_rank_checkpoints_the_blocks_the_most_pressed_rank_needs() -> None
     results = run_world(_auto_on_a_rank, 2, memory)
     assert [r[0] for r in results] == [4, 4]
     assert [r[1] for r in results] == [[0, 1, 2, 3]] * 2
+
+
+def _refused_on_a_rank(memory_by_rank: list[int]) -> str:
+    """One rank: join the world, check a batch against this rank's free memory."""
+    import torch.distributed as dist
+
+    from outcore.app import blocks as app_blocks
+    from outcore.device.accel import Accelerator
+    from outcore.runtime.bootstrap import join_world
+
+    join_world(Accelerator.detect().backend, 60)
+    app_blocks._device_memory = lambda: memory_by_rank[dist.get_rank()]
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(layers=2, hidden=32, heads=2, vocab=256, seq_len=32))
+    try:
+        app_blocks.checkpoint_blocks(model, "on", 64, 32)
+    except ConfigError as e:
+        return str(e)
+    return "taken"
+
+
+def test_a_batch_one_rank_cannot_hold_is_refused_on_every_rank() -> None:
+    """Only the rank short of memory refused; the other went on into ``initialize`` and
+    waited there for it until the process group's timeout."""
+    from tests.distributed import run_world
+
+    said = run_world(_refused_on_a_rank, 2, [1 << 40, 1 << 20])
+    assert said[1].startswith("--batch 64 x --seq 32: the activations need at least "), said
+    assert "more than another rank's memory holds" in said[0], said

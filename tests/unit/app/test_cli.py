@@ -80,6 +80,18 @@ def test_max_model_table(capsys: pytest.CaptureFixture[str]) -> None:
     assert "1.4" in out.split("data_parallel")[-1].split("\n")[0]  # ~1.4B, as in the paper
 
 
+def test_a_size_of_the_largest_model_group_asks_for_it(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """``--gpu-memory 80GB`` without ``--max-model`` was ignored without a word; the sizes
+    not given count as none, as the table says."""
+    code, out, _ = run(capsys, "estimate", "--params", "1B", "--gpu-memory", "80GB")
+    assert code == 0 and "model states, whole model" in out
+    assert "per node 0 B host, 0 B NVMe" in out and "max parameters" in out
+    code, _, err = run(capsys, "estimate", "--nvme", "1TB")
+    assert code == 2
+    assert_one_line_error(err, "outcore estimate", "--max-model needs --gpu-memory")
+
+
 def test_efficiency_from_a_probe_file(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     probe = tmp_path / "probe.json"
     probe.write_text(json.dumps(PROBE))
@@ -288,6 +300,14 @@ def test_the_real_command_in_a_subprocess() -> None:
         os.close(write_end)
     err = proc.stderr.decode()
     assert (proc.returncode, err) == (141, "")
+    if Path("/dev/full").exists():  # a stdout that takes nothing: one line, not a traceback
+        with open("/dev/full", "w") as full:
+            proc = subprocess.run([sys.executable, "-m", "outcore", "estimate", "--params",
+                                   "1B"], stdout=full, stderr=subprocess.PIPE, text=True,
+                                  cwd=REPO, env=env, timeout=120)
+        assert (proc.returncode, proc.stderr) == (
+            1, "outcore estimate: error: writing the output failed: No space left on "
+               "device\n")
 
 
 def test_a_warning_is_one_line_without_source() -> None:

@@ -94,7 +94,7 @@ def check_files(files: Mapping[str, str | os.PathLike[str]] | None) -> dict[str,
             raise ConfigError(f"save_checkpoint(files=): {name!r} is not a file name a "
                               "checkpoint can hold (a plain name, not manifest.json or a "
                               "rank file)")
-        if not isinstance(src, (str, os.PathLike)) or "\0" in os.fspath(src):
+        if not isinstance(src, (str, os.PathLike)) or "\0" in os.fsdecode(src):
             raise ConfigError(f"save_checkpoint(files=): {name!r} names {src!r}, which is "
                               "not a path")
         out[name] = Path(src)

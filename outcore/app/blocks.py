@@ -23,6 +23,7 @@ from outcore.errors import ConfigError
 from outcore.guard.memory import available_memory
 from outcore.memory.activations import checkpoint_activations, offload_activations
 from outcore.runtime.bootstrap import join_world
+from outcore.runtime.comm import Comm
 from outcore.sizing.estimate import MemoryEstimate, memory_estimate, shape_from_hf_config
 from outcore.units import format_bytes
 
@@ -138,11 +139,15 @@ def offload_blocks(model: nn.Module, to: str) -> int:
                                to="cpu" if to == "cpu" else "nvme")
 
 
+def _world() -> Comm:
+    """The job's ranks. A job of several ranks joins its process group here if nothing has
+    yet (as the engine would), so that no rank decides alone."""
+    return join_world(Accelerator.detect().backend, CommConfig().timeout_s)
+
+
 def _agreed(count: int) -> int:
-    """The largest ``count`` of any rank. A job of several ranks joins its process group here
-    if nothing has yet (as the engine would), so that no rank decides alone."""
-    comm = join_world(Accelerator.detect().backend, CommConfig().timeout_s)
-    return int(comm.all_reduce_max(torch.tensor([count]))[0])
+    """The largest ``count`` of any rank."""
+    return int(_world().all_reduce_max(torch.tensor([count]))[0])
 
 
 def _blocks_needed(model: nn.Module, batch: int, seq: int, blocks: int) -> int:
@@ -176,24 +181,20 @@ def _check_fits(model: nn.Module, batch: int, seq: int, blocks: int) -> None:
     estimate = _activation_estimate(model, batch, seq)
     if estimate is None or not blocks:
         return
-    shape = estimate.shape
-    block = 34 * seq * batch * shape.hidden
+    block = 34 * seq * batch * estimate.shape.hidden
     least = estimate.activation_checkpoints + block + _per_block(estimate, batch, seq)[0]
     memory = _device_memory()
-    room = (f"the GPU has {format_bytes(memory)}" if default_device().type == "cuda"
-            else f"{format_bytes(memory)} of host memory is free")
+    too_big = least > memory
     # every rank refuses where one does: the others would wait in initialize() until the
     # process group's timeout (each rank's free memory differs)
-    refused = _agreed(int(least > memory))
-    if refused and least <= memory:
-        raise ConfigError(f"--batch {batch} x --seq {seq}: the activations need at least "
-                          f"{format_bytes(least)} even with every block checkpointed, more "
-                          "than another rank's memory holds (its error says how much); "
-                          "give a smaller --batch or --seq")
-    if refused:
-        raise ConfigError(f"--batch {batch} x --seq {seq}: the activations need at least "
-                          f"{format_bytes(least)} even with every block checkpointed, and "
-                          f"{room}; give a smaller --batch or --seq")
+    if not _world().any_failed(too_big):
+        return
+    room = ((f"and the GPU has {format_bytes(memory)}" if default_device().type == "cuda"
+             else f"and {format_bytes(memory)} of host memory is free") if too_big
+            else "more than another rank's memory holds (its error says how much)")
+    raise ConfigError(f"--batch {batch} x --seq {seq}: the activations need at least "
+                      f"{format_bytes(least)} even with every block checkpointed, {room}; "
+                      "give a smaller --batch or --seq")
 
 
 def _per_block(estimate: MemoryEstimate, batch: int, seq: int) -> tuple[float, float]:

@@ -10,15 +10,15 @@ from typing import Any
 
 from outcore.app import blocks
 from outcore.app.models import is_hf_folder
-from outcore.config import Config, merge_mappings, read_mapping
+from outcore.config import Config, read_mapping
 from outcore.config.deepspeed import is_deepspeed, translate_and_warn
 from outcore.errors import ConfigError
 from outcore.io.manifest import latest_checkpoint
 from outcore.io.publish import MANIFEST
 
 __all__ = ["JOB_DEFAULTS", "LR_SCHEDULES", "RUN_OPTIONS", "check_out", "check_resume",
-           "job_settings", "read_config_file", "resumed_settings", "run_record", "same_setting",
-           "step_of"]
+           "job_settings", "placement", "read_config_file", "resumed_settings", "run_record",
+           "same_setting", "step_of"]
 
 JOB_DEFAULTS: dict[str, Any] = {
     "model": "small", "data": None, "steps": 300, "save_every": 100, "out": "./outcore-run",
@@ -30,19 +30,25 @@ JOB_DEFAULTS: dict[str, Any] = {
 LR_SCHEDULES = ("cosine", "constant")
 
 
-def read_config_file(path: str | None) -> dict[str, Any]:
-    """``--config``'s settings. A DeepSpeed config means what DeepSpeed makes of it: what it
-    leaves out takes ``Config``'s defaults, DeepSpeed's own (no offload where it names
-    none, Adam's betas 0.9, 0.999, no clipping), not the job's; only the NVMe folder is left
-    to ``--nvme-path`` (or ``OUT/swap``), and the whole is checked with the flags."""
+def read_config_file(path: str | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``--config``'s settings, and the defaults that lie under them.
+
+    A DeepSpeed config means what DeepSpeed makes of it: what it leaves out takes
+    ``Config``'s defaults, DeepSpeed's own (no offload where it names none, Adam's betas
+    0.9, 0.999, no clipping), not the job's. Only the NVMe folder (``--nvme-path`` or
+    ``OUT/swap``) and the learning rate (the job's default for the model) stay the job's.
+    The two are returned apart, the file's settings (translated) first: a resume asks what
+    the file itself sets ([Note: a resume is started as its run was]); the caller merges the
+    defaults under it after that. For an outcore file the defaults are empty: the job's
+    apply."""
     if path is None:
-        return {}
+        return {}, {}
     loaded = read_mapping(path)
     if not is_deepspeed(loaded):
-        return loaded
+        return loaded, {}
     defaults = Config().model_dump(mode="json")
-    del defaults["offload"]["nvme_path"]
-    return merge_mappings(defaults, translate_and_warn(loaded))
+    del defaults["offload"]["nvme_path"], defaults["optimizer"]["lr"]
+    return translate_and_warn(loaded), defaults
 
 
 def job_settings(args: argparse.Namespace, file_job: Any) -> dict[str, Any]:
@@ -119,6 +125,16 @@ def same_setting(key: str, a: Any, b: Any) -> bool:
     if key == "lora":  # one spec spelled two ways is the same; another is refused (lora.py)
         return True
     return bool(_resolved(key, a) == _resolved(key, b))
+
+
+def placement(tier: str, cfg: Config) -> str:
+    """The tiers a run ran with, as a resume names them: one where both are there, else
+    each (a config file may place them apart, or where ``--offload``'s default is not)."""
+    if tier == "auto":  # what the plan chose is printed; a resume plans again
+        return tier
+    if cfg.offload.params == cfg.offload.optimizer:
+        return cfg.offload.params
+    return f"params {cfg.offload.params}, optimizer {cfg.offload.optimizer}"
 
 
 def _config_sets(file_cfg: dict[str, Any], key: str) -> bool:

@@ -235,7 +235,7 @@ def _global_mean(engine: Any, value: float) -> float:
 def run(args: argparse.Namespace) -> int:
     """Train as ``args`` say; returns the exit code. User mistakes raise ConfigError/DataError."""
 
-    file_cfg = jobs.read_config_file(args.config)
+    file_cfg, under = jobs.read_config_file(args.config)
     job = _job_settings(args, file_cfg.get("train") or {})  # YAML's empty "train:" is None
     jobs.check_out(job["out"])
     latest = latest_checkpoint(job["out"] / "checkpoints") if args.resume else None
@@ -245,6 +245,7 @@ def run(args: argparse.Namespace) -> int:
         client = read_manifest(latest).get("client_state") or {}
         file_cfg, changed = jobs.resumed_settings(args, file_cfg, client)
         job = _job_settings(args, file_cfg.get("train") or {})
+    file_cfg = merge_mappings(under, file_cfg)  # a DeepSpeed file's defaults (job.py)
     record = jobs.run_record(args, file_cfg)  # what a resume of this run starts from
     file_cfg = {k: v for k, v in file_cfg.items() if k != "train"}
     lora = loramod.prepare(job["lora"], job["model"])  # a typo fails before the build
@@ -261,7 +262,8 @@ def run(args: argparse.Namespace) -> int:
     cfg = _engine_config(args, file_cfg, job, n_params, trainable)
     record["effective"] = {  # what the run ran with, for a resume to name what it changes
         **{k: job[k] for k in jobs.RUN_OPTIONS if k in job and job[k] is not None},
-        "seq": seq, "lr": cfg.optimizer.lr, "dtype": cfg.dtype,
+        "offload": jobs.placement(job["offload"], cfg), "seq": seq, "lr": cfg.optimizer.lr,
+        "dtype": cfg.dtype,
         "data": str(Path(job["data"]).resolve()) if job["data"] else None}
     caution = check_fits(cfg, n_params, int(os.environ.get("WORLD_SIZE", "1")),  # before the build
                          trainable=trainable)

@@ -356,7 +356,7 @@ class Engine:
     def save_checkpoint(self, path: str | os.PathLike[str],
                         client_state: dict[str, Any] | None = None, *,
                         replace_folder: bool = False,
-                        files: Mapping[str, str | os.PathLike[str]] | None = None) -> Path:
+                        files: Mapping[str, str | bytes | os.PathLike] | None = None) -> Path:
         """Write a complete checkpoint folder atomically (a collective: every rank calls).
         ``replace_folder``: an existing folder at ``path`` goes whole, not only the files of a
         checkpoint (io/publish.py's [Note: replacing a folder]). ``files``: name -> file to

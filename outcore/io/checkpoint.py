@@ -47,7 +47,7 @@ from safetensors import safe_open
 from outcore.errors import ConfigError, OutcoreError, StorageError, user_stacklevel
 from outcore.io import base_record
 from outcore.io import safetensors_stream as sts
-from outcore.io.client_state import check_client_state, jsonable
+from outcore.io.client_state import check_client_state, json_value, jsonable
 from outcore.io.manifest import (
     FORMAT,
     VERSION,
@@ -84,9 +84,10 @@ def save(engine: Any, path: Path, client_state: dict[str, Any], *,
     return _save(engine, path, client_state, replace_folder, files or {})
 
 
-def check_files(files: Mapping[str, str | os.PathLike[str]] | None) -> dict[str, Path]:
+def check_files(files: Mapping[str, str | bytes | os.PathLike] | None) -> dict[str, Path]:
     """``save_checkpoint(files=)``: plain file names, none a checkpoint's own, to the files
-    to copy (whether those exist is checked by the rank that copies, rank 0)."""
+    to copy (whether those exist is checked by the rank that copies, rank 0). A path may be
+    what ``open`` takes: a str, bytes or a path object (whose ``__fspath__`` may give bytes)."""
     out = {}
     for name, src in (files or {}).items():
         if (not isinstance(name, str) or name in ("", ".", "..") or "/" in name
@@ -94,10 +95,14 @@ def check_files(files: Mapping[str, str | os.PathLike[str]] | None) -> dict[str,
             raise ConfigError(f"save_checkpoint(files=): {name!r} is not a file name a "
                               "checkpoint can hold (a plain name, not manifest.json or a "
                               "rank file)")
-        if not isinstance(src, (str, os.PathLike)) or "\0" in os.fsdecode(src):
+        try:
+            path = os.fsdecode(src)
+        except TypeError:  # not a str, bytes, nor a path object giving one
+            path = None
+        if path is None or "\0" in path:
             raise ConfigError(f"save_checkpoint(files=): {name!r} names {src!r}, which is "
                               "not a path")
-        out[name] = Path(src)
+        out[name] = Path(path)
     return out
 
 
@@ -235,7 +240,8 @@ def _manifest(engine: Any, client_state: dict[str, Any], files: dict[str, dict],
                            "aliases": [n for n in names if n != sp.name]}
         if base_record.in_place(sp):
             params[sp.name]["base"] = sp.compute_shard.entry.name
-    groups = [{k: v for k, v in hp.items() if jsonable(v)} for hp in engine.param_groups]
+    groups = [{k: v for k, v in ((k, json_value(v)) for k, v in hp.items() if k != "params")
+               if jsonable(v)} for hp in engine.param_groups]  # the members are listed below
     man = {"format": FORMAT, "version": VERSION, "world_size": engine.rt.world_size,
            "dtype": engine.cfg.dtype, "dtype_reason": engine.dtype_choice.reason,
            "global_steps": engine.global_steps,
@@ -329,8 +335,11 @@ def _load(engine: Any, path: Path, keep_settings: bool = False) -> dict[str, Any
     if not keep_settings:  # (kept: the groups' settings stay this engine's own)
         _warn_replaced_settings(engine, man)
         for hp, saved in zip(engine.param_groups, man["param_groups"], strict=True):
-            hp.update({k: tuple(v) if isinstance(hp.get(k), tuple) else v
-                       for k, v in saved.items()})
+            for k, v in saved.items():  # a tensor lr stays one, as a scheduler fills it
+                if isinstance(hp.get(k), torch.Tensor) and isinstance(v, (int, float)):
+                    hp[k].fill_(v)
+                else:
+                    hp[k] = tuple(v) if isinstance(hp.get(k), tuple) else v
     engine.scaler.load_state_dict(man["scaler"])
     engine.global_steps, engine.micro_steps = int(man["global_steps"]), 0
     engine.sharded_optimizer.zero_grad()

@@ -8,11 +8,14 @@ checked before any folder is made, naming the key JSON cannot carry.
 from __future__ import annotations
 
 import json
+import numbers
 from typing import Any
+
+import torch
 
 from outcore.errors import ConfigError
 
-__all__ = ["check_client_state", "jsonable"]
+__all__ = ["check_client_state", "json_value", "jsonable"]
 
 
 def check_client_state(client_state: dict[str, Any]) -> None:
@@ -34,3 +37,17 @@ def jsonable(value: Any) -> bool:
         return True
     except (TypeError, ValueError):
         return False
+
+
+def json_value(value: Any) -> Any:
+    """``value`` as JSON can hold it: a real number of any kind (NumPy's ``float32``, which
+    ``json.dumps`` refuses) as a float or an int, a tensor (torch takes a tensor ``lr``) as
+    its numbers, a tuple as a list; anything else unchanged. A param group's settings go
+    through it into a manifest: one left out there is silently the loader's config value."""
+    if isinstance(value, torch.Tensor):
+        return value.item() if value.numel() == 1 else value.tolist()
+    if isinstance(value, (tuple, list)):
+        return [json_value(v) for v in value]
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return value
+    return int(value) if isinstance(value, numbers.Integral) else float(value)

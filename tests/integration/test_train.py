@@ -7,6 +7,7 @@ import inspect
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from outcore.app import data as datamod
 from outcore.app import job as jobs
 from outcore.app import train
 from outcore.app.report import read_metrics
+from outcore.config import merge_mappings
 from outcore.device.accel import default_device
 from outcore.errors import ConfigError
 from outcore.offload.storage import Tier
@@ -47,13 +49,19 @@ def _job(out: Path, data: Path, *extra: str) -> list[str]:
             "--seq", "32", *extra]
 
 
+def _file_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """--config's settings over the defaults under them, as ``train.run`` merges them."""
+    file_cfg, under = jobs.read_config_file(args.config)
+    return merge_mappings(under, file_cfg)
+
+
 # -- settings --------------------------------------------------------------------------------
 def test_flags_override_the_config_file(tmp_path: Path) -> None:
     cfg_file = tmp_path / "job.yaml"
     cfg_file.write_text("dtype: fp32\noptimizer: {lr: 0.005}\noffload: {params: cpu, "
                         "optimizer: cpu}\ntrain: {steps: 7, batch: 3, model: tiny}\n")
     args = _parse("--config", str(cfg_file), "--batch", "5", "--out", str(tmp_path / "o"))
-    file_cfg = jobs.read_config_file(args.config)
+    file_cfg = _file_settings(args)
     job = train._job_settings(args, file_cfg.pop("train"))
     assert (job["steps"], job["batch"], job["model"]) == (7, 5, "tiny")
     cfg = train._engine_config(args, file_cfg, job, n_params=1000)
@@ -62,7 +70,7 @@ def test_flags_override_the_config_file(tmp_path: Path) -> None:
 
     args = _parse("--config", str(cfg_file), "--offload", "nvme", "--lr", "0.01",
                   "--dtype", "bf16", "--nvme-path", str(tmp_path / "swap"))
-    file_cfg = jobs.read_config_file(args.config)
+    file_cfg = _file_settings(args)
     job = train._job_settings(args, file_cfg.pop("train"))
     cfg = train._engine_config(args, file_cfg, job, n_params=1000)
     assert (cfg.dtype, cfg.optimizer.lr) == ("bf16", 0.01)
@@ -129,14 +137,14 @@ def test_deepspeed_config_files_are_mapped(tmp_path: Path) -> None:
         "stage": 3, "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}},
         "optimizer": {"type": "AdamW", "params": {"lr": 0.002}}}))
     args = _parse("--config", str(ds))
-    file_cfg = jobs.read_config_file(args.config)
+    file_cfg = _file_settings(args)
     cfg = train._engine_config(args, file_cfg, train._job_settings(args, {}), n_params=1000)
     assert (cfg.offload.params, cfg.offload.optimizer, cfg.optimizer.lr) == ("cpu", "cpu", 0.002)
     # null sections, which DeepSpeed reads as absent, are absent here too
     ds.write_text(json.dumps({"zero_optimization": {"stage": 3, "offload_param": None,
                                                     "offload_optimizer": None}, "aio": None}))
     args = _parse("--config", str(ds), "--offload", "none")
-    file_cfg = jobs.read_config_file(args.config)
+    file_cfg = _file_settings(args)
     cfg = train._engine_config(args, file_cfg, train._job_settings(args, {}), n_params=1000)
     assert (cfg.offload.params, cfg.offload.optimizer) == ("none", "none")
 
@@ -149,7 +157,7 @@ def test_a_deepspeed_config_means_what_it_means_to_deepspeed(tmp_path: Path) -> 
     ds.write_text(json.dumps({"zero_optimization": {"stage": 3,
                                                     "offload_param": {"device": "nvme"}}}))
     args = _parse("--config", str(ds), "--nvme-path", str(tmp_path / "swap"))
-    file_cfg = jobs.read_config_file(args.config)
+    file_cfg = _file_settings(args)
     cfg = train._engine_config(args, file_cfg, train._job_settings(args, {}), n_params=1000)
     assert (cfg.offload.params, cfg.offload.optimizer) == ("nvme", "none")
     assert cfg.offload.nvme_path == str(tmp_path / "swap")
@@ -163,7 +171,7 @@ def test_empty_sections_keep_the_job_defaults(tmp_path: Path) -> None:
     cfg_file = tmp_path / "job.yaml"
     cfg_file.write_text("train:\noffload:\noptimizer:\n")  # YAML's empty sections are None
     args = _parse("--config", str(cfg_file))
-    file_cfg = jobs.read_config_file(args.config)
+    file_cfg = _file_settings(args)
     job = train._job_settings(args, file_cfg.pop("train") or {})
     cfg = train._engine_config(args, file_cfg, job, n_params=1000)
     assert cfg.optimizer.betas == (0.9, 0.95)  # the job's, not the schema's 0.999

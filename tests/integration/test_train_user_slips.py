@@ -2,7 +2,7 @@
 the way of a resume's saves, ``--out`` naming a checkpoint or the checkpoints folder, a seed
 torch cannot take, an empty ``--nvme-path``, a config file's mistake named as a flag, a
 DeepSpeed config whose NVMe tier needs ``--nvme-path``, the shortest text that holds one
-window, and a resume whose config was edited."""
+window, a resume whose config was edited, and one given its DeepSpeed config again."""
 
 from __future__ import annotations
 
@@ -159,3 +159,28 @@ def test_a_resume_takes_the_edited_configs_optimizer_settings(
     assert not [w for w in recwarn if "optimizer settings replace" in str(w.message)]
     saved = json.loads((out / "checkpoints" / "step-00000003" / "manifest.json").read_text())
     assert [g["weight_decay"] for g in saved["param_groups"]] == [0.1]
+
+
+def test_a_deepspeed_config_given_again_on_resume_keeps_the_runs_flags(
+        tmp_path: Path, text_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A DeepSpeed file's defaults were merged into it as it was read, so a resume given the
+    file again took its defaults as settings of the file: the run's --lr was dropped (1e-4,
+    Config's, in place of 5e-3), without a word. A file without a learning rate trained at
+    Config's 1e-4, not the job's default for the model; and the resume line named the job's
+    default tier (nvme) for a run the file kept in memory."""
+    ds, out = tmp_path / "ds.json", tmp_path / "run"
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 3}}))
+    common = ("--config", str(ds), "--lr-schedule", "constant", "--save-every", "2")
+    assert main(_job(out, text_file, *common, "--steps", "2", "--lr", "5e-3")) == 0
+    assert main(["train", "--out", str(out), "--resume", "--steps", "3", "--config",
+                 str(ds)]) == 0
+    assert [r["lr"] for r in read_metrics(out / "metrics.jsonl")] == [5e-3] * 3
+    saved = json.loads((out / "checkpoints" / "step-00000003" / "manifest.json").read_text())
+    assert (saved["config"]["dtype"], saved["config"]["offload"]["params"]) == ("fp32", "none")
+    capsys.readouterr()
+    assert main(["train", "--out", str(out), "--resume", "--steps", "4", "--offload", "nvme"]) == 0
+    assert "--resume: --offload nvme (the run had none)\n" in capsys.readouterr().err
+
+    other = tmp_path / "other"  # no learning rate in the file: the job's default for tiny
+    assert main(_job(other, text_file, *common, "--steps", "1")) == 0
+    assert [r["lr"] for r in read_metrics(other / "metrics.jsonl")] == [1e-3]

@@ -254,6 +254,59 @@ def test_files_copied_into_a_checkpoint_are_its_own_and_a_users_are_kept(
     engine.close()
 
 
+class _BytesPath:
+    """A path object whose ``__fspath__`` gives bytes, as ``open`` allows."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __fspath__(self) -> bytes:
+        return os.fsencode(self.path)
+
+
+def test_files_named_by_bytes_paths_are_copied(tmp_path: Path) -> None:
+    """``open`` takes bytes and a path object giving bytes; ``files=`` refused the first as
+    "not a path" and raised a bare ``TypeError`` on the second."""
+    torch.manual_seed(0)
+    engine = _trained(tmp_path, nn.Linear(4, 4))
+    (tmp_path / "a.json").write_text("a")
+    (tmp_path / "b.json").write_text("b")
+    path = engine.save_checkpoint(tmp_path / "ck", files={
+        "a.json": os.fsencode(tmp_path / "a.json"), "b.json": _BytesPath(tmp_path / "b.json")})
+    assert ((path / "a.json").read_text(), (path / "b.json").read_text()) == ("a", "b")
+    with pytest.raises(outcore.ConfigError, match="names b'a\\\\x00b', which is not a path"):
+        engine.save_checkpoint(tmp_path / "ck2", files={"x.json": b"a\0b"})
+    engine.close()
+
+
+def test_group_values_numpy_or_tensors_are_saved_and_loaded(tmp_path: Path) -> None:
+    """A NumPy ``float32`` learning rate or weight decay (which ``json.dumps`` refuses), or a
+    tensor one (which torch takes), was left out of the manifest: a load then kept the
+    loading engine's values without a word. A tensor learning rate loaded stays a tensor."""
+    np = pytest.importorskip("numpy")
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    engine = outcore.initialize(model, _fp32(tmp_path), param_groups=[
+        {"params": [model.weight], "lr": np.float32(0.05), "weight_decay": np.float32(0.1)},
+        {"params": [model.bias], "lr": torch.tensor(0.02), "weight_decay": np.float64(0.3)}])
+    engine.backward(model(torch.ones(2, 4)).sum())
+    engine.step()
+    engine.save_checkpoint(tmp_path / "ck")
+    engine.close()
+    saved = json.loads((tmp_path / "ck" / "manifest.json").read_text())["param_groups"]
+    assert [v for g in saved for v in (g["lr"], g["weight_decay"])] == pytest.approx(
+        [0.05, 0.1, 0.02, 0.3])
+    assert not any("params" in g for g in saved)  # the members are not values
+    model = nn.Linear(4, 1)
+    engine = outcore.initialize(model, _fp32(tmp_path), param_groups=[
+        {"params": [model.weight]}, {"params": [model.bias], "lr": torch.tensor(1e-3)}])
+    engine.load_checkpoint(tmp_path / "ck")
+    assert isinstance(engine.param_groups[1]["lr"], torch.Tensor)  # a tensor still
+    assert [float(v) for g in engine.param_groups for v in (g["lr"], g["weight_decay"])] == (
+        pytest.approx([0.05, 0.1, 0.02, 0.3]))
+    engine.close()
+
+
 def test_a_checkpoint_path_under_a_file_is_a_storage_error(tmp_path: Path) -> None:
     torch.manual_seed(0)
     engine = _trained(tmp_path, nn.Linear(4, 4))

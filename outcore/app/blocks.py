@@ -92,9 +92,14 @@ def checkpoint_blocks(model: nn.Module, mode: str | int, batch: int, seq: int) -
     if not _is_checkpoint_mode(mode):  # strict: a Python caller's True is not "on"
         raise ConfigError(f"checkpoint_activations: got {mode!r}; allowed: {CHECKPOINT_MODES}")
     blocks = repeated_blocks(model)
-    if isinstance(mode, int) and mode > len(blocks):  # (a config written for a deeper model)
-        warnings.warn(f"checkpoint_activations: {mode} blocks asked for, the model has "
-                      f"{len(blocks)}; all of them are checkpointed", stacklevel=2)
+    slip = None  # (said once, by rank 0, not by every rank of the job)
+    if not blocks and mode != "auto" and mode != 0:
+        slip = ("the model has no repeated blocks (a Hugging Face model's _no_split_modules, a "
+                "preset's blocks); none is checkpointed")
+    elif isinstance(mode, int) and mode > len(blocks):  # (a config written for a deeper model)
+        slip = f"{mode} blocks asked for, the model has {len(blocks)}; all are checkpointed"
+    if slip is not None and _world().rank == 0:
+        warnings.warn(f"checkpoint_activations: {slip}", stacklevel=2)
     count = len(blocks) if mode == "on" else (
         _agreed(_blocks_needed(model, batch, seq, len(blocks))) if mode == "auto"
         else min(int(mode), len(blocks)))

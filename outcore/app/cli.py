@@ -408,7 +408,10 @@ def _one_line(prog: str, error: BaseException) -> str:
 def _print(text: str) -> None:
     """Print a command's output. A stdout that cannot take it (``> /dev/full``, a full disk)
     is one line, as a storage error is, not a traceback; a reader that has gone is
-    ``main``'s quiet ``BrokenPipeError``."""
+    ``main``'s quiet ``BrokenPipeError``. A closed stdout (``>&-``, where ``print`` writes
+    nothing and says nothing) is an error too: the command's output was lost."""
+    if sys.stdout is None:
+        raise StorageError("writing the output failed: standard output is closed")
     try:
         print(text, flush=True)
     except BrokenPipeError:

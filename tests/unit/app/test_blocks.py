@@ -129,7 +129,7 @@ class _Nested(torch.nn.Module):
 def test_more_blocks_than_the_model_has_checkpoints_all_and_says_so() -> None:
     """``--checkpoint-activations 5`` on a 2-block model was taken as 2 without a word."""
     model = build_model("tiny")
-    with pytest.warns(UserWarning, match=r"5 blocks asked for, the model has 2; all of them"):
+    with pytest.warns(UserWarning, match=r"5 blocks asked for, the model has 2; all are "):
         assert checkpoint_blocks(model, 5, 2, 32) == 2
 
 
@@ -214,3 +214,32 @@ def test_a_batch_one_rank_cannot_hold_is_refused_on_every_rank() -> None:
     said = run_world(_refused_on_a_rank, 2, [1 << 40, 1 << 20])
     assert said[1].startswith("--batch 64 x --seq 32: the activations need at least "), said
     assert "more than another rank's memory holds" in said[0], said
+
+
+def _warned_on_a_rank(mode: str | int) -> list[str]:
+    """One rank: join the world, checkpoint a 2-block preset's blocks; what it warned."""
+    import warnings
+
+    from outcore.device.accel import Accelerator
+    from outcore.runtime.bootstrap import join_world
+
+    join_world(Accelerator.detect().backend, 60)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        checkpoint_blocks(build_model("tiny"), mode, 2, 32)
+    return [str(w.message) for w in caught]
+
+
+def test_a_count_slip_is_said_once_by_rank_0_and_a_model_without_blocks_is_named() -> None:
+    """Every rank of a job printed the same warning; a model without repeated blocks given
+    ``on`` checkpointed nothing without a word, and given a count read "the model has 0"."""
+    from tests.distributed import run_world
+
+    said = run_world(_warned_on_a_rank, 2, 5)
+    assert len(said[0]) == 1 and "5 blocks asked for" in said[0][0], said
+    assert said[1] == [], said
+    for mode in ("on", 3):
+        with pytest.warns(UserWarning, match="the model has no repeated blocks .*none is "
+                          "checkpointed"):
+            assert checkpoint_blocks(torch.nn.Sequential(torch.nn.Linear(4, 4)), mode, 1,
+                                     1) == 0

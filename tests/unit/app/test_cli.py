@@ -308,6 +308,11 @@ def test_the_real_command_in_a_subprocess() -> None:
         assert (proc.returncode, proc.stderr) == (
             1, "outcore estimate: error: writing the output failed: No space left on "
                "device\n")
+    proc = subprocess.run(["sh", "-c", 'exec "$0" -m outcore estimate --params 1B >&-',
+                           sys.executable], stderr=subprocess.PIPE, text=True, cwd=REPO,
+                          env=env, timeout=120)  # a closed stdout: it printed nothing, exit 0
+    assert (proc.returncode, proc.stderr) == (
+        1, "outcore estimate: error: writing the output failed: standard output is closed\n")
 
 
 def test_a_warning_is_one_line_without_source() -> None:

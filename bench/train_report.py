@@ -20,7 +20,8 @@ REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "bench" / "out"
 ROWS = ["plain", "plain-master", "none", "cpu-p0", "cpu", "nvme-p0", "nvme", "nvme+opt-p0",
         "nvme+opt", "nvme+opt-reuse", "nvme+opt-return", "nvme+opt-wait", "nvme+opt-early",
-        "nvme+opt-lean", "nvme+opt-small", "nvme+opt-act", "nvme+opt-lean-act", "deepspeed"]
+        "nvme+opt-lean", "nvme+opt-small", "nvme+opt-act", "nvme+opt-lean-act", "nvme+opt-ckpt",
+        "nvme+opt-ckpt-p384", "deepspeed"]
 LABEL = {
     "plain": "plain PyTorch, in memory (params in the compute dtype, fused AdamW)",
     "plain-master": "plain PyTorch, 16-bit params + fp32 master copy (outcore's arithmetic)",
@@ -38,6 +39,10 @@ LABEL = {
     "nvme+opt-act": "outcore, params+optimizer on NVMe, activations on NVMe",
     "nvme+opt-lean-act": "outcore, params+optimizer on NVMe, smallest footprint, activations "
                          "on NVMe",
+    "nvme+opt-ckpt": "outcore, params+optimizer on NVMe, every block checkpointed, freed "
+                     "memory given back",
+    "nvme+opt-ckpt-p384": "outcore, params+optimizer on NVMe, every block checkpointed, freed "
+                          "memory given back, 384 MiB prefetch",
     # bench/gpu.py's rows (params in device memory there unless offloaded)
     "opt-cpu": "outcore, optimizer on host", "cpu+opt": "outcore, params+optimizer on host",
     "nvme+opt-cpu": "outcore, params on NVMe, optimizer on host",

@@ -29,6 +29,7 @@ PLACEMENT = {  # row -> (offload.params, offload.optimizer, prefetch on)
     "nvme+opt-return": ("nvme", "nvme", True), "nvme+opt-wait": ("nvme", "nvme", True),
     "nvme+opt-lean": ("nvme", "nvme", True), "nvme+opt-small": ("nvme", "nvme", True),
     "nvme+opt-act": ("nvme", "nvme", True), "nvme+opt-lean-act": ("nvme", "nvme", True),
+    "nvme+opt-ckpt": ("nvme", "nvme", True), "nvme+opt-ckpt-p384": ("nvme", "nvme", True),
     "opt-cpu": ("none", "cpu", True), "cpu+opt": ("cpu", "cpu", True),
     "nvme+opt-cpu": ("nvme", "cpu", True),
 }
@@ -45,6 +46,12 @@ ROW_SET = {"nvme+opt-reuse": {"offload": {"reuse_freed_memory": True}},
            "nvme+opt-small": {"offload": {"host_buffer_bytes": 64 << 20},
                               "zero": {"prefetch_bytes": 64 << 20}}}
 ROW_SET["nvme+opt-lean-act"] = ROW_SET["nvme+opt-lean"]
+# a small footprint at little cost in time: every block checkpointed (a block's activations
+# are its input), memory given back, and (-p384) a prefetch budget that does not grow
+ROW_SET["nvme+opt-ckpt"] = ROW_SET["nvme+opt-return"]
+ROW_SET["nvme+opt-ckpt-p384"] = {"offload": {"reuse_freed_memory": False},
+                                 "zero": {"prefetch_bytes": 384 << 20}}
+ROW_CHECKPOINT = {"nvme+opt-ckpt": "on", "nvme+opt-ckpt-p384": "on"}
 # rows whose blocks keep what they save for backward on NVMe (outcore.offload_activations)
 ROW_ACTIVATIONS = {"nvme+opt-act": "nvme", "nvme+opt-lean-act": "nvme"}
 HP = {"lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.0}
@@ -250,8 +257,9 @@ def outcore_engine(spec: dict):
         model = build_model(spec["model"])
     if spec["row"] in ROW_ACTIVATIONS:  # before checkpointing, which replaces it on a block
         spec["offloaded_blocks"] = offload_blocks(model, ROW_ACTIVATIONS[spec["row"]])
-    if spec.get("checkpoint"):  # "on" (every block) or a number of blocks: no estimate asked
-        spec["checkpointed_blocks"] = checkpoint_blocks(model, spec["checkpoint"], 1, 1)
+    checkpoint = spec.get("checkpoint") or ROW_CHECKPOINT.get(spec["row"])
+    if checkpoint:  # "on" (every block) or a number of blocks: no estimate asked
+        spec["checkpointed_blocks"] = checkpoint_blocks(model, checkpoint, 1, 1)
     engine = outcore.initialize(model, cfg)
     return engine, now() - t0
 

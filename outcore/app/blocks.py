@@ -163,7 +163,7 @@ def _blocks_needed(model: nn.Module, batch: int, seq: int, blocks: int) -> int:
     if estimate is None or estimate.activations_full <= budget:
         return 0
     layers = estimate.shape.layers
-    kept = estimate.activation_checkpoints / layers  # a checkpointed block keeps its input
+    kept = _checkpoints_here(estimate) / layers  # a checkpointed block keeps its input
     saved = _per_block(estimate, batch, seq)[1] - kept
     if saved <= 0:
         return blocks
@@ -182,12 +182,13 @@ def _check_fits(model: nn.Module, batch: int, seq: int, blocks: int) -> None:
     an upper bound, right for choosing how many blocks to checkpoint, wrong for refusing. At
     32,768 tokens a tiny Llama was refused at "86 GB" and trained in 0.82 GiB. The refusal
     counts a block as 34·s·b·h bytes, the checkpoints and the logits, so it refuses only
-    what cannot train whichever attention kernel runs."""
+    what cannot train whichever attention kernel runs. On a GPU the checkpoints wait in host
+    memory (``checkpoint_blocks`` keeps them there), so they do not count against the GPU's."""
     estimate = _activation_estimate(model, batch, seq)
     if estimate is None or not blocks:
         return
     block = 34 * seq * batch * estimate.shape.hidden
-    least = estimate.activation_checkpoints + block + _per_block(estimate, batch, seq)[0]
+    least = _checkpoints_here(estimate) + block + _per_block(estimate, batch, seq)[0]
     memory = _device_memory()
     too_big = least > memory
     # every rank refuses where one does: the others would wait in initialize() until the
@@ -200,6 +201,12 @@ def _check_fits(model: nn.Module, batch: int, seq: int, blocks: int) -> None:
     raise ConfigError(f"--batch {batch} x --seq {seq}: the activations need at least "
                       f"{format_bytes(least)} even with every block checkpointed, {room}; "
                       "give a smaller --batch or --seq")
+
+
+def _checkpoints_here(estimate: MemoryEstimate) -> float:
+    """The checkpointed blocks' inputs in the memory activations live in: none on a GPU,
+    where they wait in host memory (``checkpoint_activations(offload="cpu")``)."""
+    return 0.0 if default_device().type == "cuda" else estimate.activation_checkpoints
 
 
 def _per_block(estimate: MemoryEstimate, batch: int, seq: int) -> tuple[float, float]:

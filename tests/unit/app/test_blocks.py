@@ -243,3 +243,21 @@ def test_a_count_slip_is_said_once_by_rank_0_and_a_model_without_blocks_is_named
                           "checkpointed"):
             assert checkpoint_blocks(torch.nn.Sequential(torch.nn.Linear(4, 4)), mode, 1,
                                      1) == 0
+
+
+def test_on_a_gpu_the_checkpoints_do_not_count_against_its_memory(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A checkpointed block's input waits in host memory on a GPU; the refusal counted it
+    against the GPU's memory and refused a batch that trains there."""
+    from outcore.app import blocks as app_blocks
+
+    model = GPT(GPTConfig(layers=24, hidden=64, heads=2, vocab=256, seq_len=32))
+    est = app_blocks._activation_estimate(model, 64, 32)
+    assert est is not None
+    held = 34 * 32 * 64 * 64 + 4 * 64 * 32 * 256  # one block's least and the logits
+    monkeypatch.setattr(app_blocks, "_device_memory",
+                        lambda: int(held + est.activation_checkpoints / 2))
+    with pytest.raises(ConfigError, match="of host memory is free"):  # on the host: all there
+        checkpoint_blocks(model, "on", 64, 32)
+    monkeypatch.setattr(app_blocks, "default_device", lambda: torch.device("cuda"))
+    assert checkpoint_blocks(model, "on", 64, 32) == 24

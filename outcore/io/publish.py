@@ -71,15 +71,19 @@ def settle(path: Path) -> None:
     ``path`` if nothing is there, a copy aside of a published one goes ([Note: what a kill
     between the renames leaves])."""
     for aside in asides(path):
+        restore = not path.exists() and (aside / MANIFEST).is_file()
         try:
-            if not path.exists() and (aside / MANIFEST).is_file():
+            if restore:
                 os.replace(aside, path)
             else:
                 remove_ours(aside)
         except OSError as e:  # one undeletable old copy must not stop every later save
-            warnings.warn(f"left {aside}, an older copy of {path.name} that could not be "
-                          f"deleted ({e.strerror or e}); delete it by hand",
-                          stacklevel=user_stacklevel())
+            warnings.warn(f"left {aside}, " + (
+                f"the only complete copy of {path.name} (a save was killed between its "
+                f"renames); moving it back failed ({e.strerror or e}): move it to {path} by "
+                "hand before deleting anything" if restore else
+                f"an older copy of {path.name} that could not be deleted "
+                f"({e.strerror or e}); delete it by hand"), stacklevel=user_stacklevel())
 
 
 def publish(partial: Path, path: Path, replace_folder: bool = False) -> None:

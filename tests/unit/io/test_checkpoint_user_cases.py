@@ -189,6 +189,31 @@ def test_a_save_killed_between_its_renames_leaves_the_old_checkpoint_found(
     engine.close()
 
 
+def test_an_old_checkpoint_that_cannot_be_moved_back_is_not_called_deletable(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where putting back the only complete copy a kill left aside failed, the warning
+    called it "an older copy" and said to delete it by hand."""
+    torch.manual_seed(0)
+    engine = _trained(tmp_path, nn.Linear(4, 4))
+    engine.save_checkpoint(tmp_path / "latest")
+    aside = tmp_path / f"latest{ASIDE}0000dead"
+    os.replace(tmp_path / "latest", aside)  # the state a kill between the renames left
+    real = os.replace
+
+    def denied(src: object, dst: object) -> None:
+        if Path(src) == aside:
+            raise PermissionError(13, "Permission denied")
+        real(src, dst)
+
+    monkeypatch.setattr(publish.os, "replace", denied)
+    with pytest.warns(UserWarning, match=r"left .*latest\.replaced-0000dead, the only complete "
+                      r"copy of latest .*moving it back failed \(Permission denied\): move it "
+                      r"to .*latest by hand"):
+        engine.save_checkpoint(tmp_path / "latest")
+    assert _steps(aside) == 1 and _steps(tmp_path / "latest") == 1
+    engine.close()
+
+
 def test_a_replaced_checkpoint_that_cannot_be_deleted_is_a_warning(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """In a read-only folder the new checkpoint was published, yet the save raised

@@ -42,9 +42,10 @@ def jsonable(value: Any) -> bool:
 def json_value(value: Any) -> Any:
     """``value`` as JSON can hold it: a real number of any kind (NumPy's ``float32``, which
     ``json.dumps`` refuses) as a float or an int, a tensor (torch takes a tensor ``lr``) as
-    its numbers, a tuple as a list; anything else unchanged. A param group's settings go
-    through it into a manifest: one left out there is silently the loader's config value."""
-    if isinstance(value, torch.Tensor):
+    its numbers (a small one: a setting, not a weight someone keeps in a group), a tuple as a
+    list; anything else unchanged. A param group's settings go through it into a manifest:
+    one left out there is silently the loader's config value."""
+    if isinstance(value, torch.Tensor) and value.numel() <= 16:
         return value.item() if value.numel() == 1 else value.tolist()
     if isinstance(value, (tuple, list)):
         return [json_value(v) for v in value]

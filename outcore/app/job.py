@@ -17,8 +17,8 @@ from outcore.io.manifest import latest_checkpoint
 from outcore.io.publish import MANIFEST
 
 __all__ = ["JOB_DEFAULTS", "LR_SCHEDULES", "RUN_OPTIONS", "check_out", "check_resume",
-           "job_settings", "placement", "read_config_file", "resumed_settings", "run_record",
-           "same_setting", "step_of"]
+           "drifted", "job_settings", "placement", "read_config_file", "resumed_settings",
+           "run_record", "same_setting", "step_of"]
 
 JOB_DEFAULTS: dict[str, Any] = {
     "model": "small", "data": None, "steps": 300, "save_every": 100, "out": "./outcore-run",
@@ -48,7 +48,11 @@ def read_config_file(path: str | None) -> tuple[dict[str, Any], dict[str, Any]]:
         return loaded, {}
     defaults = Config().model_dump(mode="json")
     del defaults["offload"]["nvme_path"], defaults["optimizer"]["lr"]
-    return translate_and_warn(loaded), defaults
+    settings = translate_and_warn(loaded)
+    if not any(isinstance(loaded.get(key), dict) and loaded[key].get("enabled", False) != "auto"
+               for key in ("bf16", "bfloat16", "fp16")) and "dtype" in settings:
+        defaults["dtype"] = settings.pop("dtype")  # fp32 (or auto) by default, not by the file
+    return settings, defaults
 
 
 def job_settings(args: argparse.Namespace, file_job: Any) -> dict[str, Any]:
@@ -108,7 +112,10 @@ them (a model only where it is a Hugging Face folder: a preset's name stays a na
 folder of that name may exist)."""
 
 # where each flag's value lives in the config file, for a --config given anew on resume
-_IN_CONFIG = {"lr": ("optimizer", "lr"), "dtype": ("dtype",), "nvme_path": ("offload", "nvme_path")}
+# (any of the places: --offload stands for both placements and the job's own key)
+_IN_CONFIG = {"lr": [("optimizer", "lr")], "dtype": [("dtype",)],
+              "nvme_path": [("offload", "nvme_path")],
+              "offload": [("offload", "params"), ("offload", "optimizer"), ("train", "offload")]}
 
 
 def _resolved(key: str, value: Any) -> Any:
@@ -140,12 +147,27 @@ def placement(tier: str, cfg: Config) -> str:
 def _config_sets(file_cfg: dict[str, Any], key: str) -> bool:
     """Whether the config file sets the flag ``key`` (its ``train:`` section, or the engine's
     key the flag stands for)."""
-    where: Any = file_cfg
-    for part in _IN_CONFIG.get(key, ("train", key)):
-        if not isinstance(where, dict) or part not in where:
+    return any(_holds(file_cfg, parts) for parts in _IN_CONFIG.get(key, [("train", key)]))
+
+
+def _holds(mapping: Any, parts: tuple[str, ...]) -> bool:
+    for part in parts:
+        if not isinstance(mapping, dict) or part not in mapping:
             return False
-        where = where[part]
+        mapping = mapping[part]
     return True
+
+
+def drifted(record: dict[str, Any], effective: dict[str, Any], said: list[str]) -> list[str]:
+    """A line for each setting a resume runs with other than its run did, that no line in
+    ``said`` names already: a config given again may change one without any flag
+    (``optimizer.lr``, a placement), and a checkpoint of an older outcore may have run with a
+    default that has changed since."""
+    before = (record.get("run") or {}).get("effective") or {}
+    return [f"{key.replace('_', '-')} {effective[key]} (the run had {before[key]})"
+            for key in ("lr", "dtype", "offload") if key in before and key in effective
+            and not any(line.startswith(f"--{key} ") for line in said)
+            and not same_setting(key, effective[key], before[key])]
 
 
 def run_record(args: argparse.Namespace, file_cfg: dict[str, Any]) -> dict[str, Any]:

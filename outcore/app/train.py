@@ -265,6 +265,8 @@ def run(args: argparse.Namespace) -> int:
         "offload": jobs.placement(job["offload"], cfg), "seq": seq, "lr": cfg.optimizer.lr,
         "dtype": cfg.dtype,
         "data": str(Path(job["data"]).resolve()) if job["data"] else None}
+    for line in jobs.drifted(client, record["effective"], changed) if latest is not None else []:
+        _say(f"--resume: {line}")
     caution = check_fits(cfg, n_params, int(os.environ.get("WORLD_SIZE", "1")),  # before the build
                          trainable=trainable)
     if caution:

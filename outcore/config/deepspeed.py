@@ -130,7 +130,7 @@ class _Reader:
             return False
         if not (self.auto.trainer and path in _TRAINER_AUTO):
             where = "the Trainer does not fill it" if self.auto.trainer else "outside the Trainer"
-            self.ignored.append(f"{path}: \"auto\" {where}; outcore's default stays")
+            self.ignored.append(f"{path}: \"auto\" {where}; the default stays")
         return True
 
     def number(self, path: str, value: Any, kind: type = float) -> Any:

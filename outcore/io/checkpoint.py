@@ -335,11 +335,12 @@ def _load(engine: Any, path: Path, keep_settings: bool = False) -> dict[str, Any
     if not keep_settings:  # (kept: the groups' settings stay this engine's own)
         _warn_replaced_settings(engine, man)
         for hp, saved in zip(engine.param_groups, man["param_groups"], strict=True):
-            for k, v in saved.items():  # a tensor lr stays one, as a scheduler fills it
-                if isinstance(hp.get(k), torch.Tensor) and isinstance(v, (int, float)):
-                    hp[k].fill_(v)
+            for k, v in saved.items():  # a tensor stays one (torch shares one lr tensor
+                mine = hp.get(k)  # between groups: a new one each, not filled in place)
+                if isinstance(mine, torch.Tensor) and isinstance(v, (int, float, list)):
+                    hp[k] = torch.tensor(v, dtype=mine.dtype, device=mine.device)
                 else:
-                    hp[k] = tuple(v) if isinstance(hp.get(k), tuple) else v
+                    hp[k] = tuple(v) if isinstance(mine, tuple) else v
     engine.scaler.load_state_dict(man["scaler"])
     engine.global_steps, engine.micro_steps = int(man["global_steps"]), 0
     engine.sharded_optimizer.zero_grad()

@@ -49,6 +49,8 @@ def json_value(value: Any) -> Any:
         return value.item() if value.numel() == 1 else value.tolist()
     if isinstance(value, (tuple, list)):
         return [json_value(v) for v in value]
+    if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):  # a NumPy scalar, bool_
+        value = value.item()  # included (not a numbers.Real), as its Python counterpart
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         return value
     return int(value) if isinstance(value, numbers.Integral) else float(value)

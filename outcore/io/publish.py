@@ -71,7 +71,13 @@ def settle(path: Path) -> None:
     ``path`` if nothing is there, a copy aside of a published one goes ([Note: what a kill
     between the renames leaves])."""
     for aside in asides(path):
-        restore = not path.exists() and (aside / MANIFEST).is_file()
+        try:
+            restore = not path.exists() and (aside / MANIFEST).is_file()
+        except OSError as e:  # unreadable: neither put back nor deleted, and the save goes on
+            warnings.warn(f"left {aside}, a copy of {path.name} set aside by an earlier save, "
+                          f"which could not be read ({e.strerror or e}); look at it before "
+                          "deleting it", stacklevel=user_stacklevel())
+            continue
         try:
             if restore:
                 os.replace(aside, path)

@@ -167,6 +167,31 @@ def test_a_deepspeed_config_means_what_it_means_to_deepspeed(tmp_path: Path) -> 
     assert (cfg.offload.params, cfg.offload.optimizer) == ("cpu", "cpu")
 
 
+def test_a_deepspeed_file_sets_what_it_names_not_what_deepspeed_defaults(
+        tmp_path: Path) -> None:
+    """A resume given a DeepSpeed file again keeps the run's flags where the file names
+    nothing: its fp32 (no precision section) or "auto" precision was taken as the file's
+    own, and the run's --dtype bf16 was dropped without a word; a placement the file names
+    wins over the run's --offload."""
+    ds = tmp_path / "ds.json"
+    client = {"run": {"options": {"dtype": "bf16", "lr": 5e-3, "offload": "cpu"},
+                      "config": None}}
+    for precision, dtype in (({}, "fp32"), ({"bf16": {"enabled": "auto"}}, "auto")):
+        ds.write_text(json.dumps({"zero_optimization": {"stage": 3}, **precision}))
+        settings, under = jobs.read_config_file(str(ds))
+        assert "dtype" not in settings and under["dtype"] == dtype
+        args = _parse("--config", str(ds), "--resume")
+        jobs.resumed_settings(args, settings, client)
+        assert (args.dtype, args.lr, args.offload) == ("bf16", 5e-3, "cpu")
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 3, "offload_param": {
+        "device": "nvme"}}, "bf16": {"enabled": False}}))
+    settings, under = jobs.read_config_file(str(ds))
+    assert settings["dtype"] == "fp32"
+    args = _parse("--config", str(ds), "--resume")
+    jobs.resumed_settings(args, settings, client)
+    assert (args.dtype, args.lr, args.offload) == (None, 5e-3, None)
+
+
 def test_empty_sections_keep_the_job_defaults(tmp_path: Path) -> None:
     cfg_file = tmp_path / "job.yaml"
     cfg_file.write_text("train:\noffload:\noptimizer:\n")  # YAML's empty sections are None

@@ -184,3 +184,24 @@ def test_a_deepspeed_config_given_again_on_resume_keeps_the_runs_flags(
     other = tmp_path / "other"  # no learning rate in the file: the job's default for tiny
     assert main(_job(other, text_file, *common, "--steps", "1")) == 0
     assert [r["lr"] for r in read_metrics(other / "metrics.jsonl")] == [1e-3]
+
+
+def test_a_resume_names_what_a_config_given_again_changes(
+        tmp_path: Path, text_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A config given again on resume changed the learning rate or the tiers without a
+    word (and a run's recorded --offload overrode the placements the new file names)."""
+    out, first, second = tmp_path / "run", tmp_path / "a.yaml", tmp_path / "b.yaml"
+    first.write_text("optimizer:\n  lr: 0.004\n")
+    second.write_text("optimizer:\n  lr: 0.002\noffload:\n  params: none\n  optimizer: none\n")
+    assert main(_job(out, text_file, "--steps", "2", "--save-every", "2", "--lr-schedule",
+                     "constant", "--offload", "cpu", "--config", str(first))) == 0
+    capsys.readouterr()
+    assert main(["train", "--out", str(out), "--resume", "--steps", "3", "--config",
+                 str(second)]) == 0
+    err = capsys.readouterr().err
+    assert "--resume: lr 0.002 (the run had 0.004)\n" in err, err
+    assert "--resume: offload none (the run had cpu)\n" in err, err
+    assert [r["lr"] for r in read_metrics(out / "metrics.jsonl")] == [0.004, 0.004, 0.002]
+    saved = json.loads((out / "checkpoints" / "step-00000003" / "manifest.json").read_text())
+    assert (saved["config"]["offload"]["params"], saved["config"]["offload"]["optimizer"]) == (
+        "none", "none")

@@ -214,6 +214,30 @@ def test_an_old_checkpoint_that_cannot_be_moved_back_is_not_called_deletable(
     engine.close()
 
 
+def test_an_unreadable_copy_aside_is_a_warning_and_the_save_goes_on(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A copy aside that cannot be read (another user's) made every save into the path fail,
+    in a message that named neither it nor why."""
+    torch.manual_seed(0)
+    engine = _trained(tmp_path, nn.Linear(4, 4))
+    aside = tmp_path / f"latest{ASIDE}0000dead"
+    aside.mkdir()
+    real = Path.is_file
+
+    def denied(self: Path) -> bool:
+        if self.parent == aside:
+            raise PermissionError(13, "Permission denied", str(self))
+        return real(self)
+
+    monkeypatch.setattr(Path, "is_file", denied)
+    with pytest.warns(UserWarning, match=r"left .*latest\.replaced-0000dead, a copy of latest "
+                      r"set aside by an earlier save, which could not be read \(Permission "
+                      r"denied\)"):
+        path = engine.save_checkpoint(tmp_path / "latest")
+    assert _steps(path) == 1 and aside.is_dir()
+    engine.close()
+
+
 def test_a_replaced_checkpoint_that_cannot_be_deleted_is_a_warning(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """In a read-only folder the new checkpoint was published, yet the save raised
@@ -330,6 +354,45 @@ def test_group_values_numpy_or_tensors_are_saved_and_loaded(tmp_path: Path) -> N
     assert [float(v) for g in engine.param_groups for v in (g["lr"], g["weight_decay"])] == (
         pytest.approx([0.05, 0.1, 0.02, 0.3]))
     engine.close()
+
+
+def test_groups_sharing_one_tensor_lr_each_load_their_own(tmp_path: Path) -> None:
+    """torch gives every group of ``AdamW(groups, lr=torch.tensor(...))`` the same tensor;
+    a load filled it in place group by group, so every group got the last group's rate. A
+    tensor of several values came back a list; a NumPy bool was left out of the manifest."""
+    np = pytest.importorskip("numpy")
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    engine = outcore.initialize(model, _fp32(tmp_path), param_groups=[
+        {"params": [model.weight], "lr": 0.05, "max_lr": torch.tensor([0.1, 0.2])},
+        {"params": [model.bias], "lr": 0.002, "weight_decay": 0.0}])
+    engine.backward(model(torch.ones(2, 4)).sum())
+    engine.step()
+    engine.save_checkpoint(tmp_path / "ck")
+    engine.close()
+    model = nn.Linear(4, 1)
+    opt = torch.optim.AdamW([{"params": [model.weight], "max_lr": torch.tensor([1.0, 1.0])},
+                             {"params": [model.bias], "weight_decay": 0.0}],
+                            lr=torch.tensor(0.01))
+    assert opt.param_groups[0]["lr"] is opt.param_groups[1]["lr"]
+    engine = outcore.initialize(model, _fp32(tmp_path), optimizer=opt)
+    with pytest.warns(UserWarning, match="optimizer settings replace"):
+        engine.load_checkpoint(tmp_path / "ck")
+    lrs = [g["lr"] for g in engine.param_groups]
+    assert all(isinstance(lr, torch.Tensor) for lr in lrs)
+    assert [float(lr) for lr in lrs] == pytest.approx([0.05, 0.002])
+    max_lr = engine.param_groups[0]["max_lr"]
+    assert isinstance(max_lr, torch.Tensor) and max_lr.tolist() == pytest.approx([0.1, 0.2])
+    engine.close()
+
+    model = nn.Linear(4, 1)
+    sgd = {**_fp32(tmp_path), "optimizer": {"type": "sgd", "lr": 1e-2, "momentum": 0.9}}
+    engine = outcore.initialize(model, sgd, param_groups=[
+        {"params": list(model.parameters()), "nesterov": np.bool_(True)}])
+    engine.save_checkpoint(tmp_path / "sgd")
+    engine.close()
+    saved = json.loads((tmp_path / "sgd" / "manifest.json").read_text())["param_groups"]
+    assert saved[0]["nesterov"] is True
 
 
 def test_a_checkpoint_path_under_a_file_is_a_storage_error(tmp_path: Path) -> None:

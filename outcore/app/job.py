@@ -195,8 +195,9 @@ def resumed_settings(args: argparse.Namespace, file_cfg: dict[str, Any],
     (``run_record``), and the settings it ran with. A resume takes them as its own. A flag
     given again overrides the run's and is named against what the run ran with, wherever
     that came from. A ``--config`` given again replaces the run's file, and the run's flags
-    then apply only where the new file does not set them. Checkpoints written before this
-    record carry the model alone.
+    then apply only where the new file does not set them; a learning rate, precision or
+    tier that it changes is named too (``drifted``, once the config is built). Checkpoints
+    written before this record carry the model alone.
     """
     record = client.get("run")
     if not isinstance(record, dict):

@@ -11,7 +11,7 @@ from typing import Any
 from outcore.app import blocks
 from outcore.app.models import is_hf_folder
 from outcore.config import Config, read_mapping
-from outcore.config.deepspeed import is_deepspeed, translate_and_warn
+from outcore.config.deepspeed import is_deepspeed, names_precision, translate_and_warn
 from outcore.errors import ConfigError
 from outcore.io.manifest import latest_checkpoint
 from outcore.io.publish import MANIFEST
@@ -49,8 +49,7 @@ def read_config_file(path: str | None) -> tuple[dict[str, Any], dict[str, Any]]:
     defaults = Config().model_dump(mode="json")
     del defaults["offload"]["nvme_path"], defaults["optimizer"]["lr"]
     settings = translate_and_warn(loaded)
-    if not any(isinstance(loaded.get(key), dict) and loaded[key].get("enabled", False) != "auto"
-               for key in ("bf16", "bfloat16", "fp16")) and "dtype" in settings:
+    if not names_precision(loaded) and "dtype" in settings:
         defaults["dtype"] = settings.pop("dtype")  # fp32 (or auto) by default, not by the file
     return settings, defaults
 
@@ -164,7 +163,7 @@ def drifted(record: dict[str, Any], effective: dict[str, Any], said: list[str]) 
     (``optimizer.lr``, a placement), and a checkpoint of an older outcore may have run with a
     default that has changed since."""
     before = (record.get("run") or {}).get("effective") or {}
-    return [f"{key.replace('_', '-')} {effective[key]} (the run had {before[key]})"
+    return [f"{key} {effective[key]} (the run had {before[key]})"
             for key in ("lr", "dtype", "offload") if key in before and key in effective
             and not any(line.startswith(f"--{key} ") for line in said)
             and not same_setting(key, effective[key], before[key])]

@@ -168,7 +168,7 @@ def translate(ds: dict[str, Any], auto: Auto | None = None) -> tuple[dict[str, A
             if value is None:
                 continue
             _need_object(key, value)
-        if key in ("bf16", "bfloat16", "fp16"):
+        if key in _PRECISIONS:
             if key == "fp16" and enabled.get("fp16") in (True, "auto"):
                 out["loss_scale"] = _loss_scale(value, r)
         elif key == "optimizer":
@@ -195,11 +195,21 @@ def translate(ds: dict[str, Any], auto: Auto | None = None) -> tuple[dict[str, A
     return out, r.ignored
 
 
+_PRECISIONS = ("bf16", "bfloat16", "fp16")
+
+
+def names_precision(ds: dict[str, Any]) -> bool:
+    """Whether ``ds`` itself says the precision (a section's ``enabled`` true or false); the
+    ``fp32`` of a file with no section on, and an ``"auto"``, are defaults, not its word."""
+    return any(isinstance(ds.get(key), dict) and ds[key].get("enabled", False) != "auto"
+               for key in _PRECISIONS)
+
+
 def _enabled_precisions(ds: dict[str, Any], r: _Reader) -> dict[str, Any]:
     """``enabled`` of the precision sections present: True, False or "auto" (the legacy
     ``bfloat16`` section counts as ``bf16``)."""
     out: dict[str, Any] = {}
-    for key in ("bf16", "bfloat16", "fp16"):
+    for key in _PRECISIONS:
         if key not in ds:
             continue
         section = ds[key]

@@ -42,7 +42,7 @@ from outcore.io import checkpoint
 from outcore.offload.storage import Tier
 from outcore.optim import adafactor
 from outcore.optim.optimizer import ShardedOptimizer
-from outcore.optim.param_groups import HP_KEYS, check_param_groups, from_torch_optimizer
+from outcore.optim.param_groups import check_param_groups, from_torch_optimizer, hp_keys
 from outcore.optim.precision import LossScaler
 from outcore.overlap.entry import EntryHooks, entry_modules
 from outcore.overlap.hooks import Hooks
@@ -92,8 +92,8 @@ class Engine:
             adafactor.check_placement(cfg.offload.optimizer)
         # what groups are completed with, and the facade's ``defaults``: an adopted
         # optimizer's own (its groups get no keys of another optimizer's), else the config's
-        self.optimizer_defaults = (dict(optimizer.defaults) if optimizer is not None else
-                                   {k: getattr(cfg.optimizer, k) for k in HP_KEYS})
+        self.optimizer_defaults = (dict(optimizer.defaults) if optimizer is not None else {
+            k: getattr(cfg.optimizer, k) for k in hp_keys(cfg.optimizer.type)})
         groups = check_param_groups(module, param_groups)
         total, trainable = parameter_counts(module)
         fraction = trainable / total if total else 1.0  # host_memory.py: a frozen base

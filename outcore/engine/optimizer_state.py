@@ -377,11 +377,15 @@ def _checked_moment(opt: ShardedOptimizer, sp: ShardedParam, kind: str, value: A
     if tuple(t.shape) == tuple(sp.shape) or (
             t.numel() == sp.shard_numel and saved_world == opt.rt.world_size):
         return t
+    if saved_world is None:  # torch's own layout (or outcore's with its record dropped)
+        raise ConfigError(
+            f"optimizer state {kind!r} for {sp.label()} has shape {list(t.shape)}, not the "
+            f"parameter's {list(sp.shape)}: the state dict does not belong to this model (a "
+            "state dict that outcore saved as slices at more ranks needs its 'outcore' "
+            "record, which a torch optimizer's own load_state_dict drops: load it with "
+            "engine.optimizer.load_state_dict after outcore.initialize)")
     raise ConfigError(
         f"optimizer state {kind!r} for {sp.label()} has shape {list(t.shape)}: "
         f"neither the parameter's {list(sp.shape)} nor this rank's slice at this world size "
         f"({sp.shard_numel} elements at {opt.rt.world_size}; the state dict was saved at "
-        f"{saved_world}); engine.save_checkpoint loads at any world size"
-        + ("" if saved_world is not None else "; a torch optimizer's own "
-           "load_state_dict drops the world size outcore records, so load outcore's "
-           "state dict after outcore.initialize"))
+        f"{saved_world}); engine.save_checkpoint loads at any world size")

@@ -108,6 +108,16 @@ class TorchOptimizer(torch.optim.Optimizer):
 
     # -- state ------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
+        """torch's layout (see ``_state_dict``), between this optimizer's state-dict hooks as
+        torch runs them: a post-hook may return the dict to give instead."""
+        return saving(self, self._state_dict)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load ``state_dict`` (see ``_load_state_dict``) between this optimizer's load hooks
+        as torch runs them: each pre-hook gets a shallow copy and may return another dict."""
+        loading(self, state_dict, self._load_state_dict)
+
+    def _state_dict(self) -> dict[str, Any]:
         """torch's layout: ``state`` by parameter index (``step`` and each fp32 moment, in
         the parameter's shape at one rank, else this rank's slice), ``param_groups`` with
         indices for ``params`` (see the note)."""
@@ -129,7 +139,7 @@ class TorchOptimizer(torch.optim.Optimizer):
         return {"state": state, "param_groups": groups,
                 "outcore": {"world_size": rt.world_size, "rank": rt.rank}}
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Every entry is checked before any is written, so a refused load changes nothing;
         at more ranks a refusal on one is a refusal on all, as the ranks must stay alike."""
         self._engine._check_open()  # a closed engine's ranks agree on nothing any more
@@ -292,6 +302,34 @@ def _hooked(opt: torch.optim.Optimizer, pres: list[Callable[..., Any]],
     return out
 
 
+def saving(opt: torch.optim.Optimizer, run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """``run()``'s state dict between ``opt``'s state-dict hooks, as torch's
+    ``Optimizer.state_dict`` runs them."""
+    for pre in list(opt._optimizer_state_dict_pre_hooks.values()):
+        pre(opt)
+    state_dict = run()
+    for post in list(opt._optimizer_state_dict_post_hooks.values()):
+        changed = post(opt, state_dict)
+        state_dict = state_dict if changed is None else changed
+    return state_dict
+
+
+def loading(opt: torch.optim.Optimizer, state_dict: dict[str, Any],
+            run: Callable[[dict[str, Any]], None]) -> None:
+    """``run(state_dict)`` between ``opt``'s load hooks, as torch's
+    ``Optimizer.load_state_dict`` runs them (the pre-hooks get a shallow copy)."""
+    if not isinstance(state_dict, dict):
+        raise ConfigError(f"optimizer load_state_dict() takes the dict that state_dict() "
+                          f"gives; got a {type(state_dict).__name__}")
+    state_dict = state_dict.copy()
+    for pre in list(opt._optimizer_load_state_dict_pre_hooks.values()):
+        changed = pre(opt, state_dict)
+        state_dict = state_dict if changed is None else changed
+    run(state_dict)
+    for post in list(opt._optimizer_load_state_dict_post_hooks.values()):
+        post(opt)
+
+
 def step_aside(adopted: torch.optim.Optimizer | None) -> None:
     """Give ``adopted`` back the methods it had before ``adopt``."""
     saved = None if adopted is None else adopted.__dict__.pop(_SAVED, None)
@@ -308,6 +346,12 @@ def _calling(ref: weakref.ref[TorchOptimizer], name: str) -> Callable[..., Any]:
         if facade is None:
             raise EngineClosedError(f"{type(this).__name__}.{name}(): the outcore Engine that "
                                     "adopted this optimizer is gone")
+        if name == "state_dict":  # the adopted optimizer's hooks around the facade's own
+            return saving(this, lambda: facade.state_dict(*args, **kwargs))
+        if name == "load_state_dict" and (args or "state_dict" in kwargs):
+            given = args[0] if args else kwargs.pop("state_dict")
+            return loading(this, given,
+                           lambda sd: facade.load_state_dict(sd, *args[1:], **kwargs))
         if name != "step":
             return getattr(facade, name)(*args, **kwargs)
         # step hooks run around it as torch runs them (Optimizer.profile_hook_step): torch's

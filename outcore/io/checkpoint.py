@@ -47,7 +47,7 @@ from safetensors import safe_open
 from outcore.errors import ConfigError, OutcoreError, StorageError, user_stacklevel
 from outcore.io import base_record
 from outcore.io import safetensors_stream as sts
-from outcore.io.client_state import check_client_state, json_value, jsonable
+from outcore.io.client_state import check_client_state, decode, json_value, jsonable
 from outcore.io.manifest import (
     FORMAT,
     VERSION,
@@ -114,7 +114,7 @@ def _save(engine: Any, path: Path, client_state: dict[str, Any],
     recorded. Save at an accumulation boundary: gradients of unfinished micro-steps are not kept.
     """
     comm, path, files = engine.rt.comm, Path(path), files or {}
-    check_client_state(client_state)
+    client_state = check_client_state(client_state)  # as stored (client_state.py's note)
     partial = path.with_name(path.name + PARTIAL)
     err: Exception | None = None
     if comm.rank == 0:
@@ -346,7 +346,7 @@ def _load(engine: Any, path: Path, keep_settings: bool = False) -> dict[str, Any
     engine.sharded_optimizer.zero_grad()
     for g in engine.groups:
         g.refresh_after_step()
-    return man["client_state"]
+    return decode(man["client_state"])
 
 
 def _warn_replaced_settings(engine: Any, man: dict) -> None:

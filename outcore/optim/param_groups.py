@@ -7,18 +7,34 @@ biases, another learning rate for a head). They are checked before anything is s
 
 from __future__ import annotations
 
+import difflib
 import math
 import numbers
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import nn
 
-from outcore.errors import ConfigError
+from outcore.errors import ConfigError, user_stacklevel
 
 HP_KEYS = ("lr", "betas", "eps", "weight_decay", "momentum", "nesterov")
 """The hyper-parameters a group may set (the engine's optimizer's ``defaults``)."""
+
+_KEYS_OF_TYPE = {"adam": ("lr", "betas", "eps", "weight_decay"),
+                 "adamw": ("lr", "betas", "eps", "weight_decay"),
+                 "sgd": ("lr", "weight_decay", "momentum", "nesterov")}
+
+
+def hp_keys(kind: str) -> tuple[str, ...]:
+    """The hyper-parameters the optimizer ``kind`` of the config runs with: its ``defaults``
+    and what its groups are completed with. Only its own, as torch's optimizers have: torch's
+    ``CyclicLR`` and ``OneCycleLR`` cycle ``betas`` wherever the defaults hold them, so an
+    SGD whose defaults also held Adam's ``betas`` had its ``momentum`` left alone, and trained
+    other weights than torch's SGD without a word (Adafactor's groups are completed by its
+    own runner: every key)."""
+    return _KEYS_OF_TYPE.get(kind, HP_KEYS)
 
 # keys torch's Adam, AdamW and SGD keep in their groups, with the values outcore's kernels
 # match (None: any value, e.g. foreach/fused, which outcore picks itself)
@@ -85,10 +101,7 @@ def check_param_groups(module: nn.Module, param_groups: Iterable[dict[str, Any]]
     names = {id(p): n for n, p in module.named_parameters()}
     out, seen = [], set()
     for i, spec in enumerate(param_groups):
-        unknown = set(spec) - {"params", *HP_KEYS, *_TORCH_KEYS}
-        if unknown:
-            raise ConfigError(f"param_groups[{i}]: unknown keys {sorted(unknown)}; "
-                              f"allowed: params, {', '.join(HP_KEYS)}")
+        _warn_near_misses(f"param_groups[{i}]", spec)
         _check_torch_keys(f"param_groups[{i}]", spec)
         check_group_numbers(f"param_groups[{i}]", spec)
         params = list(spec.get("params", []))
@@ -104,6 +117,21 @@ def check_param_groups(module: nn.Module, param_groups: Iterable[dict[str, Any]]
     if missing:
         raise ConfigError(f"trainable parameters in no param group: {missing[:5]}")
     return out
+
+
+def _warn_near_misses(where: str, spec: dict[str, Any]) -> None:
+    """A key of the user's own stays in its group, as torch's optimizers keep it (a name, a
+    learning-rate scale that the user's scheduler reads); one a letter or two from a setting
+    the update reads is most likely that setting misspelled, which would train with the
+    default without a word, so it is named once."""
+    known = ["params", *HP_KEYS, *_TORCH_KEYS]
+    for key in spec:
+        if key in known or not isinstance(key, str):
+            continue
+        near = difflib.get_close_matches(key, known, n=1, cutoff=0.8)
+        if near:
+            warnings.warn(f"{where}: key {key!r} is kept in the group but read by nothing "
+                          f"(did you mean {near[0]!r}?)", stacklevel=user_stacklevel())
 
 
 def check_loaded_group(i: int, saved: dict[str, Any]) -> None:

@@ -230,11 +230,13 @@ def test_parameters_keep_shape_and_count_under_init() -> None:
     engine.close()
 
 
-def test_unknown_param_group_key_and_foreign_tensor_are_config_errors() -> None:
+def test_own_param_group_keys_are_kept_and_a_foreign_tensor_is_a_config_error() -> None:
     model = nn.Linear(4, 4)
-    with pytest.raises(outcore.ConfigError, match="unknown keys"):
-        outcore.initialize(model, {"dtype": "fp32"},
-                           [{"params": list(model.parameters()), "lr_decay": 0.5}])
+    engine = outcore.initialize(model, {"dtype": "fp32"},
+                                [{"params": list(model.parameters()), "lr_decay": 0.5}])
+    assert engine.optimizer.param_groups[0]["lr_decay"] == 0.5  # kept, as torch keeps it
+    assert engine.optimizer.state_dict()["param_groups"][0]["lr_decay"] == 0.5
+    engine.close()
     model2 = nn.Linear(4, 4)
     with pytest.raises(outcore.ConfigError, match="not a parameter of this model"):
         outcore.initialize(model2, {"dtype": "fp32"}, [{"params": [torch.zeros(3)]}])

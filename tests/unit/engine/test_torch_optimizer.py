@@ -122,6 +122,85 @@ def test_every_torch_scheduler_drives_the_shards_as_it_drives_adamw(tmp_path: Pa
     engine.close()
 
 
+@pytest.mark.parametrize("name", ["CyclicLR", "OneCycleLR"])
+def test_a_config_sgd_has_its_momentum_cycled_as_torchs_sgd(name: str) -> None:
+    """Found by a user-style probe: the config's SGD had Adam's ``betas`` in its defaults, so
+    torch's CyclicLR and OneCycleLR cycled those and left ``momentum`` alone: other weights
+    than torch's SGD, without a word. Its defaults are SGD's own now."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+    ref = copy.deepcopy(model).to(default_device())
+    hp = {"lr": 1e-2, "momentum": 0.9, "weight_decay": 0.0}
+    engine = outcore.initialize(model, {"dtype": "fp32", "optimizer": {"type": "sgd", **hp}})
+    opt = torch.optim.SGD(ref.parameters(), **hp)
+    assert set(engine.optimizer.defaults) == {"lr", "momentum", "weight_decay", "nesterov"}
+    make = {"CyclicLR": lambda o: sched.CyclicLR(o, 1e-3, 5e-2, step_size_up=2,
+                                                 base_momentum=0.8, max_momentum=0.9),
+            "OneCycleLR": lambda o: sched.OneCycleLR(o, max_lr=5e-2, total_steps=10)}[name]
+    ours_s, ref_s = make(engine.optimizer), make(opt)
+    for step in range(4):
+        _both(engine, ref, opt, step)
+        ours_s.step()
+        ref_s.step()
+        assert engine.optimizer.param_groups[0]["momentum"] == opt.param_groups[0]["momentum"]
+    with engine.gathered_parameters():
+        for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+            torch.testing.assert_close(p.data, q.detach(), rtol=1e-5, atol=1e-6)
+    engine.close()
+
+
+@pytest.mark.parametrize("name", list(SCHEDULERS))
+def test_every_schedulers_state_resumes_from_client_state(tmp_path: Path, name: str) -> None:
+    """A scheduler's ``state_dict()`` saved as ``client_state`` comes back equal and goes on
+    as the scheduler that never stopped (MultiStepLR's milestones, a ``Counter`` of ints,
+    came back with string keys and never decayed again)."""
+    model, engine, _, _ = _pair(tmp_path / "swap", offload="none")
+    go_on = SCHEDULERS[name](engine.optimizer)
+    for s in range(3):
+        engine.backward(engine(_batch(s)).pow(2).mean())
+        engine.optimizer.step()
+        go_on.step(1.0) if name == "ReduceLROnPlateau" else go_on.step()
+    saved = go_on.state_dict()
+    engine.save_checkpoint(tmp_path / "ckpt", client_state={"sched": saved})
+    rates = []
+    for _ in range(4):
+        go_on.step(1.0) if name == "ReduceLROnPlateau" else go_on.step()
+        rates.append([g["lr"] for g in engine.optimizer.param_groups])
+    resumed = SCHEDULERS[name](engine.optimizer)  # made first, as a resuming script does: the
+    back = engine.load_checkpoint(tmp_path / "ckpt")["sched"]  # load sets the rates it moved
+    assert back == saved
+    resumed.load_state_dict(back)
+    for want in rates:
+        resumed.step(1.0) if name == "ReduceLROnPlateau" else resumed.step()
+        assert [g["lr"] for g in engine.optimizer.param_groups] == pytest.approx(want)
+    engine.close()
+
+
+@pytest.mark.parametrize("adopted", [False, True])
+def test_state_dict_hooks_run_as_torchs(adopted: bool) -> None:
+    """Found by a user-style probe: hooks registered with ``register_state_dict_pre_hook``
+    and the three others never ran, and a post-hook's edit was missing from the dict."""
+    model = nn.Linear(4, 2)
+    brought = torch.optim.AdamW(model.parameters()) if adopted else None
+    engine = outcore.initialize(model, {"dtype": "fp32"}, optimizer=brought)
+    opt = brought if brought is not None else engine.optimizer
+    calls: list[str] = []
+    opt.register_state_dict_pre_hook(lambda o: calls.append("pre"))
+    opt.register_state_dict_post_hook(lambda o, sd: {**sd, "mine": calls.append("post") or 1})
+    opt.register_load_state_dict_pre_hook(
+        lambda o, sd: calls.append("load_pre") or {**sd, "seen": True})
+    opt.register_load_state_dict_post_hook(lambda o: calls.append("load_post"))
+    engine.backward(engine(torch.randn(3, 4).to(engine.device)).sum())
+    engine.step()
+    sd = opt.state_dict()
+    assert sd["mine"] == 1 and calls == ["pre", "post"]
+    opt.load_state_dict(sd)
+    assert calls == ["pre", "post", "load_pre", "load_post"]
+    with pytest.raises(outcore.ConfigError, match="takes the dict that state_dict"):
+        opt.load_state_dict([sd])
+    engine.close()
+
+
 @pytest.mark.parametrize("name", list(SCHEDULERS))
 def test_a_scheduler_made_before_initialize_drives_the_optimizer_brought(tmp_path: Path,
                                                                          name: str) -> None:

@@ -445,10 +445,10 @@ def _client_state_on_one_rank(root: str) -> str:
 
 
 def test_a_client_state_refused_on_one_rank_is_refused_on_every_rank(tmp_path: Path) -> None:
-    """Rank 1's client_state held no JSON: it raised at once, and rank 0 waited in the save's
-    first collective for a rank that never came, then failed with a CommError."""
+    """Rank 1's client_state held what cannot be stored: it raised at once, and rank 0 waited
+    in the save's first collective for a rank that never came, then failed with a CommError."""
     zero, one = run_world(_client_state_on_one_rank, 2, str(tmp_path))
-    assert one.startswith("ConfigError: client_state['when'] (object) is not JSON"), one
+    assert one.startswith("ConfigError: client_state['when'] (object) cannot be stored"), one
     assert zero.startswith("ConfigError: save_checkpoint() was refused on another rank"), zero
     assert not (tmp_path / "ck").exists() and not (tmp_path / "ck.partial").exists()
 

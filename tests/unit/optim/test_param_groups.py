@@ -1,5 +1,6 @@
 """torch-style parameter groups (param_groups.py): ``check_param_groups`` checks them before
-anything is sharded, refusing unknown keys by name, torch options outcore's kernels do not
+anything is sharded, keeping a user's own keys as torch does (naming one that looks like a
+misspelled setting), refusing torch options outcore's kernels do not
 run, tensors that are not the model's parameters, a parameter in two groups and a trainable
 parameter in none, and returns each group's own dict with its parameters;
 ``from_torch_optimizer`` ([Note: adopting a torch optimizer]) takes the type and the
@@ -7,6 +8,8 @@ hyper-parameters from a torch optimizer's ``defaults`` and its ``param_groups`` 
 themselves, and refuses an optimizer it cannot run, by name."""
 
 from __future__ import annotations
+
+import warnings
 
 import pytest
 import torch
@@ -60,11 +63,18 @@ def test_every_hyper_parameter_key_and_torch_bookkeeping_key_is_accepted() -> No
     assert check_param_groups(model, [spec]) is not None
 
 
-def test_unknown_keys_are_refused_by_name() -> None:
+def test_a_users_own_keys_are_kept_and_a_misspelled_setting_is_named() -> None:
+    """torch's optimizers keep any key in a group (a name, a learning-rate scale a scheduler
+    reads); a key a letter from a setting is most likely that setting misspelled."""
     model = _model()
-    with pytest.raises(ConfigError, match=r"param_groups\[1\]: unknown keys \['lrr', 'wd'\]"):
-        check_param_groups(model, [{"params": [model[0].weight, model[0].bias]},
-                                   {"params": list(model[1].parameters()), "lrr": 1, "wd": 0}])
+    own = {"params": list(model[1].parameters()), "name": "head", "lr_scale": 0.5}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = check_param_groups(model, [{"params": [model[0].weight, model[0].bias]}, own])
+    assert out is not None and out[1][0] is own and own["lr_scale"] == 0.5
+    with pytest.warns(UserWarning, match=r"param_groups\[0\]: key 'weight_decya' .*"
+                                         r"did you mean 'weight_decay'"):
+        check_param_groups(model, [{"params": list(model.parameters()), "weight_decya": 0.1}])
 
 
 @pytest.mark.parametrize(("key", "value"), [("amsgrad", True), ("maximize", True),

@@ -37,7 +37,7 @@ from outcore.errors import ConfigError
 from outcore.hf import require
 from outcore.hf.lora import apply_lora, parse_spec
 from outcore.hf.saving import save_adapters
-from outcore.io.manifest import read_manifest
+from outcore.io.manifest import read_client_state
 from outcore.units import format_bytes, format_count
 from outcore.zero.registry import parameter_counts
 
@@ -130,7 +130,7 @@ def check_resume(job: LoraJob | None, checkpoint: Path | None) -> None:
     [Note: a LoRA checkpoint resumes only the same LoRA run]); reads only its manifest."""
     if checkpoint is None:
         return
-    saved = (read_manifest(checkpoint).get("client_state") or {}).get("lora")
+    saved = read_client_state(checkpoint).get("lora")
     if saved is None and job is None:
         return
     if saved is None:

@@ -48,7 +48,7 @@ from outcore.engine import initialize
 from outcore.errors import CommError, ConfigError
 from outcore.guard.lock import lock_run_folder
 from outcore.guard.preemption import EXIT_PREEMPTED, Preemption, preemption
-from outcore.io.manifest import latest_checkpoint, read_manifest
+from outcore.io.manifest import latest_checkpoint, read_client_state
 from outcore.offload.nvme import MADE_MARK, remove_if_left_empty
 from outcore.offload.storage import Tier
 from outcore.sizing.estimate import shape_from_hf_config
@@ -242,7 +242,7 @@ def run(args: argparse.Namespace) -> int:
     changed: list[str] = []
     client: dict[str, Any] = {}
     if latest is not None:  # the run's own settings, where not given again (job.py's note)
-        client = read_manifest(latest).get("client_state") or {}
+        client = read_client_state(latest)
         file_cfg, changed = jobs.resumed_settings(args, file_cfg, client)
         job = _job_settings(args, file_cfg.get("train") or {})
     file_cfg = merge_mappings(under, file_cfg)  # a DeepSpeed file's defaults (job.py)

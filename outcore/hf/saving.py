@@ -180,3 +180,29 @@ def save_adapters(model: nn.Module, rank: int, out: str | os.PathLike[str],
     state = gather_trainable(model, rank)
     if rank == 0:
         model.save_pretrained(str(out), state_dict=state, **peft_kwargs)
+
+
+def holds_weights(folder: Path) -> bool:
+    """Whether ``folder`` holds a model's weights as ``save_full`` or ``save_adapters`` write
+    them (one file or an index of shards)."""
+    return any((folder / name).is_file() for name in (
+        "model.safetensors", "model.safetensors.index.json", "adapter_model.safetensors"))
+
+
+def load_saved(model: nn.Module, folder: Path) -> None:
+    """Load the weights ``save_full`` or ``save_adapters`` wrote in ``folder`` into the model
+    (held or not), as ``Trainer._load_best_model`` loads a best checkpoint: the weights and
+    nothing else; every rank calls it."""
+    if is_peft_model(model):
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        adapters = folder / "adapter_model.safetensors"
+        if not adapters.is_file():
+            raise ConfigError(f"{folder} holds no adapter_model.safetensors to load")
+        set_peft_model_state_dict(model, load_file(str(adapters)))
+    else:
+        from outcore.io.pretrained import load_pretrained
+
+        single = folder / WEIGHTS_NAME  # not the folder: its outcore shards are there too
+        load_pretrained(model, single if single.is_file() else folder)

@@ -23,6 +23,7 @@ replaces exactly the places where a Trainer would touch whole parameters:
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -280,7 +281,8 @@ class OutcoreTrainer(Trainer):
         engine, rank = self.outcore_engine, self.outcore_engine.rank
         peft = saving.is_peft_model(self.model)
         if _internal_call:  # checkpoint-N: what save_pretrained writes, and the shards
-            engine.save_checkpoint(out, replace_folder=True)  # the Trainer's folder
+            if not self.args.save_only_model:  # (asked for: the model alone, as Trainer's)
+                engine.save_checkpoint(out, replace_folder=True)  # the Trainer's folder
             if peft:
                 saving.save_adapters(self.model, rank, out)
             else:
@@ -308,6 +310,12 @@ class OutcoreTrainer(Trainer):
         folder = Path(resume_from_checkpoint)
         if not folder.is_dir():  # transformers' own words and exception type
             raise ValueError(f"Can't find a valid checkpoint at {resume_from_checkpoint}")
+        if not (folder / MANIFEST).is_file() and saving.holds_weights(folder):
+            warnings.warn(f"{resume_from_checkpoint} was saved with save_only_model=True: the "
+                          "run goes on from its weights and step with a new optimizer state, "
+                          "as Trainer resumes such a checkpoint", stacklevel=2)
+            saving.load_saved(self.model, folder)
+            return
         if not (folder / MANIFEST).is_file():
             raise ConfigError(f"Can't find a valid checkpoint at {resume_from_checkpoint}: "
                               f"it is no checkpoint OutcoreTrainer wrote (no {MANIFEST}); "
@@ -315,9 +323,11 @@ class OutcoreTrainer(Trainer):
         self.outcore_engine.load_checkpoint(folder)
 
     def _load_best_model(self) -> None:
+        """The best checkpoint's weights, and nothing else, as ``Trainer`` loads them (a
+        full restore rewound the optimizer's moments and the RNG to that step too)."""
         best = self.state.best_model_checkpoint
         if best is not None:
-            self.outcore_engine.load_checkpoint(best)
+            saving.load_saved(self.model, Path(best))
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         """``Trainer.train``; when it returns, no update or read of outcore's is in flight

@@ -10,6 +10,7 @@ from typing import Any
 
 from outcore.errors import StorageError
 from outcore.io import safetensors_stream as sts
+from outcore.io.client_state import decode
 from outcore.io.publish import ASIDE, MANIFEST, PARTIAL, asides
 from outcore.io.safetensors_stream import CHECKSUM
 
@@ -46,6 +47,12 @@ def read_manifest(folder: Path) -> dict[str, Any]:
     if man.get("manifest_checksum") != manifest_checksum(man):
         raise StorageError(f"{mf} is corrupt: its content does not match its checksum")
     return man
+
+
+def read_client_state(folder: Path) -> dict[str, Any]:
+    """The ``client_state`` a checkpoint folder's manifest records, as it was saved
+    (client_state.py's [Note: what JSON would change on the way])."""
+    return decode(read_manifest(folder).get("client_state") or {})
 
 
 def check_file(folder: Path, man: dict, name: str, full: bool = True) -> None:

@@ -17,7 +17,7 @@ from torch._C import DisableTorchFunctionSubclass
 
 from outcore.errors import ParamAccessError
 from outcore.runtime.phase import Phase
-from outcore.zero import registry
+from outcore.zero import finer, registry
 from outcore.zero.calls import (
     CPU,
     CUDA,
@@ -422,6 +422,7 @@ def _write(func: Any, args: Args, kwargs: Kwargs, t: Touch, others: list[Touch])
     values[id(t.obj)] = apply_chain(full, t.chain)
     with torch.no_grad():
         _run(func, args, kwargs, values)
+        full = finer.keep_finer(sp, full, finer.source_of(func, args), t.obj.dtype)
     sp.overwrite(sp.layout.cut(full, torch.float32))
     return t.obj
 
@@ -495,5 +496,5 @@ def _data_set(obj: torch.Tensor, value: object, found: list[Touch]) -> None:
     if value.dtype != t.obj.dtype:
         raise ParamAccessError(dtype_refusal(sp.label(), value.dtype, t.obj.dtype,
                                              building=sp.rt.engine is None))
-    sp.overwrite(sp.layout.cut(value.detach().to(sp.rt.device), torch.float32))
-    return None
+    full = finer.keep_finer(sp, value.detach().to(sp.rt.device, torch.float32), value, t.obj.dtype)
+    sp.overwrite(sp.layout.cut(full, torch.float32))

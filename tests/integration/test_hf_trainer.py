@@ -175,7 +175,8 @@ def test_resume_from_checkpoint_equals_uninterrupted(tmp_path: Path, lora: str |
 
 def test_evaluation_during_training_and_the_best_model_at_end(tmp_path: Path) -> None:
     """Evaluation forwards between steps leave training exact; load_best_model_at_end loads
-    the best checkpoint's weights, as plain Trainer does."""
+    the best checkpoint's weights and nothing else, as plain Trainer does (it rewound the
+    torch RNG and the optimizer's moments and step count to that checkpoint too)."""
     kw = {"eval_strategy": "steps", "eval_steps": 2, "save_strategy": "steps", "save_steps": 2,
           "load_best_model_at_end": True, "metric_for_best_model": "loss",
           "learning_rate": 5e-2}  # large enough that the last step is not the best
@@ -183,10 +184,15 @@ def test_evaluation_during_training_and_the_best_model_at_end(tmp_path: Path) ->
     ref = transformers.Trainer(model=build("llama"), args=arguments(tmp_path / "ref", **kw),
                                train_dataset=dataset(), eval_dataset=held_out)
     ref.train()
+    ref_rng = torch.get_rng_state()
     cfg = nvme(tmp_path)
     ours = OutcoreTrainer(model=build("llama", cfg), args=arguments(tmp_path / "ours", **kw),
                           train_dataset=dataset(), eval_dataset=held_out, outcore_config=cfg)
     ours.train()
+    assert torch.equal(torch.get_rng_state(), ref_rng)
+    assert ours.outcore_engine.global_steps == 8
+    steps = {int(s["step"]) for s in ours.outcore_engine.optimizer.state_dict()["state"].values()}
+    assert steps == {8}
     torch.testing.assert_close(logged(ours, "loss"), logged(ref, "loss"), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(logged(ours, "eval_loss"), logged(ref, "eval_loss"),
                                rtol=1e-5, atol=1e-6)
@@ -198,6 +204,36 @@ def test_evaluation_during_training_and_the_best_model_at_end(tmp_path: Path) ->
     loaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "best")
     for key, value in ref.model.state_dict().items():  # Trainer moved ref to its device
         torch.testing.assert_close(loaded.state_dict()[key], value.cpu(), rtol=1e-4, atol=1e-4)
+
+
+def test_save_only_model_writes_and_resumes_as_trainer(tmp_path: Path) -> None:
+    """``save_only_model=True`` wrote outcore's shards (the optimizer's moments, three times
+    the model's bytes) into every checkpoint-N anyway, and a resume took them up: now the
+    folder holds what Trainer's holds, and a resume goes on from its weights and step with
+    a new optimizer state, as Trainer's does."""
+    kw = {"save_strategy": "steps", "save_steps": 4, "save_only_model": True}
+    ref = transformers.Trainer(model=build("llama"), args=arguments(tmp_path / "ref", **kw),
+                               train_dataset=dataset())
+    ref.train()
+    cfg = nvme(tmp_path)
+    ours = OutcoreTrainer(model=build("llama"), args=arguments(tmp_path / "ours", **kw),
+                          train_dataset=dataset(), outcore_config=cfg)
+    ours.train()
+    ours.close()
+    folder = tmp_path / "ours" / "checkpoint-4"
+    assert sorted(p.name for p in folder.iterdir()) == sorted(
+        p.name for p in (tmp_path / "ref" / "checkpoint-4").iterdir())
+    again = transformers.Trainer(model=build("llama"), args=arguments(tmp_path / "ref", **kw),
+                                 train_dataset=dataset())
+    again.train(resume_from_checkpoint=str(tmp_path / "ref" / "checkpoint-4"))
+    ours = OutcoreTrainer(model=build("llama"), args=arguments(tmp_path / "ours", **kw),
+                          train_dataset=dataset(), outcore_config=cfg)
+    with pytest.warns(UserWarning, match="save_only_model=True: the run goes on from its "
+                                         "weights and step with a new optimizer state"):
+        ours.train(resume_from_checkpoint=str(folder))
+    torch.testing.assert_close(logged(ours, "loss"), logged(again, "loss"), rtol=1e-5,
+                               atol=1e-6)
+    ours.close()
 
 
 def test_generate_equals_plain_model(tmp_path: Path) -> None:

@@ -21,7 +21,8 @@ OUT = REPO / "bench" / "out"
 ROWS = ["plain", "plain-master", "none", "cpu-p0", "cpu", "nvme-p0", "nvme", "nvme+opt-p0",
         "nvme+opt", "nvme+opt-reuse", "nvme+opt-return", "nvme+opt-wait", "nvme+opt-early",
         "nvme+opt-lean", "nvme+opt-small", "nvme+opt-act", "nvme+opt-lean-act", "nvme+opt-ckpt",
-        "nvme+opt-ckpt-p384", "deepspeed"]
+        "nvme+opt-ckpt-p384", "nvme+opt-ckpt-early", "nvme+opt-ckpt-p512",
+        "nvme+opt-ckpt-p512-early", "deepspeed"]
 LABEL = {
     "plain": "plain PyTorch, in memory (params in the compute dtype, fused AdamW)",
     "plain-master": "plain PyTorch, 16-bit params + fp32 master copy (outcore's arithmetic)",
@@ -43,6 +44,13 @@ LABEL = {
                      "memory given back",
     "nvme+opt-ckpt-p384": "outcore, params+optimizer on NVMe, every block checkpointed, freed "
                           "memory given back, 384 MiB prefetch",
+    "nvme+opt-ckpt-early": "outcore, params+optimizer on NVMe, every block checkpointed, freed "
+                           "memory given back, step returns before its updates",
+    "nvme+opt-ckpt-p512": "outcore, params+optimizer on NVMe, every block checkpointed, freed "
+                          "memory given back, 512 MiB prefetch",
+    "nvme+opt-ckpt-p512-early": "outcore, params+optimizer on NVMe, every block checkpointed, "
+                                "freed memory given back, 512 MiB prefetch, step returns "
+                                "before its updates",
     # bench/gpu.py's rows (params in device memory there unless offloaded)
     "opt-cpu": "outcore, optimizer on host", "cpu+opt": "outcore, params+optimizer on host",
     "nvme+opt-cpu": "outcore, params on NVMe, optimizer on host",

@@ -30,6 +30,8 @@ PLACEMENT = {  # row -> (offload.params, offload.optimizer, prefetch on)
     "nvme+opt-lean": ("nvme", "nvme", True), "nvme+opt-small": ("nvme", "nvme", True),
     "nvme+opt-act": ("nvme", "nvme", True), "nvme+opt-lean-act": ("nvme", "nvme", True),
     "nvme+opt-ckpt": ("nvme", "nvme", True), "nvme+opt-ckpt-p384": ("nvme", "nvme", True),
+    "nvme+opt-ckpt-early": ("nvme", "nvme", True), "nvme+opt-ckpt-p512": ("nvme", "nvme", True),
+    "nvme+opt-ckpt-p512-early": ("nvme", "nvme", True),
     "opt-cpu": ("none", "cpu", True), "cpu+opt": ("cpu", "cpu", True),
     "nvme+opt-cpu": ("nvme", "cpu", True),
 }
@@ -51,7 +53,15 @@ ROW_SET["nvme+opt-lean-act"] = ROW_SET["nvme+opt-lean"]
 ROW_SET["nvme+opt-ckpt"] = ROW_SET["nvme+opt-return"]
 ROW_SET["nvme+opt-ckpt-p384"] = {"offload": {"reuse_freed_memory": False},
                                  "zero": {"prefetch_bytes": 384 << 20}}
-ROW_CHECKPOINT = {"nvme+opt-ckpt": "on", "nvme+opt-ckpt-p384": "on"}
+# the same, the step's last updates run into the next forward (-early), a 512 MiB budget
+ROW_SET["nvme+opt-ckpt-early"] = {"offload": {"reuse_freed_memory": False},
+                                  "zero": {"overlap_step_with_forward": True}}
+ROW_SET["nvme+opt-ckpt-p512"] = {"offload": {"reuse_freed_memory": False},
+                                 "zero": {"prefetch_bytes": 512 << 20}}
+ROW_SET["nvme+opt-ckpt-p512-early"] = {"offload": {"reuse_freed_memory": False},
+                                       "zero": {"prefetch_bytes": 512 << 20,
+                                                "overlap_step_with_forward": True}}
+ROW_CHECKPOINT = {row: "on" for row in PLACEMENT if row.startswith("nvme+opt-ckpt")}
 # rows whose blocks keep what they save for backward on NVMe (outcore.offload_activations)
 ROW_ACTIVATIONS = {"nvme+opt-act": "nvme", "nvme+opt-lean-act": "nvme"}
 HP = {"lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.0}

@@ -110,12 +110,12 @@ class TorchOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """torch's layout (see ``_state_dict``), between this optimizer's state-dict hooks as
         torch runs them: a post-hook may return the dict to give instead."""
-        return saving(self, self._state_dict)
+        return hooked_state_dict(self, self._state_dict)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load ``state_dict`` (see ``_load_state_dict``) between this optimizer's load hooks
         as torch runs them: each pre-hook gets a shallow copy and may return another dict."""
-        loading(self, state_dict, self._load_state_dict)
+        hooked_load(self, state_dict, self._load_state_dict)
 
     def _state_dict(self) -> dict[str, Any]:
         """torch's layout: ``state`` by parameter index (``step`` and each fp32 moment, in
@@ -302,7 +302,8 @@ def _hooked(opt: torch.optim.Optimizer, pres: list[Callable[..., Any]],
     return out
 
 
-def saving(opt: torch.optim.Optimizer, run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+def hooked_state_dict(opt: torch.optim.Optimizer,
+                      run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     """``run()``'s state dict between ``opt``'s state-dict hooks, as torch's
     ``Optimizer.state_dict`` runs them."""
     for pre in list(opt._optimizer_state_dict_pre_hooks.values()):
@@ -314,7 +315,7 @@ def saving(opt: torch.optim.Optimizer, run: Callable[[], dict[str, Any]]) -> dic
     return state_dict
 
 
-def loading(opt: torch.optim.Optimizer, state_dict: dict[str, Any],
+def hooked_load(opt: torch.optim.Optimizer, state_dict: dict[str, Any],
             run: Callable[[dict[str, Any]], None]) -> None:
     """``run(state_dict)`` between ``opt``'s load hooks, as torch's
     ``Optimizer.load_state_dict`` runs them (the pre-hooks get a shallow copy)."""
@@ -347,10 +348,10 @@ def _calling(ref: weakref.ref[TorchOptimizer], name: str) -> Callable[..., Any]:
             raise EngineClosedError(f"{type(this).__name__}.{name}(): the outcore Engine that "
                                     "adopted this optimizer is gone")
         if name == "state_dict":  # the adopted optimizer's hooks around the facade's own
-            return saving(this, lambda: facade.state_dict(*args, **kwargs))
+            return hooked_state_dict(this, lambda: facade.state_dict(*args, **kwargs))
         if name == "load_state_dict" and (args or "state_dict" in kwargs):
             given = args[0] if args else kwargs.pop("state_dict")
-            return loading(this, given,
+            return hooked_load(this, given,
                            lambda sd: facade.load_state_dict(sd, *args[1:], **kwargs))
         if name != "step":
             return getattr(facade, name)(*args, **kwargs)

@@ -34,7 +34,7 @@ from transformers import Trainer
 from outcore.config import Config, read_mapping
 from outcore.config.deepspeed import is_deepspeed
 from outcore.engine import Engine, lifetime
-from outcore.engine.torch_optimizer import TorchOptimizer
+from outcore.engine.torch_optimizer import TorchOptimizer, hooked_load, hooked_state_dict
 from outcore.errors import ConfigError
 from outcore.hf import saving
 from outcore.hf.args import OutcoreConfigSource, build_config, check_world, deepspeed_from_args
@@ -82,10 +82,13 @@ class EngineOptimizer(TorchOptimizer):
     step.hooked = True  # type: ignore[attr-defined]
 
     def state_dict(self) -> dict[str, Any]:
-        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
-        return {"state": {}, "param_groups": groups}
+        return hooked_state_dict(self, lambda: {"state": {}, "param_groups": [
+            {k: v for k, v in g.items() if k != "params"} for g in self.param_groups]})
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        hooked_load(self, state_dict, self._load_groups)  # between its hooks, as torch's
+
+    def _load_groups(self, state_dict: dict[str, Any]) -> None:
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups):
             raise ConfigError(f"optimizer state has {len(groups)} param groups, this run has "

@@ -152,3 +152,21 @@ def test_save_model_names_the_dtype_of_the_weights_it_wrote(tmp_path: Path) -> N
     for key, value in model.state_dict().items():
         assert loaded.state_dict()[key].dtype == torch.float32
         torch.testing.assert_close(loaded.state_dict()[key], value, rtol=0, atol=0)
+
+
+def test_the_trainers_optimizer_runs_state_dict_hooks(tmp_path: Path) -> None:
+    """The Trainer's optimizer saves its groups in ``checkpoint-N``; hooks registered on it
+    (inside accelerate's wrapper, which takes no hooks of its own, as with plain Trainer) run
+    around that as torch runs them."""
+    ours = OutcoreTrainer(model=build("llama"), args=arguments(tmp_path / "o", max_steps=1),
+                          train_dataset=dataset(), outcore_config=nvme(tmp_path))
+    ours.train()
+    calls: list[str] = []
+    inner = ours.optimizer.optimizer
+    inner.register_state_dict_post_hook(lambda o, sd: {**sd, "mine": 1})
+    inner.register_load_state_dict_post_hook(lambda o: calls.append("loaded"))
+    saved = ours.optimizer.state_dict()
+    assert saved["mine"] == 1
+    ours.optimizer.load_state_dict(saved)
+    assert calls == ["loaded"]
+    ours.close()

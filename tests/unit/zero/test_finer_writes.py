@@ -26,7 +26,7 @@ def _engine(tmp: Path, offload: str) -> tuple[nn.Module, outcore.Engine]:
     model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
     engine = outcore.initialize(model, {"dtype": "bf16", "optimizer": {"lr": 1e-2}, "offload": {
         "params": offload, "optimizer": offload, "nvme_path": str(tmp)}})
-    x = torch.randn(8, 16)
+    x = torch.randn(8, 16).to(engine.device)
     engine.backward(engine(x).float().pow(2).mean())  # masters off the bf16 grid
     engine.step()
     return model, engine

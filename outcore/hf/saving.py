@@ -25,6 +25,7 @@ from torch import nn
 
 from outcore.errors import ConfigError
 from outcore.io import safetensors_stream as sts
+from outcore.io.pretrained import load_pretrained
 from outcore.io.safetensors_stream import StreamWriter, TensorSpec
 from outcore.zero.registry import managed
 
@@ -202,7 +203,5 @@ def load_saved(model: nn.Module, folder: Path) -> None:
             raise ConfigError(f"{folder} holds no adapter_model.safetensors to load")
         set_peft_model_state_dict(model, load_file(str(adapters)))
     else:
-        from outcore.io.pretrained import load_pretrained
-
         single = folder / WEIGHTS_NAME  # not the folder: its outcore shards are there too
         load_pretrained(model, single if single.is_file() else folder)

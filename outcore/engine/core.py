@@ -153,8 +153,7 @@ class Engine:
         self.rt.before_write = lambda: (t := take()) is not None and t()
         me = weakref.ref(self)
         self.rt.before_forward = lambda: (e := me()) is not None and e._before_forward()
-        self.rt.before_overwrite = lambda what: (e := me()) is not None and \
-            e._reopen_boundary(what)
+        self.rt.before_overwrite = lambda what: (e := me()) is not None and e._reopen_boundary(what)
         self.rt.updated_in_backward = lambda: (e := me()) is not None and \
             e.is_accumulation_boundary and e.sharded_optimizer.updated_this_round
         opt = weakref.ref(self.sharded_optimizer)
@@ -170,7 +169,7 @@ class Engine:
             dtype = None if self.rt.compute_dtype == torch.float32 else self.rt.compute_dtype
             cast = lambda inputs: build.to_compute(inputs, device, dtype)  # noqa: E731
         # model(...) and generate() called directly: entry.py's notes
-        self.entries = EntryHooks(entry_modules(module), lambda: self.hooks.active,
+        self.entries = EntryHooks(entry_modules(module), self.hooks.inside,
                                   self._forward_context,
                                   synced_generate=self.rt.world_size > 1, cast=cast,
                                   on_zero_grad=self.zero_grad)
@@ -497,4 +496,5 @@ class Engine:
     def _check_open(self) -> None:
         if self._closed is not None:
             raise EngineClosedError(self._closed)
+        self.rt.drop_abandoned()  # a forward a KeyboardInterrupt left (overlap/abandoned.py)
 

@@ -114,12 +114,14 @@ def runtime_for(module: nn.Module, cfg: Config,
 def detach(engine: Engine) -> None:
     """Take the engine off the model: optimizer, hooks and gathered tensors go, every
     parameter is SHARDED and in no group, buffers are as they were; the shards stay."""
+    engine.rt.drop_abandoned()  # a forward a KeyboardInterrupt left (overlap/abandoned.py)
     engine.sharded_optimizer.close()
     step_aside(engine.adopted_optimizer)  # its own methods again (torch_optimizer.py)
     engine.rt.await_updates = engine.rt.before_write = engine.rt.before_forward = lambda: None
     engine.rt.before_overwrite = lambda what: None
     engine.rt.updated_in_backward = lambda: False
     engine.rt.is_tentative = lambda sp: False
+    engine.rt.drop_abandoned = lambda: False
     engine.rt.gradients_held, engine.rt.grad_read_warned = lambda: False, False  # next engine's
     engine.entries.remove()
     engine.hooks.remove()

@@ -104,6 +104,7 @@ class EntryHooks:
         if self._is_inside():
             self._open.append(None)
             return None
+        self.abandon()  # what a KeyboardInterrupt left open (overlap/abandoned.py)
         cm = self._context()
         # the post hook runs even when entering fails, and pops this entry, not an outer one
         self._open.append(None)
@@ -145,7 +146,16 @@ class EntryHooks:
         module.zero_grad = types.MethodType(zero_grad, module)  # type: ignore[method-assign]
         self._patched.append(module)
 
+    def abandon(self) -> None:
+        """Exit the contexts of calls that ended without their post hook (a
+        ``KeyboardInterrupt``: abandoned.py's note), innermost first."""
+        while self._open:
+            cm = self._open.pop()
+            if cm is not None:
+                cm.__exit__(None, None, None)
+
     def remove(self) -> None:
+        self.abandon()  # (closing right after a Ctrl-C left a forward)
         for h in self._handles:
             h.remove()
         self._handles.clear()

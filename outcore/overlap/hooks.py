@@ -61,7 +61,10 @@ import torch
 from torch import nn
 
 from outcore.errors import OutcoreError
+from outcore.overlap import abandoned
+from outcore.overlap.abandoned import OuterCall
 from outcore.overlap.compiled import uncompiled
+from outcore.overlap.plain_backward import refuse_plain_backward
 from outcore.overlap.saved import Kept
 from outcore.overlap.tied_rows import TiedRows
 from outcore.runtime.phase import Phase
@@ -120,6 +123,8 @@ class Hooks:
         self.groups = groups
         self.schedule = schedule
         self.frames: list[list[GatherGroup]] = []
+        self.outer = OuterCall()  # abandoned.py's [Note: a forward left without its post hooks]
+        rt.drop_abandoned = lambda: abandoned.drop(self)
         self._in_backward = False
         self.pending: deque[PendingReduce] = deque()
         # called with each group whose gradients for this backward are reduced (or None)
@@ -168,6 +173,8 @@ class Hooks:
         """The runtime's ``Phase`` follows the frames and the backward flag (state.py)."""
         self.rt.phase = (Phase.BACKWARD if self._in_backward else
                          Phase.FORWARD if self.frames else Phase.IDLE)
+        if not self.frames:
+            self.outer.clear()
 
     def remove(self) -> None:
         for h in self._handles:
@@ -181,6 +188,8 @@ class Hooks:
     @contextlib.contextmanager
     def forward_context(self) -> Iterator[None]:
         """Active around the wrapped module's forward: access mode, saved-tensor hooks, frames."""
+        if not self.frames and not self._in_backward:
+            self.outer.note()
         self.frames.append([])
         self._sync_phase()
         # a recomputation inside backward continues its iteration; after a step the
@@ -210,6 +219,18 @@ class Hooks:
         finally:
             self._end_frame()
 
+    def inside(self) -> bool:
+        """``active``, once a forward left without its post hooks is closed (abandoned.py)."""
+        abandoned.drop(self)
+        return self.active
+
+    def release_frames(self) -> None:
+        """Release every frame's groups (a forward left: abandoned.py's note)."""
+        with self.mode.suspended():
+            while self.frames:
+                self._release(self.frames.pop())
+        self._sync_phase()
+
     def _end_frame(self) -> None:
         """Release what the forward's frame fetched. Its frame is gone where the hooks were
         removed meanwhile (a Ctrl-C in the forward closed the engine, and the interrupted
@@ -225,7 +246,8 @@ class Hooks:
             return
         with self.mode.suspended():
             groups = self.module_groups[module]
-            outer = not self._in_backward and not self.frames  # a submodule called on its own
+            # a submodule called on its own (after a forward left without its post hooks too)
+            outer = not self._in_backward and (not self.frames or abandoned.drop(self))
             if self._in_backward:  # a recomputation: see [Note: frozen groups in backward]
                 node = torch._C._current_autograd_node()
                 mark = self._recomputing.get(threading.get_ident())
@@ -240,6 +262,7 @@ class Hooks:
             for g in groups:
                 g.hold()
             if outer:  # what the model's call does first (engine/core.py's _before_forward)
+                self.outer.note()
                 self.rt.before_forward()
                 if self._defers:  # it may read any module's weights, unseen
                     self.schedule.await_updates()
@@ -258,6 +281,8 @@ class Hooks:
             return self.tied_rows.wrap(module, args, output) if self.tied_rows.modules else None
 
     def _on_access(self, sp: ShardedParam, func: object) -> None:
+        if not self.frames and not self._in_backward:
+            return  # a forward left by a KeyboardInterrupt: abandoned.py's note
         g = sp.group
         if g is not None and self._in_backward:  # a recomputation reads it: see the note
             self._pinned.add(g.index)
@@ -355,31 +380,7 @@ class Hooks:
         return not self._in_backward and _engine_backwards == 0
 
     def refuse_plain_backward(self) -> NoReturn:
-        """[Note: loss.backward() is refused]
-        A backward the engine did not start (``loss.backward()`` instead of
-        ``engine.backward(loss)``) would reduce gradients into the shards while ``step()``,
-        which counts the engine's backwards, sees nothing to apply: a loop written that way
-        would train nothing, without a word, and a later ``engine.backward`` would add the
-        stale gradients to its own. Nor can it be taken as the engine's: its loss was not
-        scaled for fp16, and the updates that overlap backward are decided before it starts.
-        So the first gradient it accumulates into a parameter refuses it, or, earlier, a
-        checkpointed block's recomputation (whose weights would be released under it as a
-        forward's): the gradients and groups it left are dropped (as after a failed
-        ``engine.backward``) and the error says what to call. ``torch.autograd.grad``
-        accumulates nothing and is not refused, except through a checkpointed block. While
-        another engine's backward runs (a GAN's generator loss through the discriminator),
-        gradients reaching this model are reduced as before, for its ``zero_grad()``."""
-        for g in self.groups:
-            for sp in g.trainable:
-                sp.param.grad = None
-        with self.mode.suspended():
-            self.abort_backward()
-        raise OutcoreError(
-            "loss.backward() on a model outcore trains: call engine.backward(loss) instead "
-            "(OutcoreTrainer does); it reduces the gradients into the engine's shards, scales "
-            "the loss for fp16 and gradient accumulation, and gives step() the update to "
-            "apply. This backward was dropped (torch.autograd.grad through a checkpointed "
-            "block is refused the same way).")
+        refuse_plain_backward(self)  # plain_backward.py's [Note: loss.backward() is refused]
 
     @property
     def unseen_grad_bytes(self) -> int:

@@ -78,6 +78,8 @@ class Runtime:
         self._reader: SourceReader | None = None
         self.closed = False
         self.phase = Phase.IDLE  # moved only by the engine's hooks (state.py's note)
+        # closes a forward left by a KeyboardInterrupt (overlap/abandoned.py): the hooks'
+        self.drop_abandoned: Callable[[], bool] = lambda: False
         self.shown = 0  # parameters gathered_parameters shows now (ShardedParam keeps it)
         # waits for optimizer updates still running on shards (the engine sets it): a user's
         # read or write of values between a backward and step() must not meet one midway

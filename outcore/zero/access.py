@@ -1,10 +1,8 @@
-"""The paths of surface.py's dispatch that do more than run the call: reads from the shards,
-writes to the shards, views that remember their parameter, and the refusals.
-
-Every function here is entered from ``__torch_function__`` of a sharded parameter or of a
-``ParamView`` (surface.py's [Note: a sharded parameter answers every call]) and ends in one
-call of the torch function on plain tensors, or in a ``ParamAccessError``.
-"""
+"""Where surface.py's dispatch does more than run the call: reads from and writes to the
+shards, views that remember their parameter, refusals. Each function here is entered from
+``__torch_function__`` of a sharded parameter or a ``ParamView`` (surface.py's [Note: a
+sharded parameter answers every call]) and ends in one call of the torch function on plain
+tensors, or in a ``ParamAccessError``."""
 
 from __future__ import annotations
 
@@ -387,6 +385,8 @@ def _repr(func: Any, args: Args, kwargs: Kwargs, found: list[Touch]) -> Any:
 def _write(func: Any, args: Args, kwargs: Kwargs, t: Touch, others: list[Touch]) -> Any:
     """An in-place call on ``t`` (see surface.py's note for what each state does)."""
     sp = t.sp
+    if sp is not None and sp.rt.phase is not Phase.IDLE:
+        sp.rt.drop_abandoned()  # a forward left by a KeyboardInterrupt (overlap/abandoned.py)
     if sp is not None and sp.rt.trial_load:  # a load's trial: nothing written (its refusals
         return t.obj  # would refuse the load itself on every rank alike; load_agreement.py)
     if sp is None or is_live(sp) and sp.rt.phase is Phase.IDLE:

@@ -39,6 +39,8 @@ def gathered_parameters(params: Iterable[nn.Parameter] | nn.Module,
         sp = managed(p)
         if sp is not None and sp not in sps:
             sps.append(sp)
+    if sps:  # a forward a KeyboardInterrupt left holds its groups (overlap/abandoned.py)
+        sps[0].rt.drop_abandoned()
     for sp in sps:
         if sp.state is ParamState.SHOWN:  # an enclosing context shows it: its .data is there
             raise ParamAccessError(f"gathered_parameters around parameter {sp.label()}, "

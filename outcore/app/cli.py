@@ -220,6 +220,8 @@ def _run_estimate(args: argparse.Namespace) -> int:
     # a size of the largest-model group asks for it: given alone, it was ignored without a word
     args.max_model = args.max_model or any(
         v is not None for v in (args.gpu_memory, args.host_memory, args.nvme))
+    if args.gpus % args.nodes:  # every node has the same devices (and the probe's host)
+        raise ConfigError(f"--gpus ({args.gpus}) must be a multiple of --nodes ({args.nodes})")
     shape = _shape(args)
     if shape is None and not args.max_model and args.probe is None:
         raise ConfigError("give a model (--model, --params or --layers/--hidden), "
@@ -249,9 +251,6 @@ def _run_estimate(args: argparse.Namespace) -> int:
                                    args.nvme or 0, nodes=args.nodes, batch=args.batch,
                                    seq_len=seq, state_bytes=state_bytes, tiles=args.tiles)
     if args.probe is not None:
-        if args.gpus % args.nodes:  # the probe's host is shared by a node's GPUs
-            raise ConfigError(f"--gpus ({args.gpus}) must be a multiple of --nodes "
-                              f"({args.nodes})")
         tokens = args.tokens_per_step or args.batch * seq
         out["efficiency"] = eff.efficiency_from_probe(
             _read_probe(args.probe), tokens, devices_per_node=args.gpus // args.nodes,

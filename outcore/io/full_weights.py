@@ -21,7 +21,7 @@ from outcore.errors import ConfigError, StorageError
 from outcore.io import base_record
 from outcore.io import safetensors_stream as sts
 from outcore.io.manifest import check_file, rank_file, read_manifest
-from outcore.io.publish import OWN_FILES, file_above
+from outcore.io.publish import MANIFEST, OWN_FILES, file_above
 from outcore.io.safetensors_stream import StreamWriter, TensorSpec
 from outcore.offload.aio import AioEngine
 from outcore.offload.source_file import SourceReader, TensorEntry
@@ -48,13 +48,19 @@ def consolidate(ckpt: str | os.PathLike[str], out: str | os.PathLike[str]) -> Pa
     if out.is_dir() or named.endswith(os.sep) or not (
             out.is_file() or out.suffix == ".safetensors"):
         out = out / "model.safetensors"
-    if out.resolve().parent == folder.resolve() and OWN_FILES.match(out.name):
-        raise ConfigError(f"consolidate: {out} is one of the checkpoint's own files; write "
-                          "the weights under another name or outside it")
+    if OWN_FILES.match(out.name) and (out.resolve().parent == folder.resolve()
+                                      or (out.parent / MANIFEST).is_file()):
+        raise ConfigError(f"consolidate: {out} is one of the files of the checkpoint in "
+                          f"{out.parent}; write the weights under another name or outside it")
     man = read_manifest(folder)
     old = man["world_size"]
     for r in range(old):
         check_file(folder, man, rank_file(r, old))
+    if man.get("base") and out.resolve() in {t.path.resolve() for t in base_record.named_tensors(
+            man["base"], f"{folder} holds no copy of its frozen base").values()}:
+        raise ConfigError(f"consolidate: {out} is the frozen base this checkpoint's run reads "
+                          "in place (its checkpoints need it as it is); write the weights "
+                          "elsewhere")
     if (above := file_above(out)) is not None:
         raise StorageError(f"consolidate: cannot write {out}: {above} is a file, not a folder")
     try:

@@ -275,3 +275,27 @@ def test_two_ranks_write_the_one_rank_adapters(tmp_path: Path, llama: Path,
     assert sorted(saved) == sorted(expected)
     for name, t in expected.items():
         torch.testing.assert_close(saved[name], t.detach(), rtol=1e-4, atol=1e-5)
+
+
+def test_consolidate_refuses_to_write_over_the_base_or_a_checkpoint(
+        tmp_path: Path, llama: Path, corpus: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Found by a user-style probe: ``outcore consolidate CKPT BASE_FOLDER`` wrote over the
+    base the run reads in place (its checkpoints could no longer resume or consolidate), and
+    an OUT naming another checkpoint's rank file or manifest corrupted that checkpoint."""
+    base = tmp_path / "base"
+    shutil.copytree(llama, base)
+    before = (base / "model.safetensors").read_bytes()
+    out = tmp_path / "run"
+    code, err = _run(capsys, _train(base, corpus, out, "--steps", "2", "--save-every", "1",
+                                    "--offload", "nvme", "--lora", SPEC))
+    assert code == 0, err
+    ckpts = out / "checkpoints"
+    last, first = ckpts / "step-00000002", ckpts / "step-00000001"
+    code, err = _run(capsys, ["consolidate", str(last), str(base)])
+    assert code == 2 and "is the frozen base this checkpoint's run reads in place" in err, err
+    assert (base / "model.safetensors").read_bytes() == before
+    for name in ("rank00000-of-00001.safetensors", "manifest.json"):
+        kept = (first / name).read_bytes()
+        code, err = _run(capsys, ["consolidate", str(last), str(first / name)])
+        assert code == 2 and "is one of the files of the checkpoint in" in err, err
+        assert (first / name).read_bytes() == kept

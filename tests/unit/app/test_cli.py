@@ -326,3 +326,14 @@ def test_a_warning_is_one_line_without_source() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           cwd=REPO, env=env, timeout=120)
     assert (done.returncode, done.stderr) == (0, "outcore estimate: warning: something to know\n")
+
+
+@pytest.mark.parametrize("extra", [(), ("--max-model", "--gpu-memory", "32GB")])
+def test_estimate_refuses_gpus_that_the_nodes_cannot_share(
+        capsys: pytest.CaptureFixture[str], extra: tuple[str, ...]) -> None:
+    """Found by a user-style probe: 3 nodes of 2 GPUs in all was priced without a word,
+    and refused only with --max-model."""
+    code, out, err = run(capsys, "estimate", "--params", "1B", "--nodes", "3", "--gpus", "2",
+                         *extra)
+    assert code == 2 and out == ""
+    assert "--gpus (2) must be a multiple of --nodes (3)" in err

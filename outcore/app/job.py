@@ -157,6 +157,10 @@ def _holds(mapping: Any, parts: tuple[str, ...]) -> bool:
     return True
 
 
+DRIFTS = ("lr", "dtype", "offload", "data", "batch", "seq")
+"""What a resume names when it runs with another value than its run did (``drifted``)."""
+
+
 def drifted(record: dict[str, Any], effective: dict[str, Any], said: list[str]) -> list[str]:
     """A line for each setting a resume runs with other than its run did, that no line in
     ``said`` names already: a config given again may change one without any flag
@@ -164,7 +168,7 @@ def drifted(record: dict[str, Any], effective: dict[str, Any], said: list[str]) 
     default that has changed since."""
     before = (record.get("run") or {}).get("effective") or {}
     return [f"{key} {effective[key]} (the run had {before[key]})"
-            for key in ("lr", "dtype", "offload") if key in before and key in effective
+            for key in DRIFTS if key in before and key in effective
             and not any(line.startswith(f"--{key} ") for line in said)
             and not same_setting(key, effective[key], before[key])]
 
@@ -216,6 +220,10 @@ def resumed_settings(args: argparse.Namespace, file_cfg: dict[str, Any],
     saved_cfg = record.get("config")
     if args.config is None and isinstance(saved_cfg, dict):
         file_cfg = saved_cfg
+    elif isinstance(saved_cfg, dict) and isinstance(saved_cfg.get("train"), dict):
+        # the run's own train section where the file given again sets nothing: it was the
+        # run's model and data, which the job's defaults would replace without a word
+        file_cfg = {**file_cfg, "train": {**saved_cfg["train"], **(file_cfg.get("train") or {})}}
     return file_cfg, changed
 
 

@@ -306,7 +306,9 @@ def _run_holding_out(args: argparse.Namespace, job: dict[str, Any], cfg: Config,
         raise ConfigError(f"--out {out} holds the checkpoints of an earlier run (latest: "
                           f"{latest.name}); add --resume to continue it, or give another --out")
     if args.resume and latest is None:
-        _say(f"--resume: no complete checkpoint in {ckpt_root}; starting from step 0")
+        _say(f"--resume: no complete checkpoint in {ckpt_root}; starting from step 0 with "
+             f"this command's settings (model {job['model']}, data {job['data'] or 'default'}):"
+             " a run's own are recorded in its checkpoints only")
 
     tokens, tokenized_by = datamod.job_tokens(job, vocab)  # before any swap file: fail fast
     train_tokens, held_out = datamod.split_tokens(tokens)

@@ -205,3 +205,31 @@ def test_a_resume_names_what_a_config_given_again_changes(
     saved = json.loads((out / "checkpoints" / "step-00000003" / "manifest.json").read_text())
     assert (saved["config"]["offload"]["params"], saved["config"]["offload"]["optimizer"]) == (
         "none", "none")
+
+
+def test_a_config_given_again_keeps_the_runs_train_section(
+        tmp_path: Path, text_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Found by a user-style probe: a run whose config's ``train:`` section named its model,
+    data, batch and seq, resumed with a config that has none, was refused as a checkpoint
+    of another model (the job's default), and with ``--model`` given trained the default
+    data at the default batch without a word."""
+    out, first, second = tmp_path / "run", tmp_path / "a.yaml", tmp_path / "b.yaml"
+    first.write_text(f"train:\n  model: tiny\n  data: {text_file}\n  steps: 2\n  batch: 2\n"
+                     "  seq: 32\n  save_every: 2\n")
+    second.write_text("optimizer:\n  lr: 0.002\n")
+    assert main(["train", "--out", str(out), "--config", str(first)]) == 0
+    capsys.readouterr()
+    assert main(["train", "--out", str(out), "--resume", "--steps", "3", "--config",
+                 str(second)]) == 0
+    err = capsys.readouterr().err
+    assert f"data: {text_file.resolve()}" in err and "batch 2x32 per rank" in err, err
+    assert "--resume: data" not in err and "--resume: batch" not in err
+    assert len(read_metrics(out / "metrics.jsonl")) == 3
+    other = tmp_path / "other.txt"  # a config given again that changes them: named
+    other.write_text(text_file.read_text()[::-1])
+    second.write_text(f"train:\n  data: {other}\n  batch: 1\n")
+    assert main(["train", "--out", str(out), "--resume", "--steps", "4", "--config",
+                 str(second)]) == 0
+    err = capsys.readouterr().err
+    assert f"--resume: data {other.resolve()} (the run had {text_file.resolve()})" in err, err
+    assert "--resume: batch 1 (the run had 2)" in err, err

@@ -127,7 +127,7 @@ def _save(engine: Any, path: Path, client_state: dict[str, Any],
             path.parent.mkdir(parents=True, exist_ok=True)
             settle(path)  # what a save killed between its renames left aside
             remove_ours(partial, files)
-            partial.mkdir(mode=0o700)
+            partial.mkdir()  # the umask decides who may read it, as for any file
         except Exception as e:  # noqa: BLE001 - every rank hears of it in _agree
             err = _storage_error(e, path)
     try:  # the path's digest rides along: each rank writes into rank 0's folder

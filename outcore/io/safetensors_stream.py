@@ -144,7 +144,7 @@ class StreamWriter:
         self._specs = list(specs)
         self._next = 0
         head = header_bytes(self._specs, metadata)
-        fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)  # umask applies
         self._f = os.fdopen(fd, "wb", buffering=_CHUNK)
         self._crc = 0
         self._size = 0
@@ -205,7 +205,7 @@ def fsync_dir(path: Path) -> None:
 def write_json_durably(path: Path, data: object) -> None:
     """Write JSON under a temporary name, fsync, then rename: readers see all of it or none."""
     tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)  # umask applies
     with os.fdopen(fd, "w") as f:
         json.dump(data, f, indent=1)
         f.flush()

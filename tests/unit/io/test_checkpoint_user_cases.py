@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 import warnings
 from pathlib import Path
 
@@ -466,3 +467,21 @@ def test_consolidating_where_nothing_can_be_written_is_a_storage_error(tmp_path:
     with pytest.raises(outcore.StorageError, match=r"cannot write /proc/outcore-w.safetensors"):
         outcore.consolidate(path, "/proc/outcore-w.safetensors")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "ck"]
+
+
+def test_checkpoints_and_consolidated_weights_follow_the_umask(tmp_path: Path) -> None:
+    """Found by a user-style probe: checkpoint folders were 0700 and their files, and the
+    consolidated weights meant for sharing, 0600, whatever the umask (the swap files stay
+    private: they are scratch)."""
+    old = os.umask(0o022)
+    try:
+        torch.manual_seed(0)
+        engine = outcore.initialize(nn.Linear(4, 4), {"dtype": "fp32"})
+        path = engine.save_checkpoint(tmp_path / "ck")
+        engine.close()
+        out = outcore.consolidate(path, tmp_path / "w.safetensors")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o755
+    for f in [*path.iterdir(), out]:
+        assert stat.S_IMODE(f.stat().st_mode) == 0o644, f

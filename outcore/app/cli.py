@@ -35,6 +35,7 @@ import re
 import select
 import signal
 import sys
+import threading
 import warnings
 from pathlib import Path
 from types import ModuleType
@@ -433,7 +434,7 @@ def _stdout_gone() -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the ``outcore`` command and return its exit code (see [Note: the CLI error policy])."""
-    argv = list(sys.argv[1:] if argv is None else argv)
+    as_command, argv = argv is None, list(sys.argv[1:] if argv is None else argv)
     command = argv[0] if argv and argv[0] in SUBCOMMANDS else None
     prog = f"outcore {command}" if command else "outcore"
     # a warning is one line saying what, as the errors are: no file, line number or source
@@ -473,6 +474,11 @@ def main(argv: list[str] | None = None) -> int:
         return 141  # the shell's code for SIGPIPE
     finally:
         warnings.formatwarning = formatwarning  # main() called from Python: theirs again
+        if as_command and threading.current_thread() is threading.main_thread():
+            # the command's work is over: a stop signal now (the interpreter's teardown takes
+            # a second) would kill a finished run with 143 or 130, and no word
+            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
+                signal.signal(sig, signal.SIG_IGN)
 
 
 if __name__ == "__main__":

@@ -236,7 +236,7 @@ def test_consolidate_writes_weights_that_load_strictly(capsys: pytest.CaptureFix
     for target in ("rank00000-of-00001.safetensors", "manifest.json"):
         code, out, err = run(capsys, "consolidate", str(ckpt), str(ckpt / target))
         assert code == 2 and out == ""
-        assert_one_line_error(err, "outcore consolidate", "checkpoint's own files")
+        assert_one_line_error(err, "outcore consolidate", "is one of the files of the checkpoint")
     assert {p.name: p.read_bytes() for p in ckpt.iterdir()} == before
     assert run(capsys, "consolidate", str(ckpt), str(ckpt))[0] == 0
     plain.load_state_dict(load_file(ckpt / "model.safetensors"), strict=True)
@@ -337,3 +337,15 @@ def test_estimate_refuses_gpus_that_the_nodes_cannot_share(
                          *extra)
     assert code == 2 and out == ""
     assert "--gpus (2) must be a multiple of --nodes (3)" in err
+
+
+def test_a_stop_signal_after_the_command_ends_does_not_kill_it(tmp_path: Path) -> None:
+    """Found by a user-style probe: a SIGTERM or SIGINT in the second the interpreter takes
+    to tear down after a finished run killed it with 143 or 130 and no word."""
+    script = ("import os, signal, sys, time\nfrom outcore.app.cli import main\n"
+              "sys.argv = ['outcore', 'estimate', '--params', '1B']\ncode = main()\n"
+              "for sig in (signal.SIGTERM, signal.SIGINT):\n    os.kill(os.getpid(), sig)\n"
+              "time.sleep(0.2)\nprint('exited', code, flush=True)\nsys.exit(code)\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0 and "exited 0" in proc.stdout, proc.stderr

@@ -394,6 +394,11 @@ def _run_probe(args: argparse.Namespace) -> int:
 def _run_consolidate(args: argparse.Namespace) -> int:
     if not Path(args.ckpt).exists():
         raise ConfigError(f"checkpoint {args.ckpt} does not exist")
+    if not Path(args.ckpt).is_dir():
+        raise ConfigError(f"checkpoint {args.ckpt} is a file; give a checkpoint's folder "
+                          "(run/checkpoints/step-NNNNNNNN)")
+    if not args.out.strip():
+        raise ConfigError("OUT is empty; give the file or folder to write the weights to")
     full_weights = _import_part("outcore.io.full_weights", "checkpoints")
     out = full_weights.consolidate(args.ckpt, args.out)
     _print(f"wrote {out} ({format_bytes(out.stat().st_size)})")

@@ -349,3 +349,19 @@ def test_a_stop_signal_after_the_command_ends_does_not_kill_it(tmp_path: Path) -
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           timeout=120, cwd=tmp_path)
     assert proc.returncode == 0 and "exited 0" in proc.stdout, proc.stderr
+
+
+@pytest.mark.parametrize(("ckpt", "out", "said"), [
+    ("a_file", "w.safetensors", "is a file; give a checkpoint's folder"),
+    (".", "", "OUT is empty"),
+])
+def test_consolidate_names_a_file_for_a_checkpoint_and_an_empty_out(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], ckpt: str, out: str,
+        said: str) -> None:
+    """A file given as the checkpoint read "manifest.json is unreadable or not JSON: Not a
+    directory" (exit 1); an empty OUT wrote ./model.safetensors."""
+    (tmp_path / "a_file").write_text("x")
+    code, _, err = run(capsys, "consolidate", str(tmp_path / ckpt), out)
+    assert code == 2
+    assert_one_line_error(err, "outcore consolidate", said)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]

@@ -47,7 +47,7 @@ from safetensors import safe_open
 from outcore.errors import ConfigError, OutcoreError, StorageError, user_stacklevel
 from outcore.io import base_record
 from outcore.io import safetensors_stream as sts
-from outcore.io.client_state import check_client_state, decode, json_value, jsonable
+from outcore.io.client_state import check_client_state, decode, group_value
 from outcore.io.manifest import (
     FORMAT,
     VERSION,
@@ -227,6 +227,18 @@ def _write_rank_file(engine: Any, folder: Path) -> FileInfo:
         return w.finish()
 
 
+def _stored_group(i: int, hp: dict[str, Any]) -> dict[str, Any]:
+    """A param group's settings as the manifest keeps them (client_state.py); one with no
+    stored form (a user's object) is left out, said: a load keeps the engine's own."""
+    out = {}
+    for k, v in ((k, v) for k, v in hp.items() if k != "params"):
+        try:
+            out[k] = group_value(v, f"param_groups[{i}][{k!r}]")
+        except ConfigError as e:
+            warnings.warn(f"{e}; a load keeps the engine's own value", stacklevel=user_stacklevel())
+    return out
+
+
 def _manifest(engine: Any, client_state: dict[str, Any], files: dict[str, dict],
               copied: list[str]) -> dict:
     aliases: dict[int, list[str]] = {}
@@ -240,8 +252,7 @@ def _manifest(engine: Any, client_state: dict[str, Any], files: dict[str, dict],
                            "aliases": [n for n in names if n != sp.name]}
         if base_record.in_place(sp):
             params[sp.name]["base"] = sp.compute_shard.entry.name
-    groups = [{k: v for k, v in ((k, json_value(v)) for k, v in hp.items() if k != "params")
-               if jsonable(v)} for hp in engine.param_groups]  # the members are listed below
+    groups = [_stored_group(i, hp) for i, hp in enumerate(engine.param_groups)]  # (members below)
     man = {"format": FORMAT, "version": VERSION, "world_size": engine.rt.world_size,
            "dtype": engine.cfg.dtype, "dtype_reason": engine.dtype_choice.reason,
            "global_steps": engine.global_steps,
@@ -336,7 +347,7 @@ def _load(engine: Any, path: Path, keep_settings: bool = False) -> dict[str, Any
         _warn_replaced_settings(engine, man)
         for hp, saved in zip(engine.param_groups, man["param_groups"], strict=True):
             for k, v in saved.items():  # a tensor stays one (torch shares one lr tensor
-                mine = hp.get(k)  # between groups: a new one each, not filled in place)
+                mine, v = hp.get(k), decode(v)  # between groups: a new one each, not filled)
                 if isinstance(mine, torch.Tensor) and isinstance(v, (int, float, list)):
                     hp[k] = torch.tensor(v, dtype=mine.dtype, device=mine.device)
                 else:

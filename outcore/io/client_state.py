@@ -31,7 +31,7 @@ import torch
 
 from outcore.errors import ConfigError
 
-__all__ = ["check_client_state", "decode", "encode", "json_value", "jsonable"]
+__all__ = ["check_client_state", "decode", "encode", "group_value", "json_value", "jsonable"]
 
 TAG = "__outcore__"
 MAX_TENSOR_ELEMENTS = 4096
@@ -54,25 +54,26 @@ def check_client_state(client_state: dict[str, Any]) -> dict[str, Any]:
 
 def encode(value: Any, where: str) -> Any:
     """``value`` as JSON holds it, tagged where JSON would change it (see the note)."""
-    if value is None or isinstance(value, (bool, str)):
-        return value
     if isinstance(value, torch.Tensor):
         return _tensor(value, where)
     if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):  # a NumPy scalar
-        value = value.item()
+        value = value.item()  # (its bool_ a bool)
+    if value is None or isinstance(value, (bool, str)):
+        return value
     if isinstance(value, numbers.Real):  # a bool was taken above
         return int(value) if isinstance(value, numbers.Integral) else float(value)
     if isinstance(value, list):
         return [encode(v, f"{where}[{i}]") for i, v in enumerate(value)]
     if isinstance(value, tuple):
         return {TAG: "tuple", "items": [encode(v, f"{where}[{i}]") for i, v in enumerate(value)]}
-    kind = _MAPPINGS.get(type(value))
+    kind = _MAPPINGS.get(type(value), "dict" if isinstance(value, dict) else None)
     if kind is None:
         raise ConfigError(f"{where} ({type(value).__name__}) cannot be stored in a checkpoint: "
                           "client_state holds numbers, strings, lists, tuples, dicts (a "
                           "Counter or OrderedDict too) and small tensors; checkpoints store "
                           "JSON, never pickle")
     if kind == "dict" and TAG not in value and all(isinstance(k, str) for k in value):
+        # (a dict of another type, a defaultdict, comes back a plain dict, as JSON gave it)
         return {k: encode(v, f"{where}[{k!r}]") for k, v in value.items()}
     return {TAG: kind, "items": [[encode(k, f"{where} key {k!r}"), encode(v, f"{where}[{k!r}]")]
                                  for k, v in value.items()]}
@@ -92,6 +93,7 @@ def _tensor(t: torch.Tensor, where: str) -> dict[str, Any]:
 _DTYPES = {d: str(d).removeprefix("torch.") for d in (
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
     torch.int16, torch.int8, torch.uint8, torch.bool)}
+_NAMES = set(_DTYPES.values())
 
 
 def decode(value: Any) -> Any:
@@ -101,17 +103,33 @@ def decode(value: Any) -> Any:
     if not isinstance(value, dict):
         return value
     kind = value.get(TAG)
-    if kind is None:
+    if not _tagged(value, kind):  # a plain dict (one of an older outcore may hold the key)
         return {k: decode(v) for k, v in value.items()}
     if kind == "tuple":
         return tuple(decode(v) for v in value["items"])
     if kind == "tensor":
         dtype = getattr(torch, value["dtype"])
         return torch.tensor(value["values"], dtype=dtype).reshape(value["shape"])
-    made = _MADE.get(kind)
-    if made is None:  # a value of a newer outcore's kind: kept as stored
-        return value
-    return made({decode(k): decode(v) for k, v in value["items"]})
+    return _MADE[kind]({decode(k): decode(v) for k, v in value["items"]})
+
+
+def _tagged(value: dict[str, Any], kind: object) -> bool:
+    """Whether ``value`` is what ``encode`` writes for a ``kind`` it knows."""
+    if kind == "tensor":
+        return value.keys() == {TAG, "dtype", "shape", "values"} and value["dtype"] in _NAMES
+    return isinstance(kind, str) and (kind in _MADE or kind == "tuple") and value.keys() == {
+        TAG, "items"} and (
+        isinstance(value["items"], list)) and (kind == "tuple" or all(
+            isinstance(kv, list) and len(kv) == 2 for kv in value["items"]))
+
+
+def group_value(value: Any, where: str) -> Any:
+    """A param group's setting as a manifest stores it: a tensor or NumPy number as its
+    numbers (``json_value``: readable, and a load makes a tensor again where the group holds
+    one), anything else as ``encode`` stores it."""
+    if isinstance(value, torch.Tensor) or getattr(value, "ndim", None) == 0:
+        return json_value(value)
+    return encode(value, where)
 
 
 def jsonable(value: Any) -> bool:

@@ -124,7 +124,6 @@ class Hooks:
         self.schedule = schedule
         self.frames: list[list[GatherGroup]] = []
         self.outer = OuterCall()  # abandoned.py's [Note: a forward left without its post hooks]
-        rt.drop_abandoned = lambda: abandoned.drop(self)
         self._in_backward = False
         self.pending: deque[PendingReduce] = deque()
         # called with each group whose gradients for this backward are reduced (or None)
@@ -142,6 +141,7 @@ class Hooks:
             g in gs for gs in module_groups.values()) > 1}
         self._unseen: dict[int, int] = {}
         me = weakref.ref(self)  # no cycle from the rows' state back to these hooks
+        rt.drop_abandoned = lambda: (h := me()) is not None and abandoned.drop(h)  # (nor rt's)
         self.tied_rows = TiedRows(module_groups.keys(), set(self._tied),
                                   lambda: (h := me()) is not None and h._in_backward)
         # per thread, the autograd node whose unpack recomputes now (see the note)

@@ -222,8 +222,7 @@ def _read(func: Any, args: Args, kwargs: Kwargs, found: list[Touch]) -> Any:
         values[id(t.obj)] = value
         if not fresh:
             borrowed.append(value)
-    out = _run(func, args, kwargs, values)
-    return _own(out, borrowed)
+    return finer.noted(func, found, _own(_run(func, args, kwargs, values), borrowed))
 
 
 def _value(t: Touch) -> tuple[torch.Tensor, bool]:
@@ -422,7 +421,7 @@ def _write(func: Any, args: Args, kwargs: Kwargs, t: Touch, others: list[Touch])
     values[id(t.obj)] = apply_chain(full, t.chain)
     with torch.no_grad():
         _run(func, args, kwargs, values)
-        full = finer.keep_finer(sp, full, finer.source_of(func, args), t.obj.dtype)
+        full = finer.keep_finer(sp, full, finer.source_of(func, args, t.chain))
     sp.overwrite(sp.layout.cut(full, torch.float32))
     return t.obj
 
@@ -496,5 +495,5 @@ def _data_set(obj: torch.Tensor, value: object, found: list[Touch]) -> None:
     if value.dtype != t.obj.dtype:
         raise ParamAccessError(dtype_refusal(sp.label(), value.dtype, t.obj.dtype,
                                              building=sp.rt.engine is None))
-    full = finer.keep_finer(sp, value.detach().to(sp.rt.device, torch.float32), value, t.obj.dtype)
+    full = finer.keep_finer(sp, value.detach().to(sp.rt.device, torch.float32), value)
     sp.overwrite(sp.layout.cut(full, torch.float32))

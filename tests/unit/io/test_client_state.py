@@ -38,6 +38,25 @@ def test_values_json_would_change_come_back_equal_and_of_their_type() -> None:
     for key in ("lr", "mask", "half"):
         assert back[key].dtype == value[key].dtype and torch.equal(back[key], value[key]), key
     assert (back["np"], back["np_int"], back["np_bool"]) == (0.5, 7, True)
+    assert type(back["np_bool"]) is bool
+
+
+def test_another_dict_type_comes_back_a_dict() -> None:
+    """What JSON took before (a dict subclass, a defaultdict) is still stored, as a dict."""
+    class Settings(dict):
+        pass
+
+    back = _round_trip({"a": Settings(x=1), "b": collections.defaultdict(int, {2: 3})})
+    assert back == {"a": {"x": 1}, "b": {2: 3}} and type(back["b"]) is dict
+
+
+@pytest.mark.parametrize("stored", [{"__outcore__": "tuple", "items": [1], "more": 2},
+                                    {"__outcore__": ["x"]}, {"__outcore__": "dict"},
+                                    {"__outcore__": "tensor", "dtype": "nope", "shape": [],
+                                     "values": 1}])
+def test_a_manifests_plain_dict_with_the_tag_key_reads_as_it_is(stored: dict) -> None:
+    """A dict an older outcore stored as it was, that happens to hold the tag's key."""
+    assert decode(stored) == stored
 
 
 def test_a_plain_json_state_is_stored_as_it_is() -> None:
@@ -48,7 +67,7 @@ def test_a_plain_json_state_is_stored_as_it_is() -> None:
 
 @pytest.mark.parametrize(("value", "where"), [
     ({"fn": print}, r"client_state\['fn'\] \(builtin_function_or_method\)"),
-    ({"d": {"k": collections.defaultdict(int)}}, r"client_state\['d'\]\['k'\] \(defaultdict\)"),
+    ({"d": {"k": {1, 2}}}, r"client_state\['d'\]\['k'\] \(set\)"),
     ({"l": [1, object()]}, r"client_state\['l'\]\[1\] \(object\)"),
     ({"big": torch.zeros(MAX_TENSOR_ELEMENTS + 1)}, r"client_state\['big'\] is a tensor of"),
     ({"z": torch.zeros(2, dtype=torch.complex64)}, r"client_state\['z'\] is a torch.complex64"),
@@ -72,4 +91,22 @@ def test_a_scheduler_with_a_tensor_learning_rate_is_saved_and_loaded(tmp_path: P
     back = engine.load_checkpoint(tmp_path / "c")["sched"]
     assert back.keys() == saved.keys()
     assert torch.equal(back["base_lrs"][0], saved["base_lrs"][0])
+    engine.close()
+
+
+def test_a_param_groups_own_keys_are_saved_and_loaded_as_they_were(tmp_path: Path) -> None:
+    """A user's key in a group (torch keeps any) came back a list for a tuple, a number for
+    a tensor, string keys for int ones; one with no stored form is said, not lost quietly."""
+    model = nn.Linear(4, 2)
+    own = {"pair": (1, 2), "scale": torch.tensor(3.0), "by_id": {1: 2}, "thing": object()}
+    engine = outcore.initialize(model, {"dtype": "fp32"},
+                                [{"params": list(model.parameters()), **own}])
+    with pytest.warns(UserWarning, match=r"param_groups\[0\]\['thing'\] \(object\) cannot be "
+                                         r"stored.*a load keeps the engine's own value"):
+        engine.save_checkpoint(tmp_path / "c")
+    group = engine.optimizer.param_groups[0]
+    group.update(pair=(0, 0), scale=torch.tensor(0.0), by_id={}, thing="changed")
+    engine.load_checkpoint(tmp_path / "c")
+    assert group["pair"] == (1, 2) and group["by_id"] == {1: 2} and group["thing"] == "changed"
+    assert isinstance(group["scale"], torch.Tensor) and group["scale"].item() == 3.0
     engine.close()

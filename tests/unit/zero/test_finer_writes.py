@@ -1,7 +1,8 @@
-"""A 16-bit run's parameters read as their training copy; a write of values at that
-precision keeps the fp32 master wherever it does not change what a read shows (finer.py's
-[Note: a write of what a read gave keeps the master]). Found by a user-style probe:
-``model.load_state_dict(model.state_dict())`` moved every master by up to a bf16 step."""
+"""A 16-bit run's parameters read as their training copy; a write of the very tensor a read
+gave, unmodified, keeps the fp32 master (finer.py's [Note: a write of what a read gave keeps
+the master]), and any other is written as given. Found by user-style probes:
+``model.load_state_dict(model.state_dict())`` moved every master by up to a bf16 step, and
+the first fix undid a constraint written with ``copy_`` where the master rounded into it."""
 
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ def test_writing_back_what_was_read_keeps_the_masters(tmp_path: Path, offload: s
     with torch.no_grad():
         model.load_state_dict(model.state_dict())
         w.copy_(w.detach())
-        model[2].weight.data = model[2].weight.data.clone()
+        model[2].weight.data = model[2].weight.detach()
     after = _masters(engine, model)
     for name in before:
         assert torch.equal(after[name], before[name]), name
@@ -49,20 +50,23 @@ def test_writing_back_what_was_read_keeps_the_masters(tmp_path: Path, offload: s
 
 
 @pytest.mark.parametrize("offload", ["none", "nvme"])
-def test_a_write_that_changes_values_takes_them(tmp_path: Path, offload: str) -> None:
-    """A bf16 source changes the elements it changes (to its values); an fp32 source is
-    written exactly, even where it rounds to what a read shows (a fine-tune over its base)."""
+def test_a_write_of_anything_else_is_written_as_given(tmp_path: Path, offload: str) -> None:
+    """A copy changed in place, a tensor computed from a read (a constraint: a clamp whose
+    bound the master exceeds by less than a bf16 step), an fp32 source: each replaces the
+    master with its values, as the write says."""
     model, engine = _engine(tmp_path, offload)
-    before = _masters(engine, model)["0.weight"]
     w = model[0].weight
-    new = w.detach().clone()
-    new[0] += 1.0
+    changed = w.detach()
+    changed[0] += 1.0  # in place, after the read: its version moved
     with torch.no_grad():
-        w.copy_(new)
-    after = _masters(engine, model)["0.weight"]
-    assert torch.equal(after[0], new[0].float())
-    assert torch.equal(after[1:], before[1:])
-    nudged = after + 1e-6  # below bf16's step: a read shows the same values
+        w.copy_(changed)
+    assert torch.equal(_masters(engine, model)["0.weight"], changed.float())
+    with torch.no_grad():  # a master just above a bound that reads as the bound
+        w.copy_(torch.full_like(w, 1.002, dtype=torch.float32))
+        assert w.detach().max().item() == 1.0
+        w.copy_(w.detach().clamp(max=1.0))
+    assert _masters(engine, model)["0.weight"].max().item() == 1.0
+    nudged = _masters(engine, model)["0.weight"] + 1e-6  # fp32, below bf16's step
     with torch.no_grad():
         w.copy_(nudged)
     assert torch.equal(_masters(engine, model)["0.weight"], nudged)

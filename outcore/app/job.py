@@ -5,6 +5,7 @@ value into one line naming the key."""
 from __future__ import annotations
 
 import argparse
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -71,10 +72,11 @@ def job_settings(args: argparse.Namespace, file_job: Any) -> dict[str, Any]:
         return (f"--{key.replace('_', '-')}" if getattr(args, key, None) is not None
                 else f"train.{key}")
 
-    for key in ("steps", "save_every", "batch", "seq"):
-        value = job[key]  # YAML's true is an int to Python, not a count
-        if value is not None and (type(value) is not int or value < 1):
-            raise ConfigError(f"{source(key)}: must be a whole number >= 1, got {value!r}")
+    for key in ("steps", "save_every", "batch", "seq"):  # the file's too, where a flag wins
+        for where, value in ((source(key), job[key]), (f"train.{key}", file_job.get(key))):
+            # YAML's true is an int to Python, not a count
+            if value is not None and (type(value) is not int or value < 1):
+                raise ConfigError(f"{where}: must be a whole number >= 1, got {value!r}")
     for key, may_be_none in (("model", False), ("out", False), ("data", True)):
         value = job[key]
         if not (isinstance(value, str | Path) and str(value)) and not (
@@ -225,6 +227,15 @@ def resumed_settings(args: argparse.Namespace, file_cfg: dict[str, Any],
         # run's model and data, which the job's defaults would replace without a word
         file_cfg = {**file_cfg, "train": {**saved_cfg["train"], **(file_cfg.get("train") or {})}}
     return file_cfg, changed
+
+
+def warn_unused_nvme_path(args: argparse.Namespace, cfg: Any, job: dict[str, Any]) -> None:
+    """``--nvme-path`` where nothing goes to NVMe (``--offload cpu``) was ignored silently."""
+    off = cfg.offload
+    if args.nvme_path is not None and "nvme" not in (off.params, off.optimizer) and (
+            job["offload_activations"] != "nvme"):
+        warnings.warn(f"--nvme-path {args.nvme_path} is unused: nothing is placed on NVMe "
+                      f"(params {off.params}, optimizer {off.optimizer})", stacklevel=2)
 
 
 def check_out(out: Path) -> None:

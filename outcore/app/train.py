@@ -267,6 +267,7 @@ def run(args: argparse.Namespace) -> int:
         "data": str(Path(job["data"]).resolve()) if job["data"] else None}
     for line in jobs.drifted(client, record["effective"], changed) if latest is not None else []:
         _say(f"--resume: {line}")
+    jobs.warn_unused_nvme_path(args, cfg, job)
     caution = check_fits(cfg, n_params, int(os.environ.get("WORLD_SIZE", "1")),  # before the build
                          trainable=trainable)
     if caution:

@@ -233,3 +233,21 @@ def test_a_config_given_again_keeps_the_runs_train_section(
     err = capsys.readouterr().err
     assert f"--resume: data {other.resolve()} (the run had {text_file.resolve()})" in err, err
     assert "--resume: batch 1 (the run had 2)" in err, err
+
+
+def test_a_bad_count_in_the_file_is_named_even_where_a_flag_wins(
+        tmp_path: Path, text_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Found by a user-style probe: ``train.steps: "two"`` passed unseen beside --steps."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("train:\n  steps: two\n")
+    err = _error(capsys, _job(tmp_path / "run", text_file, "--steps", "2", "--config", str(cfg)))
+    assert "train.steps: must be a whole number >= 1, got 'two'" in err, err
+
+
+def test_an_nvme_path_nothing_uses_is_said(
+        tmp_path: Path, text_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--nvme-path`` with ``--offload cpu`` was ignored without a word."""
+    with pytest.warns(UserWarning, match="--nvme-path .*fast is unused: nothing is placed on "
+                                         r"NVMe \(params cpu, optimizer cpu\)"):
+        assert main(_job(tmp_path / "run", text_file, "--steps", "1", "--offload", "cpu",
+                         "--nvme-path", str(tmp_path / "fast"))) == 0

@@ -186,8 +186,8 @@ def save_adapters(model: nn.Module, rank: int, out: str | os.PathLike[str],
 def holds_weights(folder: Path) -> bool:
     """Whether ``folder`` holds a model's weights as ``save_full`` or ``save_adapters`` write
     them (one file or an index of shards)."""
-    return any((folder / name).is_file() for name in (
-        "model.safetensors", "model.safetensors.index.json", "adapter_model.safetensors"))
+    return any((folder / name).is_file()
+               for name in (WEIGHTS_NAME, INDEX_NAME, "adapter_model.safetensors"))
 
 
 def load_saved(model: nn.Module, folder: Path) -> None:

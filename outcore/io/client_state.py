@@ -14,16 +14,17 @@ never decayed again. So ``encode`` writes those values tagged (an object whose `
 names the type: ``tuple``, ``dict`` with keys of any stored kind, ``Counter``,
 ``OrderedDict``, ``tensor`` with its dtype and shape) and ``decode`` makes them again, equal
 to what was saved; a small tensor's numbers are a setting, not a weight (at most
-``MAX_TENSOR_ELEMENTS``; a larger one belongs in a file, ``save_checkpoint(files=)``). What
-has no faithful form (a function, a ``defaultdict``'s factory, an object) is refused, naming
-where it is. A plain JSON dict is stored as it is, so a manifest written before stays
-readable, and one a person reads shows the values as they are.
+``MAX_TENSOR_ELEMENTS``; a larger one belongs in a file, ``save_checkpoint(files=)``). A dict
+of another type (a ``defaultdict``, a subclass) comes back a plain dict, as JSON gave it back
+before; what has no faithful form (a function, a set, an object) is refused, naming where it
+is. A plain JSON dict is stored as it is, so a manifest written before stays readable (one
+that held the tag's key reads as it is unless it has exactly a tag's shape), and one a
+person reads shows the values as they are.
 """
 
 from __future__ import annotations
 
 import collections
-import json
 import numbers
 from typing import Any
 
@@ -31,7 +32,7 @@ import torch
 
 from outcore.errors import ConfigError
 
-__all__ = ["check_client_state", "decode", "encode", "group_value", "json_value", "jsonable"]
+__all__ = ["check_client_state", "decode", "encode", "group_value", "json_value"]
 
 TAG = "__outcore__"
 MAX_TENSOR_ELEMENTS = 4096
@@ -117,28 +118,19 @@ def _tagged(value: dict[str, Any], kind: object) -> bool:
     """Whether ``value`` is what ``encode`` writes for a ``kind`` it knows."""
     if kind == "tensor":
         return value.keys() == {TAG, "dtype", "shape", "values"} and value["dtype"] in _NAMES
-    return isinstance(kind, str) and (kind in _MADE or kind == "tuple") and value.keys() == {
-        TAG, "items"} and (
-        isinstance(value["items"], list)) and (kind == "tuple" or all(
-            isinstance(kv, list) and len(kv) == 2 for kv in value["items"]))
+    if not (isinstance(kind, str) and (kind in _MADE or kind == "tuple")
+            and value.keys() == {TAG, "items"} and isinstance(value["items"], list)):
+        return False
+    return kind == "tuple" or all(isinstance(kv, list) and len(kv) == 2 for kv in value["items"])
 
 
 def group_value(value: Any, where: str) -> Any:
-    """A param group's setting as a manifest stores it: a tensor or NumPy number as its
-    numbers (``json_value``: readable, and a load makes a tensor again where the group holds
-    one), anything else as ``encode`` stores it."""
-    if isinstance(value, torch.Tensor) or getattr(value, "ndim", None) == 0:
-        return json_value(value)
-    return encode(value, where)
-
-
-def jsonable(value: Any) -> bool:
-    """Whether ``json.dumps`` takes ``value`` (the manifest keeps only such group settings)."""
-    try:
-        json.dumps(value)
-        return True
-    except (TypeError, ValueError):
-        return False
+    """A param group's setting as a manifest stores it: a small tensor (a learning rate) or a
+    NumPy number as its numbers (``json_value``: readable, and a load makes a tensor again
+    where the group holds one), anything else as ``encode`` stores it."""
+    small = value.numel() <= 16 if isinstance(value, torch.Tensor) else (
+        getattr(value, "ndim", None) == 0)
+    return json_value(value) if small else encode(value, where)
 
 
 def json_value(value: Any) -> Any:

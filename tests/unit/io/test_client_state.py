@@ -98,15 +98,18 @@ def test_a_param_groups_own_keys_are_saved_and_loaded_as_they_were(tmp_path: Pat
     """A user's key in a group (torch keeps any) came back a list for a tuple, a number for
     a tensor, string keys for int ones; one with no stored form is said, not lost quietly."""
     model = nn.Linear(4, 2)
-    own = {"pair": (1, 2), "scale": torch.tensor(3.0), "by_id": {1: 2}, "thing": object()}
+    own = {"pair": (1, 2), "scale": torch.tensor(3.0), "by_id": {1: 2}, "thing": object(),
+           "mask": torch.ones(100)}
     engine = outcore.initialize(model, {"dtype": "fp32"},
                                 [{"params": list(model.parameters()), **own}])
     with pytest.warns(UserWarning, match=r"param_groups\[0\]\['thing'\] \(object\) cannot be "
                                          r"stored.*a load keeps the engine's own value"):
         engine.save_checkpoint(tmp_path / "c")
     group = engine.optimizer.param_groups[0]
-    group.update(pair=(0, 0), scale=torch.tensor(0.0), by_id={}, thing="changed")
+    group.update(pair=(0, 0), scale=torch.tensor(0.0), by_id={}, thing="changed",
+                 mask=torch.zeros(100))
     engine.load_checkpoint(tmp_path / "c")
     assert group["pair"] == (1, 2) and group["by_id"] == {1: 2} and group["thing"] == "changed"
     assert isinstance(group["scale"], torch.Tensor) and group["scale"].item() == 3.0
+    assert torch.equal(group["mask"], torch.ones(100))
     engine.close()

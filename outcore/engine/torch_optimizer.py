@@ -316,7 +316,7 @@ def hooked_state_dict(opt: torch.optim.Optimizer,
 
 
 def hooked_load(opt: torch.optim.Optimizer, state_dict: dict[str, Any],
-            run: Callable[[dict[str, Any]], None]) -> None:
+                run: Callable[[dict[str, Any]], None]) -> None:
     """``run(state_dict)`` between ``opt``'s load hooks, as torch's
     ``Optimizer.load_state_dict`` runs them (the pre-hooks get a shallow copy)."""
     if not isinstance(state_dict, dict):
@@ -352,7 +352,7 @@ def _calling(ref: weakref.ref[TorchOptimizer], name: str) -> Callable[..., Any]:
         if name == "load_state_dict" and (args or "state_dict" in kwargs):
             given = args[0] if args else kwargs.pop("state_dict")
             return hooked_load(this, given,
-                           lambda sd: facade.load_state_dict(sd, *args[1:], **kwargs))
+                               lambda sd: facade.load_state_dict(sd, *args[1:], **kwargs))
         if name != "step":
             return getattr(facade, name)(*args, **kwargs)
         # step hooks run around it as torch runs them (Optimizer.profile_hook_step): torch's

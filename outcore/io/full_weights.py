@@ -56,8 +56,8 @@ def consolidate(ckpt: str | os.PathLike[str], out: str | os.PathLike[str]) -> Pa
     old = man["world_size"]
     for r in range(old):
         check_file(folder, man, rank_file(r, old))
-    if man.get("base") and out.resolve() in {t.path.resolve() for t in base_record.named_tensors(
-            man["base"], f"{folder} holds no copy of its frozen base").values()}:
+    base = _base_tensors(man, folder)
+    if base is not None and out.resolve() in {t.path.resolve() for t in base.values()}:
         raise ConfigError(f"consolidate: {out} is the frozen base this checkpoint's run reads "
                           "in place (its checkpoints need it as it is); write the weights "
                           "elsewhere")
@@ -65,7 +65,7 @@ def consolidate(ckpt: str | os.PathLike[str], out: str | os.PathLike[str]) -> Pa
         raise StorageError(f"consolidate: cannot write {out}: {above} is a file, not a folder")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        _write(folder, out, man, old)
+        _write(folder, out, man, old, base)
     except OSError as e:  # where it cannot write: a read-only place, a parent that is a file
         if isinstance(e, StorageError):
             raise
@@ -75,15 +75,17 @@ def consolidate(ckpt: str | os.PathLike[str], out: str | os.PathLike[str]) -> Pa
     return out
 
 
-def _write(folder: Path, out: Path, man: dict, old: int) -> None:
-    """Stream the full weights into ``out`` (its temporary file goes on a failure)."""
-    base = _base_reader(man, folder)
+def _write(folder: Path, out: Path, man: dict, old: int,
+           base: dict[str, TensorEntry] | None) -> None:
+    """Stream the full weights into ``out`` (its temporary file goes on a failure); ``base``:
+    the frozen base's tensors where the checkpoint names its base instead of storing it."""
+    reader = None if base is None else SourceReader(AioEngine(threads=4))
     with contextlib.ExitStack() as stack:
         handles = {r: stack.enter_context(safe_open(folder / rank_file(r, old), "pt"))
                    for r in range(old)}
-        if base is not None:
-            stack.callback(base[1].engine.close)
-            stack.callback(base[1].close)
+        if reader is not None:
+            stack.callback(reader.engine.close)
+            stack.callback(reader.close)
         specs = [TensorSpec(n, torch.float32, tuple(e["shape"]))
                  for canon, e in man["params"].items() for n in (canon, *e["aliases"])]
         buf_dtypes = {}
@@ -96,8 +98,8 @@ def _write(folder: Path, out: Path, man: dict, old: int) -> None:
             for canon, e in man["params"].items():
                 n, kind = e["numel"], "master" if e["trainable"] else "values"
                 full = torch.empty(n, dtype=torch.float32)
-                if "base" in e and base is not None:  # named, not stored: read from its file
-                    base[1].read_now(base[0][e["base"]], 0, full)
+                if "base" in e and base is not None and reader is not None:  # read from its file
+                    reader.read_now(base[e["base"]], 0, full)
                 else:
                     sts.read_flat_range(handles, old, f"{canon}::{kind}", n, 0, n, full)
                 for name in (canon, *e["aliases"]):
@@ -108,14 +110,14 @@ def _write(folder: Path, out: Path, man: dict, old: int) -> None:
             w.finish()
 
 
-def _base_reader(man: dict, folder: Path) -> tuple[dict[str, TensorEntry], SourceReader] | None:
-    """The base's tensors and a reader for them, where the checkpoint names its base instead
-    of storing it (base_record.py's note); the base must be the one it trained over."""
+def _base_tensors(man: dict, folder: Path) -> dict[str, TensorEntry] | None:
+    """The base's tensors, where the checkpoint names its base instead of storing it
+    (base_record.py's note); the base must be the one it trained over."""
     if not man.get("base"):
         return None
     tensors = base_record.named_tensors(man["base"], f"{folder} holds no copy of its frozen base")
     base_record.check(man["base"], sorted({t.path for t in tensors.values()}), folder)
-    return tensors, SourceReader(AioEngine(threads=4))
+    return tensors
 
 
 def _copy_hf_config(folder: Path, dest: Path) -> None:

@@ -411,6 +411,8 @@ def _write(func: Any, args: Args, kwargs: Kwargs, t: Touch, others: list[Touch])
             "by other ranks; do it inside `with engine.gathered_parameters([p], modify=True):` "
             "on every rank (writes that overwrite or are pointwise, like copy_, fill_, "
             "nn.init's random fills or mul_, work as they are)")
+    if finer.unchanged(sp, finer.source_of(func, args, t.chain)):  # a read written back
+        return t.obj
     if not t.chain and func in registry.OVERWRITE_CALLS:  # nothing old survives the call
         full = torch.empty(sp.shape, dtype=torch.float32, device=sp.rt.device)
     elif world > 1:
@@ -421,7 +423,6 @@ def _write(func: Any, args: Args, kwargs: Kwargs, t: Touch, others: list[Touch])
     values[id(t.obj)] = apply_chain(full, t.chain)
     with torch.no_grad():
         _run(func, args, kwargs, values)
-        full = finer.keep_finer(sp, full, finer.source_of(func, args, t.chain))
     sp.overwrite(sp.layout.cut(full, torch.float32))
     return t.obj
 
@@ -495,5 +496,5 @@ def _data_set(obj: torch.Tensor, value: object, found: list[Touch]) -> None:
     if value.dtype != t.obj.dtype:
         raise ParamAccessError(dtype_refusal(sp.label(), value.dtype, t.obj.dtype,
                                              building=sp.rt.engine is None))
-    full = finer.keep_finer(sp, value.detach().to(sp.rt.device, torch.float32), value)
-    sp.overwrite(sp.layout.cut(full, torch.float32))
+    if not finer.unchanged(sp, value):  # (a read written back changes nothing: finer.py)
+        sp.overwrite(sp.layout.cut(value.detach().to(sp.rt.device), torch.float32))

@@ -8,7 +8,7 @@ in a callback, ``p.copy_(p.detach())``), those values replaced the fp32 master, 
 what the rounding dropped: every such write moved the weights a 16-bit step (2.5e-3 on a
 small Llama in bf16) although nothing had changed. So each tensor such a read gives (one
 rank, between steps, a 16-bit parameter) is noted with its version counter, and a write of
-the whole parameter from that very tensor, unmodified since, keeps the master. Anything else
+the whole parameter from that very tensor, unmodified since, is not made. Anything else
 is written as given: a tensor computed from the read (a clamp, a projection, an EMA), even
 where it rounds to what a read shows, replaces the master, or a constraint written with
 ``copy_`` would be undone by the master's finer value (tried first: keeping every element
@@ -56,11 +56,9 @@ def source_of(func: Any, args: tuple[Any, ...], chain: object) -> object:
     return args[1] if func is torch.Tensor.copy_ and len(args) > 1 and not chain else None
 
 
-def keep_finer(sp: ShardedParam, full: torch.Tensor, source: object) -> torch.Tensor:
-    """``full`` (the parameter's new fp32 values), or its master's values where ``source``
-    is a read of it, unmodified since (see the note)."""
+def unchanged(sp: ShardedParam, source: object) -> bool:
+    """Whether writing ``source`` into ``sp`` writes back a read of it, unmodified since: a
+    write that changes nothing, so none is made (see the note)."""
     entry = _READS.get(id(source))
-    if entry is None or entry[0]() is not source or entry[1]() is not sp:
-        return full
-    assert isinstance(source, torch.Tensor)
-    return sp.read_value(exact=True) if source._version == entry[2] else full
+    return (entry is not None and entry[0]() is source and entry[1]() is sp
+            and isinstance(source, torch.Tensor) and source._version == entry[2])

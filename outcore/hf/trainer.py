@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 from transformers import Trainer
+from transformers.trainer import OPTIMIZER_NAME
 
 from outcore.config import Config, read_mapping
 from outcore.config.deepspeed import is_deepspeed
@@ -40,6 +41,7 @@ from outcore.hf import saving
 from outcore.hf.args import OutcoreConfigSource, build_config, check_world, deepspeed_from_args
 from outcore.hf.schedule import deepspeed_scheduler
 from outcore.io.publish import MANIFEST
+from outcore.optim.param_groups import TORCH_GROUP_KEYS
 
 # Trainer methods OutcoreTrainer overrides; private ones move between transformers releases
 OVERRIDDEN = ("create_accelerator_and_postprocess", "_move_model_to_device", "_wrap_model",
@@ -65,7 +67,15 @@ class EngineOptimizer(TorchOptimizer):
     """The engine's optimizer as the Trainer and its scheduler see it: ``engine.optimizer``'s
     torch contract (engine/torch_optimizer.py's note), plus what accelerate's wrapper is told
     about skipped steps. Its ``state_dict()`` holds the hyper-parameters only: the moments live
-    in the outcore checkpoint of the same ``checkpoint-N`` folder."""
+    in the outcore checkpoint of the same ``checkpoint-N`` folder.
+
+    [Note: optimizer.pt in a checkpoint-N folder]
+    The Trainer writes this ``state_dict()`` as ``optimizer.pt``. It has torch's layout (each
+    group's ``params`` as indices, the keys torch's optimizer of the type keeps) and an empty
+    ``state``, so a plain ``Trainer`` resuming the folder, on a machine without outcore's
+    engine, loads it into its own optimizer and goes on from the weights, step and schedule
+    with new moments, as it resumes a DeepSpeed checkpoint; it raised ``KeyError: 'params'``.
+    Writing the moments here too would store every checkpoint's optimizer state twice."""
 
     def __init__(self, engine: Engine) -> None:
         super().__init__(engine)
@@ -82,19 +92,37 @@ class EngineOptimizer(TorchOptimizer):
     step.hooked = True  # type: ignore[attr-defined]
 
     def state_dict(self) -> dict[str, Any]:
-        return hooked_state_dict(self, lambda: {"state": {}, "param_groups": [
-            {k: v for k, v in g.items() if k != "params"} for g in self.param_groups]})
+        return hooked_state_dict(self, self._groups_only)
+
+    def _groups_only(self) -> dict[str, Any]:
+        """torch's layout with no state (see [Note: optimizer.pt in a checkpoint-N folder])."""
+        torch_keys = TORCH_GROUP_KEYS.get(self._engine.cfg.optimizer.type, {})
+        index, groups = 0, []
+        for g in self.param_groups:
+            count = len(g["params"])
+            groups.append({**torch_keys, **{k: v for k, v in g.items() if k != "params"},
+                           "params": list(range(index, index + count))})
+            index += count
+        return {"state": {}, "param_groups": groups}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         hooked_load(self, state_dict, self._load_groups)  # between its hooks, as torch's
 
     def _load_groups(self, state_dict: dict[str, Any]) -> None:
+        """The hyper-parameters of an OutcoreTrainer's ``optimizer.pt``; a torch optimizer's
+        whole state (a plain ``Trainer``'s checkpoint) goes into the engine's moments."""
+        if state_dict.get("state"):
+            self._load_state_dict(state_dict)  # TorchOptimizer's: checked, then written
+            return
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups):
             raise ConfigError(f"optimizer state has {len(groups)} param groups, this run has "
                               f"{len(self.param_groups)}")
+        added = TORCH_GROUP_KEYS.get(self._engine.cfg.optimizer.type, {})
         for mine, saved in zip(self.param_groups, groups, strict=True):
-            mine.update({k: v for k, v in saved.items() if k != "params"})
+            # the keys ``state_dict`` added for torch's optimizer stay out of the engine's groups
+            mine.update({k: v for k, v in saved.items()
+                         if k != "params" and (k in mine or k not in added)})
 
 
 class EngineModel(nn.Module):
@@ -314,9 +342,12 @@ class OutcoreTrainer(Trainer):
         if not folder.is_dir():  # transformers' own words and exception type
             raise ValueError(f"Can't find a valid checkpoint at {resume_from_checkpoint}")
         if not (folder / MANIFEST).is_file() and saving.holds_weights(folder):
-            warnings.warn(f"{resume_from_checkpoint} was saved with save_only_model=True: the "
-                          "run goes on from its weights and step with a new optimizer state, "
-                          "as Trainer resumes such a checkpoint", stacklevel=2)
+            # a plain Trainer's checkpoint: its optimizer.pt, if any, holds torch's whole
+            # state, which the Trainer loads next (EngineOptimizer._load_groups)
+            if not (folder / OPTIMIZER_NAME).is_file():
+                warnings.warn(f"{resume_from_checkpoint} was saved with save_only_model=True: "
+                              "the run goes on from its weights and step with a new optimizer "
+                              "state, as Trainer resumes such a checkpoint", stacklevel=2)
             saving.load_saved(self.model, folder)
             return
         if not (folder / MANIFEST).is_file():

@@ -25,7 +25,11 @@ pytestmark = pytest.mark.filterwarnings("error::outcore.GradReadWarning")
 
 
 def losses(trainer) -> list[float]:
-    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    return logged(trainer, "loss")
+
+
+def logged(trainer, key: str) -> list[float]:
+    return [h[key] for h in trainer.state.log_history if key in h]
 
 
 def test_label_smoothing_shifts_the_labels_as_trainer_does(tmp_path: Path) -> None:
@@ -169,4 +173,42 @@ def test_the_trainers_optimizer_runs_state_dict_hooks(tmp_path: Path) -> None:
     assert saved["mine"] == 1
     ours.optimizer.load_state_dict(saved)
     assert calls == ["loaded"]
+    ours.close()
+
+
+def test_a_plain_trainer_resumes_an_outcore_trainers_checkpoint(tmp_path: Path) -> None:
+    """A run moved to a machine without outcore: plain ``Trainer`` resumes OutcoreTrainer's
+    ``checkpoint-N`` (it raised ``KeyError: 'params'`` on the ``optimizer.pt`` of groups only)
+    from its weights, step and schedule with new moments, as it resumes a DeepSpeed one."""
+    kw = {"save_strategy": "steps", "save_steps": 4}
+    ours = OutcoreTrainer(model=build("llama"), args=arguments(tmp_path / "ours", **kw),
+                          train_dataset=dataset(), outcore_config=nvme(tmp_path))
+    ours.train()
+    ours.close()
+    plain = transformers.Trainer(model=build("llama"), args=arguments(tmp_path / "plain", **kw),
+                                 train_dataset=dataset())
+    plain.train(resume_from_checkpoint=str(tmp_path / "ours" / "checkpoint-4"))
+    assert plain.state.global_step == 8
+    # step 5's loss comes before any update after the resume: the checkpoint's weights
+    assert logged(plain, "loss")[4] == pytest.approx(logged(ours, "loss")[4], rel=1e-5)
+    assert logged(plain, "learning_rate") == logged(ours, "learning_rate")
+    group = plain.optimizer.param_groups[0]
+    assert group["decoupled_weight_decay"] is True and group["weight_decay"] == 0.1
+
+
+def test_an_outcore_trainer_resumes_a_plain_trainers_checkpoint_exactly(tmp_path: Path) -> None:
+    """The other way: a plain ``Trainer``'s ``optimizer.pt`` holds torch's whole state, which
+    goes into the engine's moments, so the losses after the resume are plain Trainer's (the
+    moments were dropped under a warning that named ``save_only_model``)."""
+    kw = {"save_strategy": "steps", "save_steps": 4}
+    plain = transformers.Trainer(model=build("llama"), args=arguments(tmp_path / "plain", **kw),
+                                 train_dataset=dataset())
+    plain.train()
+    ours = OutcoreTrainer(model=build("llama"), args=arguments(tmp_path / "ours", **kw),
+                          train_dataset=dataset(), outcore_config=nvme(tmp_path))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*save_only_model")
+        ours.train(resume_from_checkpoint=str(tmp_path / "plain" / "checkpoint-4"))
+    torch.testing.assert_close(logged(ours, "loss"), logged(plain, "loss"), rtol=1e-5,
+                               atol=1e-6)
     ours.close()

@@ -276,15 +276,15 @@ class Engine:
         return stepping.update(self, via)
 
     def zero_grad(self) -> None:
-        """Drop the gradients accumulated since the last step (what torch's
-        ``optimizer.zero_grad()`` does); the accumulation starts over. Refused after a
-        boundary backward that already applied updates (optimizer.py's [Note: updating
-        during backward]): those cannot be taken back. Tentative ones are
-        (speculation.py's [Note: a speculative step])."""
+        """Drop the gradients accumulated since the last step, and any ``p.grad`` (torch's
+        ``optimizer.zero_grad()``); the accumulation starts over. Refused after a boundary
+        backward that already applied updates (optimizer.py's [Note: updating during
+        backward]); tentative ones are taken back (speculation.py's [Note: a speculative step])."""
         self._check_open()
         self._reopen_boundary("zero_grad()")
         self.sharded_optimizer.zero_grad(keep=self.sharded_optimizer.pending_jobs)
         self.micro_steps, self._at_boundary = 0, False
+        type(self.module).zero_grad(self.module)  # e.g. a backward's before initialize
 
     def synchronize(self) -> None:
         """Wait for every update the last ``step()`` or backward left running (pipeline.py's

@@ -101,7 +101,8 @@ class TorchOptimizer(torch.optim.Optimizer):
         if self._built:
             raise ConfigError("outcore builds its optimizer's parameter groups when the engine "
                               "is made; pass them as outcore.initialize(model, cfg, "
-                              "param_groups=[...])")
+                              "param_groups=[...]) (to train parameters added later: "
+                              "engine.close() and initialize again)")
         for key, value in self.defaults.items():
             param_group.setdefault(key, value)
         self.param_groups.append(param_group)

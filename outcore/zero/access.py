@@ -15,7 +15,7 @@ from torch._C import DisableTorchFunctionSubclass
 
 from outcore.errors import ParamAccessError
 from outcore.runtime.phase import Phase
-from outcore.zero import finer, registry
+from outcore.zero import calls, finer, registry
 from outcore.zero.calls import (
     CPU,
     CUDA,
@@ -92,6 +92,8 @@ class ParamView(torch.Tensor):
     @classmethod  # torch's stub makes Tensor's default a plain method, hence the ignore
     def __torch_dispatch__(cls, func: Any, types: Iterable[type],  # type: ignore[override]
                            args: Args = (), kwargs: Kwargs | None = None) -> Any:
+        if func.overloadpacket.__name__ in calls.ALLOCATING:  # zeros_like(p.data), new_full
+            return calls.allocate_like(func, args, kwargs or {}, ParamView)
         raise ParamAccessError(
             f"{func} reached a view of a sharded parameter below torch's Python layer; wrap "
             "the code in engine.gathered_parameters() to give it the full tensor")
@@ -159,13 +161,10 @@ def _target(kind: Kind, args: Args, kwargs: Kwargs) -> object:
     out = kwargs.get("out")
     if isinstance(out, torch.Tensor):
         return out
-    if kind in (Kind.WRITE, Kind.REFUSED):
-        if args:
-            return args[0]
-        for key in ("tensor", "input", "self"):
-            if key in kwargs:
-                return kwargs[key]
-    return None
+    if kind not in (Kind.WRITE, Kind.REFUSED):
+        return None
+    keyed = (kwargs[key] for key in ("tensor", "input", "self") if key in kwargs)
+    return args[0] if args else next(keyed, None)
 
 
 def _run(func: Any, args: Args, kwargs: Kwargs, values: dict[int, torch.Tensor]) -> Any:

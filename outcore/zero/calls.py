@@ -145,6 +145,21 @@ def _called_from(code: CodeType, depth: int = 8) -> bool:
     return False
 
 
+ALLOCATING = frozenset(("empty_like", "zeros_like", "ones_like", "full_like", "rand_like",
+                        "randn_like", "randint_like", "new_empty", "new_empty_strided",
+                        "new_zeros", "new_ones", "new_full"))
+"""aten calls that make a new tensor from an argument's geometry alone: ``*_like`` and
+``new_*`` on a view of a sharded parameter (``torch.zeros_like(p.data)``) reach its dispatch,
+where the view has no bytes to give, and need none (``allocate_like``)."""
+
+
+def allocate_like(func: Any, args: Args, kwargs: Kwargs, view: type) -> Any:
+    """``func`` (one of ``ALLOCATING``) with each ``view`` among ``args`` replaced by an empty
+    tensor of its size, strides, dtype and device: what it would make from the view."""
+    return func(*[torch.empty_strided(a.size(), a.stride(), dtype=a.dtype, device=a.device)
+                  if type(a) is view else a for a in args], **kwargs)
+
+
 def refuse_new_parameter(func: Any, args: Args) -> None:
     """Refuse ``nn.Parameter(p)`` of a sharded parameter or a view of one, seen as the
     ``detach`` that ``Parameter.__new__`` calls on a tensor subclass.

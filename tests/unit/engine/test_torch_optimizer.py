@@ -748,3 +748,32 @@ def test_the_old_engines_optimizer_refuses_every_state_call(tmp_path: Path, how:
     if how == "takeover":  # the new engine's own answers
         assert second.optimizer.state_dict()["param_groups"][0]["params"] == [0, 1, 2, 3]
         second.close()
+
+
+@pytest.mark.parametrize("offload", ["none", "nvme"])
+@pytest.mark.parametrize("how", ["optimizer", "engine", "adopted"])
+def test_zero_grad_drops_a_grad_from_before_initialize(tmp_path: Path, how: str,
+                                                        offload: str) -> None:
+    """Found by a user-style probe: a ``p.grad`` left by a plain backward before
+    ``initialize`` goes into the first step, as in torch, but ``engine.zero_grad()`` and the
+    optimizer's ``zero_grad()`` did not drop it as torch's does: the first update went the
+    other way, without a word."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4)).to(default_device())
+    model(_batch(9)).pow(2).mean().mul(100).backward()  # the stale gradient
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(ref.parameters(), **HP)
+    adopted = torch.optim.AdamW(model.parameters(), **HP) if how == "adopted" else None
+    engine = outcore.initialize(model, {
+        "dtype": "fp32", "optimizer": {"type": "adamw", **HP},
+        "offload": {"params": offload, "optimizer": offload, "nvme_path": str(tmp_path)}},
+        optimizer=adopted)
+    {"optimizer": engine.optimizer, "engine": engine, "adopted": adopted}[how].zero_grad()
+    opt.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
+    for step in (1, 2):
+        _both(engine, ref, opt, step)
+    with engine.gathered_parameters():
+        for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+            torch.testing.assert_close(p.data, q.detach(), rtol=1e-5, atol=1e-6)
+    engine.close()

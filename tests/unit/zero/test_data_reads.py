@@ -50,3 +50,31 @@ def test_autograd_grad_of_a_parameter(offload: str, dtype: str, tmp_path: Path) 
             with pytest.raises(outcore.ParamAccessError, match="autograd.grad with respect "
                                                                "to parameter 0.weight"):
                 torch.autograd.grad(loss, list(model.parameters()))
+
+
+@pytest.mark.parametrize(("offload", "dtype"), [("none", "bf16"), ("nvme", "fp32"),
+                                               ("nvme", "bf16")])
+def test_new_tensors_shaped_like_p_data(offload: str, dtype: str, tmp_path: Path) -> None:
+    """``torch.zeros_like(p.data)``, ``full_like`` and ``p.data.new_full(...)`` need only the
+    shape, strides and dtype; found by a user-style probe, they were refused where ``p.data``
+    is a view of the shards, in words about "a view" the user never made."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 2))
+    with outcore.initialize(model, {"dtype": dtype, "offload": {
+            "params": offload, "optimizer": offload, "nvme_path": str(tmp_path)}}) as engine:
+        w = model[0].weight
+        want = torch.bfloat16 if dtype == "bf16" else torch.float32
+        made = {"zeros_like": torch.zeros_like(w.data), "full_like": torch.full_like(w.data, 3),
+                "ones_like of a transpose": torch.ones_like(w.data.t()),
+                "empty_like": torch.empty_like(w.data), "randn_like": torch.randn_like(w.data),
+                "new_zeros": w.data.new_zeros(5), "new_full": w.data.new_full((2, 3), 1.5)}
+        for name, t in made.items():
+            assert type(t) is torch.Tensor and t.dtype == want, name
+        assert torch.equal(made["zeros_like"], torch.zeros(16, 8, dtype=want))
+        assert torch.equal(made["full_like"], torch.full((16, 8), 3, dtype=want))
+        assert made["ones_like of a transpose"].stride() == (1, 8)  # as torch keeps a layout
+        assert torch.equal(made["new_full"], torch.full((2, 3), 1.5, dtype=want))
+        assert torch.zeros_like(w.data, dtype=torch.float64).dtype == torch.float64
+        x = torch.randn(4, 8)  # the model still trains after
+        engine.backward(model(x).pow(2).mean())
+        engine.step()

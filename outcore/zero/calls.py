@@ -157,7 +157,8 @@ def allocate_like(func: Any, args: Args, kwargs: Kwargs, view: type) -> Any:
     """``func`` (one of ``ALLOCATING``) with each ``view`` among ``args`` replaced by an empty
     tensor of its size, strides, dtype and device: what it would make from the view."""
     return func(*[torch.empty_strided(a.size(), a.stride(), dtype=a.dtype, device=a.device)
-                  if type(a) is view else a for a in args], **kwargs)
+                  if isinstance(a, torch.Tensor) and type(a) is view else a for a in args],
+                **kwargs)
 
 
 def refuse_new_parameter(func: Any, args: Args) -> None:

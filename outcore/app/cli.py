@@ -43,7 +43,12 @@ from typing import Any, NoReturn
 
 from outcore.app.models import preset_shape
 from outcore.errors import ConfigError, DataError, OutcoreError, StorageError
-from outcore.guard.preemption import EXIT_PREEMPTED, Terminated, terminate_as_interrupt
+from outcore.guard.preemption import (
+    EXIT_PREEMPTED,
+    Terminated,
+    terminate_as_interrupt,
+    with_hangup,
+)
 from outcore.sizing import efficiency as eff
 from outcore.sizing import estimate as est
 from outcore.sizing.frozen_base import FrozenBaseEstimate, frozen_base
@@ -71,10 +76,13 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def _positive_size(text: str) -> int:
+def _probe_size(text: str) -> int:
+    """At least 64 MiB: a smaller round times the disk's latency and cache, not its rate
+    (``--size 1`` measured one 4 KiB page at 0.01 GB/s, which ``estimate`` then trusted)."""
     value = _size(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"size {text!r} must be at least 1 byte")
+    if value < 64 * 2**20:
+        raise argparse.ArgumentTypeError(f"size {text!r} is under 64MiB, too small to measure "
+                                         "a disk's rate")
     return value
 
 
@@ -136,9 +144,9 @@ def build_parser(with_train_options: bool = False) -> _Parser:
     probe = sub.add_parser("probe", help="measure this machine's disk, memory and matmul rates",
                            description="Measure disk read/write, host copy and matmul rates.")
     probe.add_argument("--path", default=".", help="folder on the disk to measure (default: .)")
-    probe.add_argument("--size", type=_positive_size,
+    probe.add_argument("--size", type=_probe_size,
                        help="at most this many bytes per disk round, e.g. 1GB (default 512MiB; "
-                       "sized by time below that)")
+                       "sized by time below that; at least 64MiB)")
     probe.add_argument("--json", action="store_true", help="print JSON")
     probe.set_defaults(run=_run_probe)
 
@@ -454,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command is None:
             parser.print_help(sys.stderr)
             return 2
-        with terminate_as_interrupt((signal.SIGTERM, signal.SIGUSR1)):
+        with terminate_as_interrupt(with_hangup((signal.SIGTERM, signal.SIGUSR1))):
             return int(args.run(args) or 0)
     except SystemExit as e:  # argparse: --help, --version, bad arguments (already printed)
         if isinstance(e.code, str):
@@ -482,7 +490,7 @@ def main(argv: list[str] | None = None) -> int:
         if as_command and threading.current_thread() is threading.main_thread():
             # the command's work is over: a stop signal now (the interpreter's teardown takes
             # a second) would kill a finished run with 143 or 130, and no word
-            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
+            for sig in with_hangup((signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)):
                 signal.signal(sig, signal.SIG_IGN)
 
 

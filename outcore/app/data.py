@@ -10,7 +10,7 @@ import codecs
 import os
 import sysconfig
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 
 import numpy as np
 import torch
@@ -79,20 +79,25 @@ def _check_text(path: Path) -> None:
                         "give UTF-8 text") from None
 
 
-def _text_files(folder: Path, skip: Path | None = None) -> list[Path]:
+Skip: TypeAlias = Path | str | None | tuple[Path | str | None, ...]  # paths left out
+
+
+def _text_files(folder: Path, skip: Skip = None) -> list[Path]:
     """Regular files under folder, recursively, sorted; hidden files and folders are skipped,
-    and so is ``skip`` (the run's own --out, when it lies inside the data folder)."""
-    root, away = folder.resolve(), skip.resolve() if skip is not None else None
-    if away is not None and (away == root or not away.is_relative_to(root)):
-        away = None  # only an --out strictly inside the data folder is left out
+    and so is each of ``skip`` (the run's own --out and --nvme-path, when inside the data
+    folder: a killed run's swap file there was read as data, and refused as binary)."""
+    root = folder.resolve()
+    away = [Path(s).expanduser().resolve() for s in (skip if isinstance(skip, tuple) else (skip,))
+            if s is not None and s != ""]
+    away = [a for a in away if a != root and a.is_relative_to(root)]  # strictly inside only
     files = [p for p in folder.rglob("*")
              if p.is_file() and not any(part.startswith(".")
                                         for part in p.relative_to(folder).parts)
-             and not (away is not None and p.resolve().is_relative_to(away))]
+             and not any(p.resolve().is_relative_to(a) for a in away)]
     return sorted(files, key=lambda p: p.relative_to(folder).as_posix())
 
 
-def load_text(path: str | Path, skip: Path | None = None) -> bytes:
+def load_text(path: str | Path, skip: Skip = None) -> bytes:
     """The bytes of a text file, or of every text file in a folder (recursively, sorted).
 
     Raises DataError naming the path if it is missing, holds no text, or holds a binary file,
@@ -124,7 +129,7 @@ def load_text(path: str | Path, skip: Path | None = None) -> bytes:
 
 
 def load_tokens(path: str | Path | None = None, max_bytes: int = DEFAULT_CORPUS_BYTES,
-                skip: Path | None = None) -> torch.Tensor:
+                skip: Skip = None) -> torch.Tensor:
     """Byte-level tokens (uint8) of ``path`` (less ``skip``: load_text), or of the default
     corpus when path is None."""
     raw = default_corpus(max_bytes) if path is None else load_text(path, skip)
@@ -220,15 +225,18 @@ class BatchSampler:
 # on bytes would waste its embeddings); one without a tokenizer gets bytes too, which needs a
 # vocabulary of at least 256. The default corpus is cut to 4 MB for a tokenizer: it is still
 # several times the tokens the default job reads, and tokenizing 16 MB on 2 cores is slow.
-def job_tokens(job: dict[str, Any], vocab: int) -> tuple[torch.Tensor, str]:
-    """The token stream of the job's text, and what tokenized it."""
+def job_tokens(job: dict[str, Any], vocab: int, swap: str | None = None
+               ) -> tuple[torch.Tensor, str]:
+    """The token stream of the job's text, and what tokenized it; its --out and swap folder
+    ``swap`` are left out of a data folder that holds them."""
+    skip = (job["out"], swap)
     tokenizer = models.load_hf_tokenizer(job["model"]) if models.is_hf_folder(job["model"]) \
         else None
     if tokenizer is None:
         if vocab < 256:
             raise ConfigError(f"--model: {job['model']} has a vocabulary of {vocab} and no "
                               "tokenizer; byte tokens need at least 256")
-        return load_tokens(job["data"], skip=job["out"]), "bytes"
-    raw = (load_text(job["data"], skip=job["out"]) if job["data"]
+        return load_tokens(job["data"], skip=skip), "bytes"
+    raw = (load_text(job["data"], skip=skip) if job["data"]
            else default_corpus(4 << 20))
     return encode(raw, tokenizer), f"{type(tokenizer).__name__} from {job['model']}"

@@ -122,8 +122,8 @@ _IN_CONFIG = {"lr": [("optimizer", "lr")], "dtype": [("dtype",)],
 def _resolved(key: str, value: Any) -> Any:
     if key not in _PATHS or not isinstance(value, str) or value == "":
         return value
-    path = Path(value).expanduser()
-    if (is_hf_folder(path) if key == "model" else path.exists()):
+    path = Path(value).expanduser()  # a swap folder is made by the run: resolved as it is
+    if key == "nvme_path" or (is_hf_folder(path) if key == "model" else path.exists()):
         return str(path.resolve())
     return value
 

@@ -47,7 +47,7 @@ from outcore.config import Config, merge_mappings
 from outcore.engine import initialize
 from outcore.errors import CommError, ConfigError
 from outcore.guard.lock import lock_run_folder
-from outcore.guard.preemption import EXIT_PREEMPTED, Preemption, preemption
+from outcore.guard.preemption import EXIT_PREEMPTED, Preemption, preemption, with_hangup
 from outcore.io.manifest import latest_checkpoint, read_client_state
 from outcore.offload.nvme import MADE_MARK, remove_if_left_empty
 from outcore.offload.storage import Tier
@@ -59,7 +59,8 @@ from outcore.zero.init import init
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 """Signals answered with a stop and a checkpoint at the next step boundary. SIGUSR1 is SLURM's
 usual ``--signal=USR1@<seconds>`` warning; its default action ends a run mid-step, with no
-checkpoint and its swap left behind. It stops as SIGTERM does (exit 75: preempted)."""
+checkpoint and its swap left behind. It stops as SIGTERM does (exit 75: preempted), and so
+does SIGHUP where the run was not started ignoring it (``with_hangup``)."""
 
 __all__ = ["JOB_DEFAULTS", "add_arguments", "run"]
 
@@ -311,7 +312,8 @@ def _run_holding_out(args: argparse.Namespace, job: dict[str, Any], cfg: Config,
              f"this command's settings (model {job['model']}, data {job['data'] or 'default'}):"
              " a run's own are recorded in its checkpoints only")
 
-    tokens, tokenized_by = datamod.job_tokens(job, vocab)  # before any swap file: fail fast
+    # before any swap file: fail fast
+    tokens, tokenized_by = datamod.job_tokens(job, vocab, cfg.offload.nvme_path)
     train_tokens, held_out = datamod.split_tokens(tokens)
     is_hf = models.is_hf_folder(job["model"])
 
@@ -341,7 +343,7 @@ def _run_holding_out(args: argparse.Namespace, job: dict[str, Any], cfg: Config,
         raise
     # SIGTERM, SIGUSR1 or Ctrl-C: finish the step, save, close (swap removed), then exit 75
     # or 130 (see STOP_SIGNALS)
-    with preemption(STOP_SIGNALS) as stop, initialize(model, cfg) as engine:
+    with preemption(with_hangup(STOP_SIGNALS)) as stop, initialize(model, cfg) as engine:
         rank, world = engine.rank, engine.world_size
         client: dict[str, Any] = {}
         if latest is not None:

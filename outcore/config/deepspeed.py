@@ -32,6 +32,7 @@ for that key, listed in the one warning.
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import warnings
@@ -96,12 +97,26 @@ _DEEPSPEED_ONLY = ("zero_optimization", "train_micro_batch_size_per_gpu", "train
                    "wall_clock_breakdown", "zero_allow_untested_optimizer", "amp")
 
 
+# outcore's top-level keys that a DeepSpeed config does not have (schema.Config's fields but
+# optimizer, gradient_accumulation_steps and gradient_clipping; a unit test keeps them so)
+OUTCORE_ONLY = ("dtype", "seed", "offload", "zero", "loss_scale", "comm", "track_grad_norm")
+
+
 def is_deepspeed(mapping: dict[str, Any]) -> bool:
     """Whether a config mapping is DeepSpeed's rather than outcore's (it has a key only
-    DeepSpeed configs have, or an optimizer with a ``params`` section)."""
+    DeepSpeed configs have, or an optimizer with a ``params`` section). One with keys of both
+    kinds is refused: read as either, the other kind's keys would be dropped (an outcore
+    config with ``steps_per_print`` lost its ``offload`` and ``dtype`` to a warning)."""
     optimizer = mapping.get("optimizer")
-    return any(k in mapping for k in _DEEPSPEED_ONLY) or (
-        isinstance(optimizer, dict) and "params" in optimizer)
+    theirs = [k for k in _DEEPSPEED_ONLY if k in mapping]
+    if isinstance(optimizer, dict) and "params" in optimizer:
+        theirs.append("optimizer.params")
+    ours = [k for k in OUTCORE_ONLY if k in mapping]
+    if theirs and ours:
+        raise ConfigError(f"the config mixes DeepSpeed's keys ({', '.join(theirs)}) with "
+                          f"outcore's ({', '.join(ours)}); write it in one of the two forms "
+                          "(docs/configuration.md)")
+    return bool(theirs)
 
 
 @dataclass(frozen=True)
@@ -311,6 +326,42 @@ def _optimizer(opt: dict[str, Any], r: _Reader) -> dict[str, Any]:
     return out
 
 
+# the keys DeepSpeed (0.19) knows in these sections, aliases included; it refuses others
+_ZERO_KEYS = frozenset((
+    "allgather_bucket_size", "allgather_partitions", "allgather_sequential", "compute_grad_norm",
+    "contiguous_gradients", "cpu_offload", "cpu_offload_param", "cpu_offload_params",
+    "cpu_offload_use_pin_memory", "elastic_checkpoint", "enable_sanity_checks",
+    "gather_16bit_weights_on_model_save", "ignore_unused_parameters", "leaf_module",
+    "legacy_stage1", "load_from_fp32_weights", "log_trace_cache_warnings", "max_live_parameters",
+    "max_reuse_distance", "memory_efficient_linear", "model_persistence_threshold",
+    "module_granularity_threshold", "offload_optimizer", "offload_param", "overlap_comm",
+    "override_module_apply", "param_persistence_threshold", "parameter_alignment",
+    "pipeline_loading_checkpoint", "prefetch_bucket_size", "reduce_bucket_size", "reduce_scatter",
+    "round_robin_gradients", "save_muon_momentum_buffer_in_memory", "stage",
+    "stage3_allgather_sequential", "stage3_gather_16bit_weights_on_model_save",
+    "stage3_gather_fp16_weights_on_model_save", "stage3_max_live_parameters",
+    "stage3_max_reuse_distance", "stage3_model_persistence_threshold",
+    "stage3_module_granularity_threshold", "stage3_param_persistence_threshold",
+    "stage3_prefetch_bucket_size", "stage3_use_all_reduce_for_fetch_params", "sub_group_size",
+    "use_all_reduce_for_fetch_params", "use_multi_rank_bucket_allreduce", "zenflow",
+    "zero_hpz_partition_size", "zero_quantized_gradients", "zero_quantized_nontrainable_weights",
+    "zero_quantized_weights"
+))
+_OFFLOAD_KEYS = frozenset((
+    "buffer_count", "buffer_size", "device", "max_in_cpu", "nvme_path", "pin_memory",
+    "cpuadam_cores_perc", "fast_init", "pipeline_read", "pipeline_write", "ratio", "super_offload"
+))
+
+
+def _check_spelling(path: str, key: str, known: frozenset[str]) -> None:
+    """A key DeepSpeed does not know but one it does is close to: a typo, refused as DeepSpeed
+    refuses it (it became "no outcore equivalent", and the section it meant was dropped). A
+    key close to none stays a warning: a later DeepSpeed may have it."""
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.8)
+    if key not in known and close:
+        raise ConfigError(f"{path}: DeepSpeed has no key {key!r}; did you mean {close[0]!r}?")
+
+
 def _placement(section: dict[str, Any], name: str, out: dict[str, Any], r: _Reader) -> int:
     """Map offload_param / offload_optimizer; return its buffer pool size in bytes."""
     dev = section.get("device", "none")
@@ -319,10 +370,17 @@ def _placement(section: dict[str, Any], name: str, out: dict[str, Any], r: _Read
                           f"allowed: {', '.join(get_args(Placement))}")
     off = out.setdefault("offload", {})
     off["params" if name == "param" else "optimizer"] = dev
-    if section.get("nvme_path"):
-        off["nvme_path"] = str(section["nvme_path"])
     path = f"zero_optimization.offload_{name}"
+    if section.get("nvme_path"):  # one swap folder for both: the optimizer's, the larger
+        folder, other = str(section["nvme_path"]), off.get("nvme_path")
+        if other not in (None, folder):
+            kept, dropped = (folder, other) if name == "optimizer" else (other, folder)
+            r.ignored.append(f"zero_optimization.offload_param.nvme_path: outcore keeps "
+                             f"parameters and optimizer state in one swap folder, the "
+                             f"optimizer's {kept}; {dropped} is not used")
+        off["nvme_path"] = folder if name == "optimizer" or other is None else other
     for key in section:
+        _check_spelling(f"{path}.{key}", key, _OFFLOAD_KEYS)
         if key not in ("device", "nvme_path", "buffer_count", "buffer_size"):
             r.ignore(f"{path}.{key}", key)
     count, size = (section.get(k, 0) for k in ("buffer_count", "buffer_size"))
@@ -361,6 +419,7 @@ def _zero(z: dict[str, Any], out: dict[str, Any], r: _Reader) -> None:
             else:
                 zero[name] = r.number(path, value, int) * 2
         else:
+            _check_spelling(path, key, _ZERO_KEYS)
             r.ignore(path, key)
     if max(pools) > 0:
         out.setdefault("offload", {})["host_buffer_bytes"] = max(pools)

@@ -23,7 +23,14 @@ import os
 from collections.abc import Callable
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from outcore.config.deepspeed import is_deepspeed, read, translate_and_warn
 from outcore.config.mappings import Dtype, Placement, merge_mappings, read_mapping
@@ -82,6 +89,18 @@ class OffloadConfig(_Section):
         None, description="keep host memory freed by one step for the next (fewer page "
         "faults, higher RSS); default: where the optimizer state is in host memory, and "
         "elsewhere after the first step if the host has room for it (offload/host_memory.py)")
+
+    @field_validator("nvme_path", mode="before")
+    @classmethod
+    def _folder(cls, value: Any) -> Any:
+        """A path object as its text, ``~`` expanded as a shell would (the swap sweep after a
+        killed run looked in a literal ``~`` folder and left the run's swap behind); a blank
+        name refused (it made a folder named by spaces)."""
+        if isinstance(value, os.PathLike):
+            value = os.fspath(value)
+        if isinstance(value, str) and value and not value.strip():
+            raise ValueError("a blank name: name a folder for swap files")
+        return os.path.expanduser(value) if isinstance(value, str) else value
 
     @model_validator(mode="after")
     def _check_nvme(self) -> OffloadConfig:

@@ -369,7 +369,7 @@ class Engine:
         self._check_open()
         self._check_nothing_shown("save_checkpoint()")
         self._reopen_boundary("save_checkpoint()")  # half this step's updates would be saved
-        path, client_state = Path(path), client_state or {}
+        path, client_state = Path(path).expanduser(), client_state or {}  # ~ as a shell reads
         try:  # a mistake here creates no folder, and is refused on every rank together
             checkpoint.check_client_state(client_state)
             copied, error = checkpoint.check_files(files), None
@@ -398,15 +398,15 @@ class Engine:
         """Restore weights, optimizer state, step, scaler and RNG; return the client state.
 
         The groups' settings (lr, betas, eps, weight decay...) come from the checkpoint, as
-        with torch's ``load_state_dict``, with a warning naming those that differ from this
-        engine's; ``keep_settings=True`` keeps this engine's (``outcore train --resume``).
-        The checkpoint root (``path``'s parent) is held from here on, as after a save."""
+        with torch's ``load_state_dict``, warning of those that differ from this engine's;
+        ``keep_settings=True`` keeps this engine's. The root (``path``'s parent) is held."""
         self._check_open()
         self._check_nothing_shown("load_checkpoint()")
         self._reopen_boundary("load_checkpoint()")  # step() would drop the next update
-        self._folders.hold(Path(path).parent, self.rt.comm, self.rt.accel, create=False)
+        path = Path(path).expanduser()
+        self._folders.hold(path.parent, self.rt.comm, self.rt.accel, create=False)
         try:
-            return checkpoint.load(self, Path(path), keep_settings)
+            return checkpoint.load(self, path, keep_settings)
         finally:  # loading wrote every shard through the I/O pool
             self.rt.release_idle_io_buffers()
 

@@ -65,7 +65,7 @@ from typing import Any
 import torch
 
 __all__ = ["EXIT_INTERRUPTED", "EXIT_PREEMPTED", "Preemption", "Terminated", "preemption",
-           "terminate_as_interrupt"]
+           "terminate_as_interrupt", "with_hangup"]
 
 EXIT_PREEMPTED = 75
 """Exit code after a stop for SIGTERM (or any signal but SIGINT): ``EX_TEMPFAIL`` of
@@ -171,6 +171,16 @@ class Preemption:
         if sig is None:
             return 0
         return EXIT_INTERRUPTED if sig == _signal.SIGINT else EXIT_PREEMPTED
+
+
+def with_hangup(signals: tuple[int, ...]) -> tuple[int, ...]:
+    """``signals`` and SIGHUP (the terminal or SSH session closed: its default action ended a
+    run mid-step, with no checkpoint, its swap and locks left), unless the process was started
+    ignoring it (``nohup``): such a run is meant to outlive its terminal, and stays so."""
+    hup = getattr(_signal, "SIGHUP", None)
+    if hup is None or _signal.getsignal(hup) is _signal.SIG_IGN:
+        return signals
+    return (*signals, hup)
 
 
 def preemption(signals: Iterable[int] = (_signal.SIGTERM, _signal.SIGINT)) -> Preemption:

@@ -43,7 +43,7 @@ def consolidate(ckpt: str | os.PathLike[str], out: str | os.PathLike[str]) -> Pa
     folder, it is copied next to ``out`` (unless a different one is already there, which is
     kept), so ``from_pretrained(out.parent)`` loads the result.
     """
-    folder, named = Path(ckpt), os.fspath(out)
+    folder, named = Path(ckpt).expanduser(), os.path.expanduser(os.fspath(out))  # ~ as a shell
     out = Path(named)
     if out.is_dir() or named.endswith(os.sep) or not (
             out.is_file() or out.suffix == ".safetensors"):

@@ -42,7 +42,7 @@ def load_pretrained(model: nn.Module, path: str | os.PathLike[str]) -> None:
     any of their names. Every rank must call this (collective only in that each rank reads
     its own slices; no communication is needed).
     """
-    where = weight_files(path)
+    where = weight_files(Path(path).expanduser())
     params: list[tuple[list[str], nn.Parameter]] = []
     by_id: dict[int, int] = {}
     for name, p in model.named_parameters(remove_duplicate=False):

@@ -26,7 +26,8 @@ _ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 # -- `outcore train` in subprocesses ---------------------------------------------------------
-def _start(world: int, out: Path, data: Path, resume: bool = False) -> list[subprocess.Popen]:
+def _start(world: int, out: Path, data: Path, resume: bool = False,
+           nohup: bool = False) -> list[subprocess.Popen]:
     """One ``python -m outcore train`` per rank, each given the environment torchrun gives
     (so each rank's own exit code is seen), each in its own session (signals reach one)."""
     argv = [sys.executable, "-m", "outcore", "train", "--model", "tiny", "--dtype", "fp32",
@@ -41,8 +42,11 @@ def _start(world: int, out: Path, data: Path, resume: bool = False) -> list[subp
             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "RANK": str(rank),
             "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world)})}
         with (out / f"stderr-rank{rank}.txt").open("ab") as err:
-            procs.append(subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=err, env=env,
-                                          start_new_session=True))
+            procs.append(subprocess.Popen(
+                argv, stdout=subprocess.DEVNULL, stderr=err, env=env, start_new_session=True,
+                # what nohup does: the run starts with SIGHUP ignored
+                preexec_fn=(lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN)) if nohup
+                else None))
     return procs
 
 
@@ -139,7 +143,10 @@ def test_sigterm_to_one_rank_stops_both_at_one_step_and_resume_is_bit_exact(
     # SLURM's --signal=USR1@<seconds>: by default SIGUSR1 ends a process at once (no
     # checkpoint, the swap left behind); outcore train saves and exits 75 as for SIGTERM
     (signal.SIGUSR1, EXIT_PREEMPTED, "preempted (SIGUSR1)"),
-], ids=["ctrl-c", "sigusr1"])
+    # the terminal or SSH session closed: the default action ended the run mid-step, with no
+    # checkpoint, its swap and both lock files left behind (found by a user-style probe)
+    (signal.SIGHUP, EXIT_PREEMPTED, "preempted (SIGHUP)"),
+], ids=["ctrl-c", "sigusr1", "sighup"])
 def test_one_signal_finishes_the_step_saves_and_exits(tmp_path: Path, sig: signal.Signals,
                                                       code: int, why: str) -> None:
     out = tmp_path / "run"
@@ -149,6 +156,17 @@ def test_one_signal_finishes_the_step_saves_and_exits(tmp_path: Path, sig: signa
     _check_stopped_cleanly(out, 1, _wait(procs), code, why)
     said = "press Ctrl-C again to stop at once" in (out / "stderr-rank0.txt").read_text()
     assert said == (sig == signal.SIGINT)
+
+
+def test_a_run_started_under_nohup_goes_on_through_a_hangup(tmp_path: Path) -> None:
+    """``nohup outcore train ...``: the run is meant to outlive its terminal, so SIGHUP stays
+    ignored and the run trains to its last step."""
+    out = tmp_path / "run"
+    procs = _start(1, out, _corpus(tmp_path), nohup=True)
+    _wait_for_step(out, 2, procs)
+    os.kill(procs[0].pid, signal.SIGHUP)
+    assert _wait(procs) == [0]
+    assert max(_losses(out)) == STEPS
 
 
 @pytest.mark.parametrize("command", ["train", "probe"])

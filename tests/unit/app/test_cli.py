@@ -126,7 +126,8 @@ def test_efficiency_from_a_probe_file(capsys: pytest.CaptureFixture[str], tmp_pa
     (["estimate", "--max-model", "--gpu-memory", "1GB", "--gpus", "3", "--nodes", "2"],
      ["nodes"]),
     (["probe", "--size", "1.5"], ["--size", "whole number"]),
-    (["probe", "--size", "0"], ["--size", "at least 1 byte"]),
+    (["probe", "--size", "0"], ["--size", "under 64MiB"]),
+    (["probe", "--size", "1"], ["--size", "under 64MiB, too small to measure"]),
     (["probe", "--path", "/no/such/folder"], ["/no/such/folder"]),
     (["consolidate"], ["CKPT"]),
 ])

@@ -161,3 +161,17 @@ def test_encode_with_a_tokenizer_in_line_aligned_chunks(tmp_path) -> None:
     ids = encode(text.encode(), tokenizer, chunk_bytes=7)  # many chunks, cut at line ends
     assert ids.dtype == torch.int32
     assert ids.tolist() == tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def test_the_runs_swap_folder_inside_the_data_folder_is_not_data(tmp_path) -> None:
+    """A killed run's swap file under ``--nvme-path`` inside ``--data`` was read as data and
+    refused as binary, and every later run with it; found by a probe."""
+    folder = tmp_path / "data"
+    folder.mkdir()
+    (folder / "a.txt").write_text("text")
+    swap = folder / "swap" / "outcore-1-deadbeef"
+    swap.mkdir(parents=True)
+    (swap / "rank0.swap").write_bytes(b"\0" * 4096)
+    with pytest.raises(DataError, match="looks binary"):
+        load_text(folder)
+    assert load_text(folder, skip=(folder / "run", str(folder / "swap"))) == b"text"

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 import outcore
-from outcore.config.deepspeed import Auto, translate
+from outcore.config.deepspeed import OUTCORE_ONLY, Auto, translate
 
 Z3_AUTO = {"stage": 3, "overlap_comm": True, "contiguous_gradients": True,
            "sub_group_size": 1e9, "reduce_bucket_size": "auto",
@@ -245,3 +245,47 @@ def test_a_value_that_is_no_number_names_its_key() -> None:
     with pytest.raises(outcore.ConfigError, match="stage3_prefetch_bucket_size"):
         outcore.Config.from_deepspeed({"zero_optimization": {
             "stage": 3, "stage3_prefetch_bucket_size": "lots"}})
+
+
+def test_a_config_with_keys_of_both_forms_is_refused() -> None:
+    """An outcore config holding one DeepSpeed key (``steps_per_print``) was read as
+    DeepSpeed's: its offload, dtype and lr were dropped under "no outcore equivalent"."""
+    mixed = {"dtype": "bf16", "steps_per_print": 1,
+             "offload": {"params": "cpu", "optimizer": "cpu"}}
+    with pytest.raises(outcore.ConfigError, match=r"mixes DeepSpeed's keys \(steps_per_print\) "
+                                                  r"with outcore's \(dtype, offload\)"):
+        outcore.Config.load(mixed)
+    shared = {"optimizer", "gradient_accumulation_steps", "gradient_clipping"}
+    assert set(OUTCORE_ONLY) == set(outcore.Config.model_fields) - shared
+
+
+@pytest.mark.parametrize(("section", "path", "meant"), [
+    ({"offload_parm": {"device": "cpu"}}, "zero_optimization.offload_parm", "offload_param"),
+    ({"offload_param": {"device": "cpu", "buffer_cont": 4}},
+     "zero_optimization.offload_param.buffer_cont", "buffer_count"),
+    ({"stage3_prefetch_bucket_sise": 10}, "zero_optimization.stage3_prefetch_bucket_sise",
+     "stage3_prefetch_bucket_size")])
+def test_a_misspelt_deepspeed_key_is_refused_as_deepspeed_refuses_it(section, path,
+                                                                     meant) -> None:
+    """It was "no outcore equivalent", and the offload it meant silently none."""
+    with pytest.raises(outcore.ConfigError, match=f"{path}: DeepSpeed has no key .*did you "
+                                                  f"mean '{meant}'"):
+        translate({"zero_optimization": {"stage": 3, **section}})
+
+
+def test_a_key_close_to_none_of_deepspeeds_stays_a_warning() -> None:
+    _, ignored = translate({"zero_optimization": {"stage": 3, "a_future_setting": 1}})
+    assert ignored == ["zero_optimization.a_future_setting: no outcore equivalent"]
+
+
+@pytest.mark.parametrize("first", ["offload_param", "offload_optimizer"])
+def test_two_swap_folders_keep_the_optimizers_and_say_so(first: str) -> None:
+    """outcore has one swap folder; the other was dropped without a word (the last read)."""
+    second = "offload_optimizer" if first == "offload_param" else "offload_param"
+    out, ignored = translate({"zero_optimization": {
+        "stage": 3, first: {"device": "nvme", "nvme_path": f"/{first}"},
+        second: {"device": "nvme", "nvme_path": f"/{second}"}}})
+    assert out["offload"]["nvme_path"] == "/offload_optimizer"
+    assert ignored == ["zero_optimization.offload_param.nvme_path: outcore keeps parameters "
+                       "and optimizer state in one swap folder, the optimizer's "
+                       "/offload_optimizer; /offload_param is not used"]

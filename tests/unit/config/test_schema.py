@@ -113,3 +113,17 @@ def test_initialize_moves_an_init_built_model_to_its_own_placement(tmp_path) -> 
     assert engine.memory_report()["host"] > 0
     assert torch.equal(model.weight.detach(), before)
     engine.close()
+
+
+def test_nvme_path_is_read_as_a_shell_reads_it(tmp_path, monkeypatch) -> None:
+    """``~`` expanded, a path object taken, a blank name refused (found by a probe: a
+    ``pathlib.Path`` was refused as "not a valid string", and ``" "`` made a folder of
+    spaces)."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    nvme = {"params": "nvme", "optimizer": "nvme"}
+    assert outcore.Config.from_dict({"offload": {**nvme, "nvme_path": "~/swap"}}
+                                    ).offload.nvme_path == str(tmp_path / "swap")
+    assert outcore.Config.from_dict({"offload": {**nvme, "nvme_path": tmp_path / "s"}}
+                                    ).offload.nvme_path == str(tmp_path / "s")
+    with pytest.raises(outcore.ConfigError, match="offload.nvme_path: a blank name"):
+        outcore.Config.from_dict({"offload": {**nvme, "nvme_path": "  "}})

@@ -169,3 +169,21 @@ def test_reconfigure_adopts_another_dtype_and_rederives_the_plan() -> None:
     assert cfg.dtype == "bf16" and rt.cfg is cfg
     assert rt.compute_dtype is torch.bfloat16 and rt.plan.inputs.dtype == "bf16"
     rt.close()
+
+
+def test_a_swap_folder_named_from_home_is_swept_too(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """``nvme_path: ~/swap``: the store expanded ``~`` and the sweep did not (it looked in a
+    literal ``~`` folder), so a killed run's swap there stayed for good; found by a probe."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    stale = tmp_path / "swap" / f"outcore-{proc.pid}-deadbeef"
+    stale.mkdir(parents=True)
+    (stale / "rank0.swap").write_bytes(b"\0" * 4096)
+    rt = _runtime({"params": "nvme", "nvme_path": "~/swap", "host_buffer_bytes": BUDGET})
+    try:
+        assert not stale.exists()
+        assert rt.nvme.path.is_relative_to(tmp_path / "swap")
+    finally:
+        rt.close()

@@ -33,6 +33,7 @@ the file to W for nothing.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import warnings
@@ -47,6 +48,7 @@ from safetensors import safe_open
 from outcore.errors import ConfigError, OutcoreError, StorageError, user_stacklevel
 from outcore.io import base_record
 from outcore.io import safetensors_stream as sts
+from outcore.io.agreement import agree
 from outcore.io.client_state import check_client_state, decode, group_value
 from outcore.io.manifest import (
     FORMAT,
@@ -128,14 +130,21 @@ def _save(engine: Any, path: Path, client_state: dict[str, Any],
             settle(path)  # what a save killed between its renames left aside
             remove_ours(partial, files)
             partial.mkdir()  # the umask decides who may read it, as for any file
-        except Exception as e:  # noqa: BLE001 - every rank hears of it in _agree
+        except Exception as e:  # noqa: BLE001 - every rank hears of it in agree
             err = _storage_error(e, path)
-    try:  # the path's digest rides along: each rank writes into rank 0's folder
-        where = _agree(engine, err, f"preparing {partial}",
-                       (zlib.crc32(os.path.abspath(path).encode()),))
-        if where.unique().numel() > 1:
+    try:  # the path's digest rides along: each rank writes into rank 0's folder; and the
+        # client_state's, which is rank 0's alone in the checkpoint (said, not refused)
+        where = agree(engine.rt, err, f"preparing {partial}", (
+            zlib.crc32(os.path.abspath(path).encode()),
+            zlib.crc32(json.dumps(client_state, sort_keys=True, default=str).encode())))
+        if where[:, 0].unique().numel() > 1:
             raise ConfigError(f"save_checkpoint() was given another path on some rank (this "
                               f"rank's: {path}); every rank saves to the same folder")
+        if where[:, 1].unique().numel() > 1 and comm.rank == 0:
+            warnings.warn("save_checkpoint(): client_state differs between ranks; the "
+                          "checkpoint keeps rank 0's, which every rank's load_checkpoint "
+                          "returns (gather what each rank needs into it first, e.g. with "
+                          "torch.distributed.all_gather_object)", stacklevel=user_stacklevel())
     except OutcoreError:  # another rank failed or died (CommError): take back the folder
         if comm.rank == 0 and err is None:
             remove_ours(partial)
@@ -147,7 +156,7 @@ def _save(engine: Any, path: Path, client_state: dict[str, Any],
         err = _storage_error(e, partial)
     world = engine.rt.world_size
     try:
-        table = _agree(engine, err, f"writing {partial}",
+        table = agree(engine.rt, err, f"writing {partial}",
                        (info.nbytes, int(info.checksum, 16)) if info else (0, 0))
     except OutcoreError:
         if comm.rank == 0:  # every rank is past its write: give the space back (disk full)
@@ -163,11 +172,11 @@ def _save(engine: Any, path: Path, client_state: dict[str, Any],
             sts.write_json_durably(partial / MANIFEST, manifest)
             sts.fsync_dir(partial)
             publish(partial, path, replace_folder)
-        except Exception as e:  # noqa: BLE001 - every rank hears of it in _agree
+        except Exception as e:  # noqa: BLE001 - every rank hears of it in agree
             err = _storage_error(e, path)
             with contextlib.suppress(OSError):
                 remove_ours(partial, files)  # (gone already where it was published)
-    _agree(engine, err, f"publishing {path}")
+    agree(engine.rt, err, f"publishing {path}")
     return path
 
 
@@ -277,23 +286,6 @@ def _storage_error(e: Exception, path: Path) -> Exception:
     return e
 
 
-def _agree(engine: Any, err: Exception | None, what: str,
-           row: tuple[int, ...] = ()) -> torch.Tensor:
-    """A barrier that tells every rank whether any rank failed, so none waits forever in a
-    later collective; it also shares a small row of integers from each rank (W x len(row))."""
-    table = torch.zeros(engine.rt.world_size, 1 + len(row), dtype=torch.int64)
-    table[engine.rt.rank] = torch.tensor([int(err is not None), *row], dtype=torch.int64)
-    dev = engine.rt.accel.to_device(table)
-    engine.rt.comm.all_reduce_sum(dev)
-    table = dev.cpu()
-    if err is not None:
-        raise err
-    failed = table[:, 0].nonzero().flatten().tolist()
-    if failed:
-        raise StorageError(f"{what} failed on rank(s) {failed}; see their errors")
-    return table[:, 1:]
-
-
 # -- load ----------------------------------------------------------------------------------------
 def load(engine: Any, path: Path, keep_settings: bool = False) -> dict[str, Any]:
     engine.sharded_optimizer.wait()  # a background update must not overwrite what we load
@@ -316,7 +308,11 @@ def _load(engine: Any, path: Path, keep_settings: bool = False) -> dict[str, Any
         _check_buffers(engine, folder, man)
     except OutcoreError as e:
         err = e
-    _agree(engine, err, f"checking checkpoint {folder}")
+    ids = agree(engine.rt, err, f"checking checkpoint {folder}",
+                (int(str(man.get("manifest_checksum", "0"))[:15] or "0", 16),))
+    if ids.unique().numel() > 1:  # each rank would load its slices of another checkpoint
+        raise ConfigError(f"load_checkpoint() was given another checkpoint on some rank (this "
+                          f"rank's: {folder}, step {man.get('step')}); every rank loads one")
     try:
         with torch.no_grad(), contextlib.ExitStack() as stack:
             old = man["world_size"]
@@ -342,7 +338,7 @@ def _load(engine: Any, path: Path, keep_settings: bool = False) -> dict[str, Any
                 torch.cuda.set_rng_state(rng.get_tensor(_RNG_CUDA), engine.rt.device)
     except (OutcoreError, OSError) as e:
         err = e
-    _agree(engine, err, f"loading checkpoint {folder}")
+    agree(engine.rt, err, f"loading checkpoint {folder}")
     if not keep_settings:  # (kept: the groups' settings stay this engine's own)
         _warn_replaced_settings(engine, man)
         for hp, saved in zip(engine.param_groups, man["param_groups"], strict=True):

@@ -43,7 +43,9 @@ class NamedFailure:
         if err is not None and isinstance(err, RuntimeError) and not isinstance(err, CommError):
             raise CommError(
                 f"rank {self.comm.rank}/{self.comm.world_size}: {self.what} failed; another rank "
-                f"probably died or stopped answering (comm.timeout_s={self.comm.timeout_s:g}). "
+                f"probably died or stopped answering (comm.timeout_s={self.comm.timeout_s:g}), "
+                "or is in another call: every rank must make the same outcore calls in the same "
+                "order (each forward, backward, step, save/load_checkpoint, close). "
                 f"Cause: {str(err).splitlines()[0][:300]}") from None
 
 

@@ -41,6 +41,7 @@ from outcore.offload.storage import Ledger, MemoryShard, NvmeShard, StoredShard,
 from outcore.runtime.bootstrap import join_world, ranks_on_this_host
 from outcore.runtime.phase import Phase
 from outcore.runtime.plan import ExecutionPlan
+from outcore.runtime.same_config import check_same_config
 from outcore.units import format_bytes
 
 log = logging.getLogger("outcore")
@@ -58,6 +59,7 @@ class Runtime:
         self.dtype_choice: DtypeChoice = resolve(cfg.dtype, self.accel.device)
         self.cfg = cfg = cfg.with_dtype(self.dtype_choice.name)  # compute_dtype.py's note
         self.comm = join_world(self.accel.backend, cfg.comm.timeout_s)
+        check_same_config(cfg, self.comm)  # same_config.py's [Note: every rank runs one config]
         self.ledger = Ledger()
         self.compute_dtype = self.dtype_choice.torch_dtype
         self.plan = self._derive_plan(cfg)

@@ -10,6 +10,7 @@ import warnings
 from typing import Any
 
 import torch
+import xxhash
 from torch import nn
 
 from outcore.config import Config
@@ -56,7 +57,18 @@ def check_alike_across_ranks(named: list[tuple[str, nn.Parameter]], rt: Runtime)
     compares the digests, so all ranks refuse together, naming the parameters. It reads
     the model once, at initialize only; parameters already sharded (built under
     ``outcore.init``) are not read again."""
-    if rt.world_size == 1 or not named:
+    if rt.world_size == 1:
+        return
+    # first the parameters themselves: a digest per parameter, compared in one collective
+    # of as many values as parameters, aborted gloo (C++ ``EnforceNotMet``, no word of the
+    # model) where one rank's model had a layer more
+    layout = "\n".join(f"{name} {tuple(p.shape)} {p.dtype}" for name, p in named)
+    if not all(rt.comm.alike([len(named), xxhash.xxh3_64_intdigest(layout.encode())])):
+        raise ConfigError(
+            f"the ranks passed different models: this rank's has {len(named)} parameters to "
+            "shard, and another rank's differs in how many, their names, shapes or dtypes. "
+            "Build the same model on every rank")
+    if not named:
         return
     alike = rt.comm.alike([value_digest(p) for _, p in named])
     differ = [name for (name, _), same in zip(named, alike, strict=True) if not same]

@@ -394,15 +394,15 @@ def test_a_rank_lost_while_preparing_leaves_no_partial_folder(
     """Another rank dying just after rank 0 made ``<path>.partial`` (the first agreement
     raises ``CommError``) left the empty folder behind on the surviving rank."""
     model, eng = _engine(BASE, 0)
-    agree = checkpoint._agree
+    agree = checkpoint.agree
 
-    def peer_gone(engine, err, what, row=()):
+    def peer_gone(rt, err, what, row=()):
         if what.startswith("preparing"):
             assert (tmp_path / "step-1.partial").is_dir()  # rank 0 made it
             raise outcore.CommError("rank 0/2: preparing failed; another rank probably died")
-        return agree(engine, err, what, row)
+        return agree(rt, err, what, row)
 
-    monkeypatch.setattr(checkpoint, "_agree", peer_gone)
+    monkeypatch.setattr(checkpoint, "agree", peer_gone)
     with pytest.raises(outcore.CommError, match="another rank probably died"):
         eng.save_checkpoint(tmp_path / "step-1", {"n": 1})
     assert not (tmp_path / "step-1.partial").exists()

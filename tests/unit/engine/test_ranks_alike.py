@@ -1,0 +1,121 @@
+"""What each rank hands outcore must be alike, or every rank refuses together, naming what
+differs. Found by a user-style probe at 2 ranks: a model with a layer more on one rank, or a
+dtype, offload tier or clipping given to one rank, aborted gloo in C++ ("Received data size
+doesn't match expected size") with no word of the model or config; a learning rate given to
+one rank trained a model whose halves followed two runs, silently; and ``load_checkpoint``
+of another folder on each rank loaded a mix equal to neither checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import outcore
+from outcore.errors import ConfigError
+from tests.distributed import run_world
+
+
+def _model(extra: bool) -> nn.Module:
+    torch.manual_seed(0)
+    layers = [nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4)]
+    return nn.Sequential(*layers, *([nn.Linear(4, 4)] if extra else []))
+
+
+def _initialize(cfg_of_rank: dict, extra_layer_on_rank1: bool, swap: str) -> str | None:
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_initialized() else int(__import__("os").environ["RANK"])
+    cfg = {"dtype": "fp32", "offload": {"params": "nvme", "optimizer": "nvme",
+                                        "nvme_path": f"{swap}/rank{rank}"}}
+    for key, value in cfg_of_rank.get(rank, {}).items():
+        section, _, name = key.partition(".")
+        cfg.setdefault(section, {}).update({name: value}) if name else cfg.update({key: value})
+    try:
+        engine = outcore.initialize(_model(extra_layer_on_rank1 and rank == 1), cfg)
+    except ConfigError as e:
+        return str(e)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+    engine.backward(engine(x).pow(2).mean())
+    engine.step()
+    engine.close()
+    return None
+
+
+def test_a_model_with_a_layer_more_on_one_rank_is_refused(tmp_path: Path) -> None:
+    said = run_world(_initialize, 2, {}, True, str(tmp_path))
+    assert said[0] is not None and said[1] is not None
+    assert "the ranks passed different models: this rank's has 4 parameters" in said[0]
+    assert "this rank's has 6 parameters" in said[1]
+
+
+@pytest.mark.parametrize(("differ", "named"), [
+    ({"optimizer.lr": 1e-3}, "optimizer.lr=0.001"),
+    ({"dtype": "bf16"}, "dtype='bf16'"),
+    ({"offload.params": "none", "offload.optimizer": "none"}, "offload.params='none'"),
+    ({"gradient_clipping": 1.0}, "gradient_clipping=1.0")])
+def test_a_setting_given_to_one_rank_is_refused_by_name(tmp_path: Path, differ: dict,
+                                                        named: str) -> None:
+    said = run_world(_initialize, 2, {1: differ}, False, str(tmp_path))
+    assert said[0] is not None and said[1] is not None
+    assert "the ranks run with different configs" in said[1] and named in said[1]
+    assert ("dtype: auto picks by the host" in said[1]) == ("dtype" in differ)
+
+
+def test_a_swap_folder_memory_and_seed_of_each_ranks_own_pass(tmp_path: Path) -> None:
+    own = {"offload.host_buffer_bytes": 64 << 20, "zero.prefetch_bytes": 1 << 20, "seed": 7}
+    assert run_world(_initialize, 2, {1: own}, False, str(tmp_path)) == [None, None]
+
+
+def _load_by_rank(root: str) -> str | None:
+    import torch.distributed as dist
+
+    engine = outcore.initialize(_model(False), {"dtype": "fp32"})
+    x = torch.randn(4, 8)
+    engine.save_checkpoint(Path(root) / "a")
+    engine.backward(engine(x).pow(2).mean())
+    engine.step()
+    engine.save_checkpoint(Path(root) / "b")
+    try:
+        engine.load_checkpoint(Path(root) / ("a" if dist.get_rank() == 0 else "b"))
+    except ConfigError as e:
+        return str(e)
+    finally:
+        engine.close()
+    return None
+
+
+def test_another_checkpoint_on_each_rank_is_refused(tmp_path: Path) -> None:
+    said = run_world(_load_by_rank, 2, str(tmp_path))
+    assert all(s is not None and "load_checkpoint() was given another checkpoint on some "
+               "rank" in s for s in said)
+
+
+def _client_state_by_rank(root: str, same: bool) -> tuple[list[str], dict]:
+    import warnings
+
+    import torch.distributed as dist
+
+    engine = outcore.initialize(_model(False), {"dtype": "fp32"})
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        engine.save_checkpoint(Path(root) / "c", client_state={
+            "position": 5 if same else 5 + dist.get_rank()})
+    loaded = engine.load_checkpoint(Path(root) / "c")
+    engine.close()
+    return [str(w.message) for w in seen], loaded
+
+
+@pytest.mark.parametrize("same", [True, False])
+def test_a_client_state_that_differs_between_ranks_is_said(tmp_path: Path, same: bool) -> None:
+    """Rank 0's is kept, as DeepSpeed keeps it; rank 1's own was replaced without a word."""
+    (said0, loaded0), (said1, loaded1) = run_world(_client_state_by_rank, 2, str(tmp_path), same)
+    assert loaded0 == loaded1 == {"position": 5}
+    assert said1 == []
+    assert [s for s in said0 if "client_state differs between ranks" in s] == (
+        [] if same else ["save_checkpoint(): client_state differs between ranks; the checkpoint "
+                         "keeps rank 0's, which every rank's load_checkpoint returns (gather "
+                         "what each rank needs into it first, e.g. with "
+                         "torch.distributed.all_gather_object)"])

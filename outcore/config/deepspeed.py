@@ -275,6 +275,18 @@ def translate_and_warn(source: dict[str, Any], stacklevel: int = 2,
     return data
 
 
+def nvme_named(out: dict[str, Any]) -> dict[str, Any]:
+    """``out`` (``translate``'s) if each NVMe tier it places has a folder; else refused in the
+    words of the user's file (``Config`` named ``offload.nvme_path``, a key it does not have).
+    Not for ``outcore train``, which gives such a tier ``--nvme-path`` or ``OUT/swap``."""
+    off = out.get("offload", {})
+    for key, name in (("params", "offload_param"), ("optimizer", "offload_optimizer")):
+        if off.get(key) == "nvme" and not off.get("nvme_path"):
+            raise ConfigError(f"zero_optimization.{name}.device is 'nvme' but no nvme_path "
+                              "names a folder for its swap files")
+    return out
+
+
 def _loss_scale(fp16: dict[str, Any], r: _Reader) -> dict[str, Any]:
     out: dict[str, Any] = {}
     names = {"initial_scale_power": ("initial_scale_power", int),

@@ -32,7 +32,7 @@ from pydantic import (
     model_validator,
 )
 
-from outcore.config.deepspeed import is_deepspeed, read, translate_and_warn
+from outcore.config.deepspeed import is_deepspeed, nvme_named, read, translate_and_warn
 from outcore.config.mappings import Dtype, Placement, merge_mappings, read_mapping
 from outcore.errors import ConfigError
 
@@ -213,13 +213,13 @@ class Config(_Section):
                               f"or YAML file, or None; got {type(source).__name__} {source!r}")
         data = source if isinstance(source, dict) else read_mapping(source)
         if is_deepspeed(data):  # a DeepSpeed config works wherever a config is taken
-            return cls.from_dict(translate_and_warn(data, stacklevel=2))
+            return cls.from_dict(nvme_named(translate_and_warn(data, stacklevel=2)))
         return cls.from_dict(data) if isinstance(source, dict) else cls.from_file(source)
 
     @classmethod
     def from_deepspeed(cls, source: dict[str, Any] | str | os.PathLike[str]) -> Config:
         """Map a DeepSpeed ZeRO-3 config (dict or JSON path); warns once about ignored keys."""
-        return cls.from_dict(translate_and_warn(read(source), stacklevel=2))
+        return cls.from_dict(nvme_named(translate_and_warn(read(source), stacklevel=2)))
 
     @classmethod
     def auto(cls, model_or_params: Any, base: Config | dict[str, Any] | None = None, *,

@@ -90,10 +90,16 @@ def _prepare_root(root: Path) -> None:
         if not root.is_dir():
             raise StorageError(f"NVMe swap path {root} exists but is not a directory")
         return
+    if root.is_symlink():  # exists() follows it: a link to nothing
+        raise StorageError(f"NVMe swap path {root} is a symbolic link to {os.readlink(root)}, "
+                           "which does not exist")
     parent = root.parent
     if not parent.is_dir():
         why = "is not a directory" if parent.exists() else "does not exist"
-        raise StorageError(f"cannot create NVMe swap path {root}: its parent {parent} {why}")
+        hint = ("; environment variables such as $HOME are not expanded in a path (~ is)"
+                if "$" in str(root) else "")
+        raise StorageError(f"cannot create NVMe swap path {root}: its parent {parent} "
+                           f"{why}{hint}")
     try:
         os.mkdir(root)
     except FileExistsError:

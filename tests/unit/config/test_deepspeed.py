@@ -289,3 +289,13 @@ def test_two_swap_folders_keep_the_optimizers_and_say_so(first: str) -> None:
     assert ignored == ["zero_optimization.offload_param.nvme_path: outcore keeps parameters "
                        "and optimizer state in one swap folder, the optimizer's "
                        "/offload_optimizer; /offload_param is not used"]
+
+
+@pytest.mark.parametrize("section", ["offload_param", "offload_optimizer"])
+def test_an_nvme_tier_without_a_folder_is_named_in_deepspeeds_words(section: str) -> None:
+    """It read "offload: offload to nvme needs offload.nvme_path", a key the file has not."""
+    ds = {"zero_optimization": {"stage": 3, section: {"device": "nvme"}}}
+    for load in (outcore.Config.load, outcore.Config.from_deepspeed):
+        with pytest.raises(outcore.ConfigError, match=f"zero_optimization.{section}.device is "
+                                                      "'nvme' but no nvme_path"):
+            load(ds)

@@ -398,3 +398,14 @@ def test_refused_o_direct_falls_back_with_one_warning(
         assert not os.fstat(s._fd).st_mode & 0o077
         s.close()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_swap_path_that_cannot_be_made_says_why(tmp_path: Path) -> None:
+    """Found by a probe: a link to nothing read "cannot create a folder there (No such file
+    or directory)", and a ``$HOME`` written in a config file gave no hint."""
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path / "gone")
+    with pytest.raises(StorageError, match=r"is a symbolic link to .*gone, which does not exist"):
+        nvme._prepare_root(link)
+    with pytest.raises(StorageError, match=r"\$HOME are not expanded in a path \(~ is\)"):
+        nvme._prepare_root(tmp_path / "$HOME" / "swap")

@@ -172,7 +172,7 @@ class Engine:
         self.entries = EntryHooks(entry_modules(module), self.hooks.inside,
                                   self._forward_context,
                                   synced_generate=self.rt.world_size > 1, cast=cast,
-                                  on_zero_grad=self.zero_grad)
+                                  on_zero_grad=self.zero_grad, rt=self.rt)
         self.micro_steps = 0
         self._at_boundary = False  # whether the last backward ended an accumulation
         self.global_steps = 0

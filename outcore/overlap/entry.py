@@ -42,6 +42,7 @@ from torch import nn
 
 from outcore.overlap.compiled import uncompiled
 from outcore.overlap.hooks import inert_copy
+from outcore.zero.shared_reads import sharing
 
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
@@ -76,11 +77,12 @@ class EntryHooks:
     def __init__(self, modules: list[nn.Module], is_inside: Callable[[], bool],
                  context: Callable[[], contextlib.AbstractContextManager[object]],
                  synced_generate: bool, cast: Callable[[Inputs], Inputs] | None = None,
-                 on_zero_grad: Callable[[], None] | None = None) -> None:
+                 on_zero_grad: Callable[[], None] | None = None, rt: Any = None) -> None:
         """``cast``: applied to the positional and keyword inputs of a call that opens the
         context (moved to the compute device, floating ones cast to the compute dtype).
         ``on_zero_grad``: called by the root's ``zero_grad()`` before torch's own (gradients
-        live in the engine's shards, which torch's ``Module.zero_grad`` cannot see)."""
+        live in the engine's shards, which torch's ``Module.zero_grad`` cannot see). ``rt``:
+        the runtime whose reads the root's ``state_dict()`` shares (shared_reads.py)."""
         self._is_inside = is_inside
         self._context = context
         self._cast = cast
@@ -95,6 +97,8 @@ class EntryHooks:
                 self._patch_generate(m)
         if on_zero_grad is not None:
             self._patch_zero_grad(modules[0], on_zero_grad)
+        if rt is not None:
+            self._patch_state_dict(modules[0], rt)
 
     @uncompiled  # compiled.py's [Note: hooks run outside a compiled graph]
     def _pre(self, module: nn.Module, args: tuple[object, ...], kwargs: dict[str, object]
@@ -146,6 +150,18 @@ class EntryHooks:
         module.zero_grad = types.MethodType(zero_grad, module)  # type: ignore[method-assign]
         self._patched.append(module)
 
+    def _patch_state_dict(self, module: nn.Module, rt: Any) -> None:
+        root = weakref.ref(module)
+
+        def state_dict(this: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            if this is not root():  # a deep copy of the model: a plain model
+                return type(this).state_dict(this, *args, **kwargs)
+            with sharing(rt):  # shared_reads.py's [Note: one copy per parameter in a ...]
+                return type(this).state_dict(this, *args, **kwargs)
+
+        module.state_dict = types.MethodType(state_dict, module)  # type: ignore[method-assign]
+        self._patched.append(module)
+
     def abandon(self) -> None:
         """Exit the contexts of calls that ended without their post hook (a
         ``KeyboardInterrupt``: abandoned.py's note), innermost first."""
@@ -160,7 +176,7 @@ class EntryHooks:
             h.remove()
         self._handles.clear()
         for m in self._patched:
-            for name in ("generate", "zero_grad"):
+            for name in ("generate", "zero_grad", "state_dict"):
                 if name in m.__dict__:
                     delattr(m, name)
         self._patched.clear()

@@ -83,6 +83,9 @@ class Runtime:
         # closes a forward left by a KeyboardInterrupt (overlap/abandoned.py): the hooks'
         self.drop_abandoned: Callable[[], bool] = lambda: False
         self.shown = 0  # parameters gathered_parameters shows now (ShardedParam keeps it)
+        # while the model's state_dict() runs: each parameter's first read, by id of its
+        # ShardedParam (zero/shared_reads.py's note)
+        self.shared_reads: dict[int, Any] | None = None
         # waits for optimizer updates still running on shards (the engine sets it): a user's
         # read or write of values between a backward and step() must not meet one midway
         self.await_updates: Callable[[], None] = lambda: None

@@ -15,7 +15,7 @@ from torch._C import DisableTorchFunctionSubclass
 
 from outcore.errors import ParamAccessError
 from outcore.runtime.phase import Phase
-from outcore.zero import calls, finer, registry
+from outcore.zero import calls, finer, registry, shared_reads
 from outcore.zero.calls import (
     CPU,
     CUDA,
@@ -215,13 +215,14 @@ def _read(func: Any, args: Args, kwargs: Kwargs, found: list[Touch]) -> Any:
             view = _view(func, args, kwargs, found[0])
             if view is not None:
                 return view
+    if (view := shared_reads.kept(func, found)) is not None:  # shared_reads.py's note
+        return finer.noted(func, found, view)
     values, borrowed = {}, []
     for t in found:
-        value, fresh = _value(t)
-        values[id(t.obj)] = value
-        if not fresh:
-            borrowed.append(value)
-    return finer.noted(func, found, _own(_run(func, args, kwargs, values), borrowed))
+        values[id(t.obj)], fresh = _value(t)
+        borrowed += [] if fresh else [values[id(t.obj)]]
+    out = _own(_run(func, args, kwargs, values), borrowed)
+    return shared_reads.keep(func, found, finer.noted(func, found, out))
 
 
 def _value(t: Touch) -> tuple[torch.Tensor, bool]:

@@ -468,7 +468,8 @@ def _save(engine: Any, sampler: datamod.BatchSampler, job: dict[str, Any], step:
 def _save_now(engine: Any, sampler: datamod.BatchSampler, job: dict[str, Any], step: int,
               state: dict[str, Any]) -> None:
     client = {"step": step, "sampler": sampler.state_dict(), "seed": state["seed"],
-              "model": job["model"], "elapsed_s": state["elapsed"], "run": state["run"]}
+              "model": job["model"], "run": state["run"],  # each rank's own clock: their mean
+              "elapsed_s": _global_mean(engine, state["elapsed"])}
     if state.get("lora") is not None:  # a resume must name the same spec (app/lora.py)
         client["lora"] = state["lora"]
     # the model's config.json lets `outcore consolidate` put it beside the weights for

@@ -98,8 +98,9 @@ _DEEPSPEED_ONLY = ("zero_optimization", "train_micro_batch_size_per_gpu", "train
 
 
 # outcore's top-level keys that a DeepSpeed config does not have (schema.Config's fields but
-# optimizer, gradient_accumulation_steps and gradient_clipping; a unit test keeps them so)
-OUTCORE_ONLY = ("dtype", "seed", "offload", "zero", "loss_scale", "comm", "track_grad_norm")
+# optimizer, gradient_accumulation_steps, gradient_clipping and seed, which DeepSpeed files
+# carry too, ignored by DeepSpeed; a unit test keeps them so)
+OUTCORE_ONLY = ("dtype", "offload", "zero", "loss_scale", "comm", "track_grad_norm")
 
 
 def is_deepspeed(mapping: dict[str, Any]) -> bool:
@@ -383,9 +384,9 @@ def _placement(section: dict[str, Any], name: str, out: dict[str, Any], r: _Read
     off = out.setdefault("offload", {})
     off["params" if name == "param" else "optimizer"] = dev
     path = f"zero_optimization.offload_{name}"
-    if section.get("nvme_path"):  # one swap folder for both: the optimizer's, the larger
-        folder, other = str(section["nvme_path"]), off.get("nvme_path")
-        if other not in (None, folder):
+    if section.get("nvme_path") and dev == "nvme":  # one swap folder: the optimizer's, the
+        folder, other = str(section["nvme_path"]), off.get("nvme_path")  # larger, if two
+        if other is not None and os.path.normpath(other) != os.path.normpath(folder):
             kept, dropped = (folder, other) if name == "optimizer" else (other, folder)
             r.ignored.append(f"zero_optimization.offload_param.nvme_path: outcore keeps "
                              f"parameters and optimizer state in one swap folder, the "

@@ -44,7 +44,7 @@ from outcore.optim import adafactor
 from outcore.optim.optimizer import ShardedOptimizer
 from outcore.optim.param_groups import check_param_groups, from_torch_optimizer, hp_keys
 from outcore.optim.precision import LossScaler
-from outcore.overlap.entry import EntryHooks, entry_modules
+from outcore.overlap.entry import EntryHooks, drop_grads, entry_modules
 from outcore.overlap.hooks import Hooks
 from outcore.overlap.schedule import Schedule
 from outcore.runtime.plan import ExecutionPlan
@@ -284,7 +284,7 @@ class Engine:
         self._reopen_boundary("zero_grad()")
         self.sharded_optimizer.zero_grad(keep=self.sharded_optimizer.pending_jobs)
         self.micro_steps, self._at_boundary = 0, False
-        type(self.module).zero_grad(self.module)  # e.g. a backward's before initialize
+        drop_grads(self.module)  # e.g. a backward's before initialize
 
     def synchronize(self) -> None:
         """Wait for every update the last ``step()`` or backward left running (pipeline.py's

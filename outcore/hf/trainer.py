@@ -47,7 +47,8 @@ from outcore.optim.param_groups import TORCH_GROUP_KEYS
 OVERRIDDEN = ("create_accelerator_and_postprocess", "_move_model_to_device", "_wrap_model",
               "create_optimizer", "create_scheduler", "_prepare_for_training", "training_step",
               "_clip_grad_norm", "_get_grad_norm", "_maybe_log_save_evaluate", "save_model",
-              "_load_from_checkpoint", "_load_best_model", "call_model_init", "train", "end")
+              "_load_from_checkpoint", "_load_optimizer_and_scheduler", "_load_best_model",
+              "call_model_init", "train", "end")
 TESTED = ">=5.23,<6"
 
 
@@ -81,6 +82,13 @@ class EngineOptimizer(TorchOptimizer):
         super().__init__(engine)
         self.accelerated: Any = None  # accelerate's wrapper, told about skipped steps
 
+    @property
+    def empty(self) -> list[int]:
+        """The groups that hold no parameter (Trainer's no-decay group in a LoRA run):
+        older checkpoints of OutcoreTrainer's lack them (io/manifest.py's
+        ``align_empty_groups``)."""
+        return [i for i, g in enumerate(self.param_groups) if not g["params"]]
+
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
         loss = super().step(closure)
         if self.accelerated is not None:
@@ -105,12 +113,24 @@ class EngineOptimizer(TorchOptimizer):
             index += count
         return {"state": {}, "param_groups": groups}
 
+    def _ours(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """``state_dict`` with the empty groups an older checkpoint lacks, as the engine's."""
+        groups, empty = state_dict.get("param_groups"), self.empty
+        if not (empty and isinstance(groups, list)
+                and len(groups) == len(self.param_groups) - len(empty)):
+            return state_dict
+        groups = list(groups)
+        for i in empty:
+            groups.insert(i, {**self.param_groups[i], "params": []})
+        return {**state_dict, "param_groups": groups}
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         hooked_load(self, state_dict, self._load_groups)  # between its hooks, as torch's
 
     def _load_groups(self, state_dict: dict[str, Any]) -> None:
         """The hyper-parameters of an OutcoreTrainer's ``optimizer.pt``; a torch optimizer's
         whole state (a plain ``Trainer``'s checkpoint) goes into the engine's moments."""
+        state_dict = self._ours(state_dict)
         if state_dict.get("state"):
             self._load_state_dict(state_dict)  # TorchOptimizer's: checked, then written
             return
@@ -193,10 +213,10 @@ class OutcoreTrainer(Trainer):
         optimizer = self._given_optimizer
         decay = set(self.get_decay_parameter_names(model))
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        groups = [g for g in (
+        trainers = [  # Trainer's two groups, one of which may be empty (all LoRA's decay)
             {"params": [p for n, p in named if n in decay], "weight_decay": self.args.weight_decay},
-            {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0})
-            if g["params"]]
+            {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
+        groups = trainers if any(g["params"] for g in trainers) else []
         # nothing trainable (an evaluation-only trainer): no optimizer to build
         if groups and optimizer is None and self._optimizer_cls_and_kwargs is not None:
             cls, kw = self._optimizer_cls_and_kwargs
@@ -355,6 +375,31 @@ class OutcoreTrainer(Trainer):
                               f"it is no checkpoint OutcoreTrainer wrote (no {MANIFEST}); "
                               "resume from a checkpoint-N folder of an OutcoreTrainer run")
         self.outcore_engine.load_checkpoint(folder)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        """Trainer's. An older checkpoint's ``scheduler.pt`` lacks a value for each empty
+        group (``EngineOptimizer.empty``): the first group's stands in (torch's schedulers
+        refuse lists shorter than the groups)."""
+        scheduler, empty = self.lr_scheduler, self._engine_optimizer.empty
+        if scheduler is None or not empty:
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        load, width = scheduler.load_state_dict, len(self.optimizer.param_groups) - len(empty)
+
+        def padded(v: list[Any]) -> list[Any]:
+            out = list(v)
+            for i in empty:
+                out.insert(i, out[0])
+            return out
+
+        def ours(state: dict[str, Any]) -> None:
+            load({k: padded(v) if isinstance(v, list) and len(v) == width and v else v
+                  for k, v in state.items()})
+
+        scheduler.load_state_dict = ours  # type: ignore[method-assign]
+        try:
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        finally:
+            del scheduler.load_state_dict
 
     def _load_best_model(self) -> None:
         """The best checkpoint's weights, and nothing else, as ``Trainer`` loads them (a

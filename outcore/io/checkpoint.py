@@ -53,6 +53,7 @@ from outcore.io.client_state import check_client_state, decode, group_value
 from outcore.io.manifest import (
     FORMAT,
     VERSION,
+    align_empty_groups,
     check_file,
     manifest_checksum,
     rank_file,
@@ -446,6 +447,7 @@ def _plan(engine: Any, man: dict, folder: Path) -> dict[str, Any]:
     if need:
         raise ConfigError(f"checkpoint has optimizer states {man['optimizer']['states']}, this "
                           f"optimizer ({engine.sharded_optimizer.kind}) also needs {sorted(need)}")
+    align_empty_groups(man, engine.param_groups, _stored_group)
     if len(man["param_groups"]) != len(engine.param_groups):
         raise ConfigError(f"checkpoint has {len(man['param_groups'])} param groups, the engine "
                           f"{len(engine.param_groups)}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -97,3 +98,20 @@ def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
         if best is None or key > best[0]:
             best = (key, child)
     return None if best is None else best[1]
+
+
+def align_empty_groups(man: dict[str, Any], groups: list[dict[str, Any]],
+                       stored: Callable[[int, dict[str, Any]], dict[str, Any]]) -> None:
+    """Give ``man`` (read) an entry for each of the engine's ``groups`` that holds no
+    parameter where it has none: ``OutcoreTrainer`` dropped Trainer's empty group (a LoRA
+    run's, whose every parameter decays) before 2026-11-29, and keeps it now, as plain
+    Trainer's optimizer and scheduler state have it. The entry is the engine's own
+    settings (``stored``) and no members."""
+    empty = [i for i, g in enumerate(groups) if not g["params"]]
+    if not empty or len(man["param_groups"]) != len(groups) - len(empty):
+        return
+    for i in empty:
+        man["param_groups"].insert(i, stored(i, groups[i]))
+        if man.get("group_members") is not None:
+            man["group_members"].insert(i, [])
+

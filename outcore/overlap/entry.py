@@ -39,6 +39,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
+from torch._C import DisableTorchFunctionSubclass
 
 from outcore.overlap.compiled import uncompiled
 from outcore.overlap.hooks import inert_copy
@@ -143,7 +144,9 @@ class EntryHooks:
 
         def zero_grad(this: nn.Module, set_to_none: bool = True) -> None:
             if this is root():  # not a deep copy of the model, which has no engine
-                on_zero_grad()  # first: torch's below reads p.grad, quietly once it is done
+                on_zero_grad()  # first: the engine's shards
+                if set_to_none:
+                    return drop_grads(this)  # torch's, with no Python call per p.grad read
             type(this).zero_grad(this, set_to_none)
 
         # an instance attribute shadowing the method on purpose: the class stays untouched
@@ -180,3 +183,13 @@ class EntryHooks:
                 if name in m.__dict__:
                     delattr(m, name)
         self._patched.clear()
+
+
+def drop_grads(module: nn.Module) -> None:
+    """Set every ``p.grad`` of ``module`` to None, as torch's ``zero_grad()`` does (a
+    backward's before ``initialize``, a penalty term's): read past the parameters' dispatch,
+    which answers each ``p.grad`` by a Python call (Module.zero_grad took 30 ms on 2,000)."""
+    with DisableTorchFunctionSubclass():
+        for p in module.parameters():
+            if p.grad is not None:
+                p.grad = None

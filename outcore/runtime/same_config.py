@@ -29,9 +29,12 @@ from outcore.errors import ConfigError
 # and I/O it spends (reads ahead are local stages, never collectives: overlap/schedule.py's
 # [Note: why the all-gather is never prefetched]); a seed per rank (dropout's masks); how long
 # it waits for the others
+# (the optimizer state's tier too: each rank updates its own slice wherever it keeps it;
+# the parameters' is not, as a rank gathering from NVMe and one keeping them whole part ways)
 _OWN = {"offload.nvme_path", "offload.host_buffer_bytes", "offload.io_block_bytes",
         "offload.io_threads", "offload.verify_swap", "offload.reuse_freed_memory",
-        "zero.prefetch_bytes", "zero.resident_copies", "seed", "comm.timeout_s"}
+        "offload.optimizer", "zero.prefetch_bytes", "zero.resident_copies", "seed",
+        "comm.timeout_s"}
 
 
 def settings(cfg: Config) -> dict[str, Any]:
@@ -44,7 +47,9 @@ def settings(cfg: Config) -> dict[str, Any]:
                 out[f"{name}.{key}"] = getattr(value, key)
         else:
             out[name] = value
-    return {k: v for k, v in out.items() if k not in _OWN}
+    fp16 = cfg.dtype == "fp16"  # the loss scale is read in fp16 only
+    return {k: v for k, v in out.items()
+            if k not in _OWN and (fp16 or not k.startswith("loss_scale."))}
 
 
 def check_same_config(cfg: Config, comm: Any) -> None:
@@ -62,4 +67,7 @@ def check_same_config(cfg: Config, comm: Any) -> None:
                           f"(rank {comm.rank}) differ{'s' if len(differ) == 1 else ''} on "
                           "another; give every rank the same config" + (
                               " (dtype: auto picks by the host: name the dtype where the "
-                              "hosts differ)" if "dtype" in differ else ""))
+                              "hosts differ)" if "dtype" in differ else "") + (
+                              " (an automatic placement plans by each host's free memory: "
+                              "name the tiers where the hosts differ)"
+                              if "offload.params" in differ else ""))

@@ -212,3 +212,61 @@ def test_an_outcore_trainer_resumes_a_plain_trainers_checkpoint_exactly(tmp_path
     torch.testing.assert_close(logged(ours, "loss"), logged(plain, "loss"), rtol=1e-5,
                                atol=1e-6)
     ours.close()
+
+
+def test_a_lora_run_moves_between_the_trainers(tmp_path: Path) -> None:
+    """With LoRA every trained parameter decays, so Trainer's second group is empty; the
+    engine keeps no empty group, and either trainer refused the other's optimizer.pt as
+    another number of groups (found by a reviewer of the resume fix)."""
+    kw = {"save_strategy": "steps", "save_steps": 4}
+    plain = transformers.Trainer(model=build("llama", lora=LORA),
+                                 args=arguments(tmp_path / "plain", **kw), train_dataset=dataset())
+    plain.train()
+    ours = OutcoreTrainer(model=build("llama", lora=LORA), args=arguments(tmp_path / "ours", **kw),
+                          train_dataset=dataset(), outcore_config=nvme(tmp_path))
+    ours.train(resume_from_checkpoint=str(tmp_path / "plain" / "checkpoint-4"))
+    torch.testing.assert_close(logged(ours, "loss"), logged(plain, "loss"), rtol=1e-5,
+                               atol=1e-6)
+    ours.close()
+    ours = OutcoreTrainer(model=build("llama", lora=LORA), args=arguments(tmp_path / "o2", **kw),
+                          train_dataset=dataset(), outcore_config=nvme(tmp_path / "o2"))
+    ours.train()
+    ours.close()
+    again = transformers.Trainer(model=build("llama", lora=LORA),
+                                 args=arguments(tmp_path / "again", **kw),
+                                 train_dataset=dataset())
+    again.train(resume_from_checkpoint=str(tmp_path / "o2" / "checkpoint-4"))
+    assert again.state.global_step == 8
+    assert logged(again, "loss")[4] == pytest.approx(logged(ours, "loss")[4], rel=1e-5)
+    assert logged(again, "learning_rate") == logged(ours, "learning_rate")
+
+
+def test_a_lora_checkpoint_written_with_one_group_still_resumes(tmp_path: Path) -> None:
+    """OutcoreTrainer dropped Trainer's empty group before it kept it (the test above): such
+    a checkpoint-N (one group in its manifest, optimizer.pt and scheduler.pt) resumes, to the
+    losses of an uninterrupted run."""
+    from outcore.io.manifest import manifest_checksum
+
+    kw = {"save_strategy": "steps", "save_steps": 4}
+    whole = OutcoreTrainer(model=build("llama", lora=LORA), args=arguments(tmp_path / "w", **kw),
+                           train_dataset=dataset(), outcore_config=nvme(tmp_path / "w"))
+    whole.train()
+    whole.close()
+    folder = tmp_path / "w" / "checkpoint-4"
+    man = json.loads((folder / "manifest.json").read_text())
+    assert [len(m) for m in man["group_members"]][1] == 0  # the empty group, kept now
+    for key in ("param_groups", "group_members"):
+        man[key] = man[key][:1]
+    man["manifest_checksum"] = manifest_checksum(man)
+    (folder / "manifest.json").write_text(json.dumps(man))
+    opt = torch.load(folder / "optimizer.pt", weights_only=True)
+    torch.save({**opt, "param_groups": opt["param_groups"][:1]}, folder / "optimizer.pt")
+    sched = torch.load(folder / "scheduler.pt", weights_only=True)
+    torch.save({k: v[:1] if isinstance(v, list) and len(v) == 2 else v
+                for k, v in sched.items()}, folder / "scheduler.pt")
+    again = OutcoreTrainer(model=build("llama", lora=LORA), args=arguments(tmp_path / "a", **kw),
+                           train_dataset=dataset(), outcore_config=nvme(tmp_path / "a"))
+    again.train(resume_from_checkpoint=str(folder))
+    torch.testing.assert_close(logged(again, "loss"), logged(whole, "loss"), rtol=1e-5,
+                               atol=1e-6)
+    again.close()

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 import outcore
-from outcore.config.deepspeed import OUTCORE_ONLY, Auto, translate
+from outcore.config.deepspeed import OUTCORE_ONLY, Auto, is_deepspeed, translate
 
 Z3_AUTO = {"stage": 3, "overlap_comm": True, "contiguous_gradients": True,
            "sub_group_size": 1e9, "reduce_bucket_size": "auto",
@@ -255,7 +255,7 @@ def test_a_config_with_keys_of_both_forms_is_refused() -> None:
     with pytest.raises(outcore.ConfigError, match=r"mixes DeepSpeed's keys \(steps_per_print\) "
                                                   r"with outcore's \(dtype, offload\)"):
         outcore.Config.load(mixed)
-    shared = {"optimizer", "gradient_accumulation_steps", "gradient_clipping"}
+    shared = {"optimizer", "gradient_accumulation_steps", "gradient_clipping", "seed"}
     assert set(OUTCORE_ONLY) == set(outcore.Config.model_fields) - shared
 
 
@@ -299,3 +299,18 @@ def test_an_nvme_tier_without_a_folder_is_named_in_deepspeeds_words(section: str
         with pytest.raises(outcore.ConfigError, match=f"zero_optimization.{section}.device is "
                                                       "'nvme' but no nvme_path"):
             load(ds)
+
+
+def test_a_swap_folder_of_a_tier_not_on_nvme_is_not_the_one_used() -> None:
+    """DeepSpeed reads ``nvme_path`` only where ``device`` is nvme; and one folder spelled
+    two ways is one folder (a reviewer's cases), and a top-level ``seed`` is DeepSpeed's."""
+    out, ignored = translate({"zero_optimization": {
+        "stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/local/A"},
+        "offload_optimizer": {"device": "cpu", "nvme_path": "/unused/B"}}})
+    assert out["offload"]["nvme_path"] == "/local/A" and ignored == []
+    out, ignored = translate({"zero_optimization": {
+        "stage": 3, "offload_param": {"device": "nvme", "nvme_path": "./swap"},
+        "offload_optimizer": {"device": "nvme", "nvme_path": "swap"}}})
+    assert ignored == []
+    assert is_deepspeed({"zero_optimization": {"stage": 3}, "seed": 4})
+

@@ -62,10 +62,14 @@ def test_a_setting_given_to_one_rank_is_refused_by_name(tmp_path: Path, differ: 
     assert said[0] is not None and said[1] is not None
     assert "the ranks run with different configs" in said[1] and named in said[1]
     assert ("dtype: auto picks by the host" in said[1]) == ("dtype" in differ)
+    assert ("plans by each host's free memory" in said[1]) == ("offload.params" in differ)
 
 
 def test_a_swap_folder_memory_and_seed_of_each_ranks_own_pass(tmp_path: Path) -> None:
-    own = {"offload.host_buffer_bytes": 64 << 20, "zero.prefetch_bytes": 1 << 20, "seed": 7}
+    """And the optimizer state's tier, and an fp32 run's loss-scale settings, which it does
+    not read (a reviewer found both refused where they had trained right)."""
+    own = {"offload.host_buffer_bytes": 64 << 20, "zero.prefetch_bytes": 1 << 20, "seed": 7,
+           "offload.optimizer": "cpu", "loss_scale.initial_scale_power": 8}
     assert run_world(_initialize, 2, {1: own}, False, str(tmp_path)) == [None, None]
 
 

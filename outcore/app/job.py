@@ -5,12 +5,13 @@ value into one line naming the key."""
 from __future__ import annotations
 
 import argparse
+import os
 import warnings
 from pathlib import Path
 from typing import Any
 
 from outcore.app import blocks
-from outcore.app.models import is_hf_folder
+from outcore.app.models import PRESETS, is_hf_folder
 from outcore.config import Config, read_mapping
 from outcore.config.deepspeed import is_deepspeed, names_precision, translate_and_warn
 from outcore.errors import ConfigError
@@ -258,7 +259,11 @@ def check_resume(latest: Path, client: dict[str, Any], model: str, steps: int) -
     saves; return the line that says which newer step folders ``latest_checkpoint``
     passed over as incomplete or damaged."""
     saved = client.get("model")
-    if saved is not None and not same_setting("model", saved, model):  # spelled either way
+    # a model folder moved since (its old path gone) may be named anew: a base read in place
+    # is checked file by file against the checkpoint's record, the rest is in the checkpoint
+    moved = (isinstance(saved, str) and saved not in PRESETS and not os.path.exists(saved)
+             and is_hf_folder(Path(model).expanduser()))
+    if saved is not None and not moved and not same_setting("model", saved, model):
         raise ConfigError(f"--resume: {latest} is a checkpoint of model {saved!r}, not "
                           f"{model!r}; give --model {saved} to continue it, or another --out")
     done = client.get("step")

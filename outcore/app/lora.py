@@ -24,6 +24,7 @@ resume is started as its run was]; the refusal of none is for checkpoints older 
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,9 +86,11 @@ def prepare(spec: Any, model: str) -> LoraJob | None:
                           f"v_proj', got {spec!r}")
     kwargs = parse_spec(spec)
     if not models.is_hf_folder(model):
+        gone = isinstance(model, str) and os.sep in model and not os.path.exists(model)
         raise ConfigError(f"--lora adapts pretrained weights, so it needs --model HF_FOLDER (a "
                           f"local Hugging Face folder with *.safetensors weights); {model!r} "
-                          "is not one")
+                          + ("does not exist (moved? give --model where it is now: its files "
+                             "are checked against the run's record)" if gone else "is not one"))
     if not models.hf_has_weights(model):
         raise ConfigError(f"--lora: {model} holds no *.safetensors weights; adapters over a "
                           "random base could not be loaded onto anything later")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import sys
 import threading
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,30 +42,53 @@ def base_files(engine: Any) -> list[Path]:
                    if sp.compute_shard is not None and sp.compute_shard.read_only})
 
 
-def file_hash(path: Path) -> str:
-    """The content hash of ``path``, computed once per identity in this process."""
-    key = (path, Identity.of(path))
+def file_hash(path: Path, opened: Any = None) -> str:
+    """The content hash of ``path`` (of ``opened``, the file a reader holds open there, when
+    given), computed once per identity in this process."""
+    key = (path, opened.identity if opened is not None else Identity.of(path))
     with _LOCK:
         if key in _HASHES:
             return _HASHES[key]
     size = key[1].size
     with tqdm(total=size, unit="B", unit_scale=True, desc=f"hashing {path.name}",
               file=sys.stderr, disable=size < _QUIET_BELOW, leave=False) as bar:
-        value = content_hash(path, bar.update)
+        value = content_hash(path, bar.update, opened=opened)
     with _LOCK:
         _HASHES[key] = value
     return value
 
 
-def record(files: list[Path]) -> dict[str, Any] | None:
-    """The manifest's ``base`` entry for ``files`` (None when nothing is read in place)."""
+def record(files: list[Path], opened: Callable[[Path], Any] | None = None
+           ) -> dict[str, Any] | None:
+    """The manifest's ``base`` entry for ``files`` (None when nothing is read in place).
+
+    ``opened``: the open file a reader reads at a path (``SourceReader.opened``). The record
+    is of that file, the one the run trained over: a base replaced under the run (a tool
+    writing a new file and renaming it over the old) was recorded as the new file, so a
+    resume over it was taken as a resume over the same base; a base removed failed the save
+    in words about the checkpoint, and the run lost its steps (found by a user's probe)."""
     if not files:
         return None
     entry = {}
     for f in files:
-        ident = Identity.of(f)
-        entry[f.name] = {"bytes": ident.size, "mtime_ns": ident.mtime_ns, "xxh3_128": file_hash(f)}
+        of = opened(f) if opened is not None else None
+        ident = of.identity if of is not None else Identity.of(f)
+        if of is not None and _moved_on(f, ident):
+            warnings.warn(f"the base file {f} was changed, replaced or removed since this run "
+                          "opened it; the checkpoint records the file the run reads (still "
+                          "open), so a resume over what is at that path now is refused",
+                          stacklevel=2)
+        entry[f.name] = {"bytes": ident.size, "mtime_ns": ident.mtime_ns,
+                         "xxh3_128": file_hash(f, of)}
     return {"folder": str(files[0].parent), "files": entry}
+
+
+def _moved_on(path: Path, was: Identity) -> bool:
+    """Whether ``path`` no longer names the file whose identity was ``was``."""
+    try:
+        return Identity.of(path) != was
+    except OSError:
+        return True
 
 
 def check(saved: dict[str, Any] | None, files: list[Path], checkpoint: Path) -> None:

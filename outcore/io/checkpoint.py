@@ -275,7 +275,8 @@ def _manifest(engine: Any, client_state: dict[str, Any], files: dict[str, dict],
            "checksum": CHECKSUM, "files": files, "copied_files": copied,
            "group_members": [[sp.name for sp in members]
                              for members in engine.sharded_optimizer.members],
-           "base": base_record.record(base_record.base_files(engine))}
+           "base": base_record.record(base_record.base_files(engine),
+                                      lambda f: engine.rt.reader.opened(f))}  # (made if used)
     return {**man, "manifest_checksum": manifest_checksum(man)}
 
 

@@ -136,11 +136,13 @@ def read_header(path: Path) -> dict[str, TensorEntry]:
 
 
 def content_hash(path: Path, progress: Callable[[int], None] | None = None,
-                 engine: AioEngine | None = None) -> str:
+                 engine: AioEngine | None = None, opened: _File | None = None) -> str:
     """xxh3-128 of the whole file (``progress(n)`` after each piece). Pieces of 4 MiB are
     read ahead with O_DIRECT on ``engine``'s threads (eight in flight) and hashed in order,
-    so the hash runs at the disk's rate, leaves no page cache behind and holds 32 MiB."""
-    h, f = xxhash.xxh3_128(), _File(Path(path))
+    so the hash runs at the disk's rate, leaves no page cache behind and holds 32 MiB.
+    ``opened``: the file as a reader holds it open (``SourceReader.opened``), hashed through
+    its descriptors: what that reader reads, though the path now names another file."""
+    h, f = xxhash.xxh3_128(), opened or _File(Path(path))
     own = engine is None
     engine = engine or AioEngine(threads=BUFFERS)
     size, block = f.identity.size, CHUNK_BYTES
@@ -158,15 +160,15 @@ def content_hash(path: Path, progress: Callable[[int], None] | None = None,
             pending.append((engine.pread(fd, buf, off, path=f.path), buf, block))
         while pending:
             _hash_done(h, pending.popleft(), progress)
-        with open(path, "rb", buffering=0) as tail:  # what O_DIRECT cannot take: the end
-            tail.seek(direct_end)
-            view = memoryview(bytearray(block))
-            while n := tail.readinto(view):
-                h.update(view[:n])
-                if progress is not None:
-                    progress(n)
+        pos = direct_end  # what O_DIRECT cannot take, the end, through the buffered one
+        while piece := os.pread(f.buffered, block, pos):
+            h.update(piece)
+            pos += len(piece)
+            if progress is not None:
+                progress(len(piece))
     finally:
-        f.close()
+        if opened is None:
+            f.close()
         if own:
             engine.close()
     return h.hexdigest()
@@ -270,6 +272,11 @@ class SourceReader:
                     raise StorageError(f"cannot open the base file {path}: {e.strerror}"
                                        ) from None
             return f
+
+    def opened(self, path: Path) -> _File | None:
+        """The file at ``path`` if this reader has opened it (it stays open until close)."""
+        with self._lock:
+            return self._files.get(Path(path).resolve())
 
     def read(self, path: Path, offset: int, out: torch.Tensor, dtype: torch.dtype,
              check: Check | None = None) -> IOFuture:

@@ -299,3 +299,32 @@ def test_consolidate_refuses_to_write_over_the_base_or_a_checkpoint(
         code, err = _run(capsys, ["consolidate", str(last), str(first / name)])
         assert code == 2 and "is one of the files of the checkpoint in" in err, err
         assert (first / name).read_bytes() == kept
+
+
+def test_a_base_folder_moved_since_resumes_where_it_is_now(
+        tmp_path: Path, llama: Path, corpus: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Found by a user's probe: the run named its base by the path it had, so a base moved
+    (or copied to another disk) could never resume, the message not saying it was gone. The
+    base's files are checked against the checkpoint's record, so a changed one is still
+    refused."""
+    base = tmp_path / "base"
+    shutil.copytree(llama, base)
+    out = tmp_path / "run"
+    argv = _train(base, corpus, out, "--steps", "2", "--save-every", "2", "--dtype", "fp32",
+                  "--offload", "nvme", "--lr", "1e-2", "--lora", SPEC)
+    code, err = _run(capsys, argv)
+    assert code == 0 and "read in place" in err
+    moved = tmp_path / "moved"
+    base.rename(moved)
+    code, err = _run(capsys, ["train", "--out", str(out), "--resume", "--steps", "3"])
+    assert code == 2 and f"'{base}' does not exist (moved? give --model where it is" in err
+    code, err = _run(capsys, ["train", "--out", str(out), "--resume", "--steps", "3",
+                              "--model", str(moved)])
+    assert code == 0, err
+    assert "resuming at step 2" in err
+    raw = bytearray((moved / "model.safetensors").read_bytes())
+    raw[-3] ^= 0x01
+    (moved / "model.safetensors").write_bytes(bytes(raw))
+    code, err = _run(capsys, ["train", "--out", str(out), "--resume", "--steps", "4",
+                              "--model", str(moved)])
+    assert code == 2 and "changed since" in err, err[-600:]

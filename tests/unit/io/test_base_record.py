@@ -130,3 +130,38 @@ def test_consolidated_weights_read_the_base_from_its_files(folder: Path, tmp_pat
     assert torch.equal(full[q], base["model.layers.0.self_attn.q_proj.weight"].float())
     assert torch.equal(full["base_model.model.lm_head.weight"], base["lm_head.weight"].float())
     assert any(".lora_A." in k for k in full) and len(full) == 21 + 8
+
+
+@pytest.mark.parametrize("how", ["replaced", "removed"])
+def test_a_base_replaced_or_removed_under_the_run_is_recorded_as_the_run_read_it(
+        folder: Path, tmp_path: Path, how: str) -> None:
+    """Found by a user's probe: a base file replaced under a run (a new file renamed over
+    it) was recorded as the new file, so a resume over it was accepted, and one removed
+    failed the save in words about the checkpoint, the run's steps lost. The record is of
+    the file the run holds open, said in a warning, and a resume over the new one refused."""
+    engine = _engine(folder, tmp_path / "swap")
+    files = sorted(folder.glob("*.safetensors"))
+    kept = {f.name: f.read_bytes() for f in files}
+    for f in files:  # what a tool writing a new file and renaming it over the old does
+        if how == "replaced":
+            new = f.with_suffix(".tmp")
+            raw = bytearray(kept[f.name])
+            raw[-3] ^= 0x01
+            new.write_bytes(bytes(raw))
+            os.replace(new, f)
+        else:
+            f.unlink()
+    with pytest.warns(UserWarning, match="was changed, replaced or removed since this run "
+                                         "opened it; the checkpoint records the file the run"):
+        ckpt = engine.save_checkpoint(tmp_path / "ckpt")
+    engine.close()
+    if how == "removed":
+        for name, raw in kept.items():
+            (folder / name).write_bytes(raw)  # the same bytes back: the resume is accepted
+        engine = _engine(folder, tmp_path / "swap")
+        engine.load_checkpoint(ckpt)
+    else:
+        engine = _engine(folder, tmp_path / "swap2", weights=False)
+        with pytest.raises(ConfigError, match="changed since"):
+            engine.load_checkpoint(ckpt)
+    engine.close()

@@ -11,11 +11,11 @@ from pathlib import Path
 from typing import Any
 
 from outcore.app import blocks
-from outcore.app.models import PRESETS, is_hf_folder
+from outcore.app.models import is_hf_folder
 from outcore.config import Config, read_mapping
 from outcore.config.deepspeed import is_deepspeed, names_precision, translate_and_warn
 from outcore.errors import ConfigError
-from outcore.io.manifest import latest_checkpoint
+from outcore.io.manifest import latest_checkpoint, read_manifest
 from outcore.io.publish import MANIFEST
 
 __all__ = ["JOB_DEFAULTS", "LR_SCHEDULES", "RUN_OPTIONS", "check_out", "check_resume",
@@ -259,9 +259,10 @@ def check_resume(latest: Path, client: dict[str, Any], model: str, steps: int) -
     saves; return the line that says which newer step folders ``latest_checkpoint``
     passed over as incomplete or damaged."""
     saved = client.get("model")
-    # a model folder moved since (its old path gone) may be named anew: a base read in place
-    # is checked file by file against the checkpoint's record, the rest is in the checkpoint
-    moved = (isinstance(saved, str) and saved not in PRESETS and not os.path.exists(saved)
+    # a base read in place whose folder has moved since (the folder the checkpoint records
+    # is gone) may be named anew: its files are checked one by one against that record
+    base = (read_manifest(latest).get("base") or {}) if saved is not None else {}
+    moved = (base.get("folder") is not None and not os.path.exists(base["folder"])
              and is_hf_folder(Path(model).expanduser()))
     if saved is not None and not moved and not same_setting("model", saved, model):
         raise ConfigError(f"--resume: {latest} is a checkpoint of model {saved!r}, not "

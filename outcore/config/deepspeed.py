@@ -375,6 +375,10 @@ def _check_spelling(path: str, key: str, known: frozenset[str]) -> None:
         raise ConfigError(f"{path}: DeepSpeed has no key {key!r}; did you mean {close[0]!r}?")
 
 
+def _same_folder(path: str) -> str:
+    return os.path.normpath(os.path.expanduser(path))
+
+
 def _placement(section: dict[str, Any], name: str, out: dict[str, Any], r: _Reader) -> int:
     """Map offload_param / offload_optimizer; return its buffer pool size in bytes."""
     dev = section.get("device", "none")
@@ -386,7 +390,7 @@ def _placement(section: dict[str, Any], name: str, out: dict[str, Any], r: _Read
     path = f"zero_optimization.offload_{name}"
     if section.get("nvme_path") and dev == "nvme":  # one swap folder: the optimizer's, the
         folder, other = str(section["nvme_path"]), off.get("nvme_path")  # larger, if two
-        if other is not None and os.path.normpath(other) != os.path.normpath(folder):
+        if other is not None and _same_folder(other) != _same_folder(folder):
             kept, dropped = (folder, other) if name == "optimizer" else (other, folder)
             r.ignored.append(f"zero_optimization.offload_param.nvme_path: outcore keeps "
                              f"parameters and optimizer state in one swap folder, the "

@@ -74,19 +74,19 @@ def record(files: list[Path], opened: Callable[[Path], Any] | None = None
         of = opened(f) if opened is not None else None
         ident = of.identity if of is not None else Identity.of(f)
         if of is not None and _moved_on(f, ident):
-            warnings.warn(f"the base file {f} was changed, replaced or removed since this run "
-                          "opened it; the checkpoint records the file the run reads (still "
-                          "open), so a resume over what is at that path now is refused",
-                          stacklevel=2)
+            warnings.warn(f"the base file {f} was replaced or removed since this run opened "
+                          "it; the checkpoint records the file the run reads (still open), so "
+                          "a resume over other bytes at that path is refused", stacklevel=2)
         entry[f.name] = {"bytes": ident.size, "mtime_ns": ident.mtime_ns,
                          "xxh3_128": file_hash(f, of)}
     return {"folder": str(files[0].parent), "files": entry}
 
 
 def _moved_on(path: Path, was: Identity) -> bool:
-    """Whether ``path`` no longer names the file whose identity was ``was``."""
+    """Whether ``path`` no longer names the file whose identity was ``was`` (another inode,
+    or none; a new time alone is the same file, whose changed bytes its reads would catch)."""
     try:
-        return Identity.of(path) != was
+        return Identity.of(path).inode != was.inode
     except OSError:
         return True
 

@@ -98,8 +98,8 @@ class EntryHooks:
                 self._patch_generate(m)
         if on_zero_grad is not None:
             self._patch_zero_grad(modules[0], on_zero_grad)
-        if rt is not None:
-            self._patch_state_dict(modules[0], rt)
+        for m in modules if rt is not None else ():  # a PEFT model's base model too
+            self._patch_state_dict(m, rt)
 
     @uncompiled  # compiled.py's [Note: hooks run outside a compiled graph]
     def _pre(self, module: nn.Module, args: tuple[object, ...], kwargs: dict[str, object]
@@ -145,8 +145,9 @@ class EntryHooks:
         def zero_grad(this: nn.Module, set_to_none: bool = True) -> None:
             if this is root():  # not a deep copy of the model, which has no engine
                 on_zero_grad()  # first: the engine's shards
-                if set_to_none:
+                if set_to_none and type(this).zero_grad is nn.Module.zero_grad:
                     return drop_grads(this)  # torch's, with no Python call per p.grad read
+            # the class's own (which may reset more: a user's probe found it never called)
             type(this).zero_grad(this, set_to_none)
 
         # an instance attribute shadowing the method on purpose: the class stays untouched
@@ -188,7 +189,8 @@ class EntryHooks:
 def drop_grads(module: nn.Module) -> None:
     """Set every ``p.grad`` of ``module`` to None, as torch's ``zero_grad()`` does (a
     backward's before ``initialize``, a penalty term's): read past the parameters' dispatch,
-    which answers each ``p.grad`` by a Python call (Module.zero_grad took 30 ms on 2,000)."""
+    which answers each ``p.grad`` by a Python call (Module.zero_grad took 30 ms on 2,000).
+    Not the model's own ``zero_grad`` (torch's ``optimizer.zero_grad()`` calls none)."""
     with DisableTorchFunctionSubclass():
         for p in module.parameters():
             if p.grad is not None:

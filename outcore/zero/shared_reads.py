@@ -16,31 +16,51 @@ read). Outside that call every read is a new copy, as before.
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 from collections.abc import Iterator
+from types import FrameType
 from typing import Any
 
 import torch
+from torch import nn
+
+_OURS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # outcore's own files
+_SAVE = nn.Module._save_to_state_dict.__code__
 
 
 def _whole(func: Any, found: list[Any]) -> Any:
-    """The ShardedParam of a ``p.detach()`` while a state dict is made, else None."""
+    """The ShardedParam of a ``p.detach()`` that torch's ``_save_to_state_dict`` makes while
+    a state dict is made, else None: any other read then (a state-dict hook's, which may
+    write into what it gets) is a copy of its own, as outside."""
     if func is not torch.Tensor.detach or len(found) != 1 or found[0].chain:
         return None
     sp = found[0].sp
-    return sp if sp is not None and sp.rt.shared_reads is not None else None
+    if sp is None or sp.rt.shared_reads is None:
+        return None
+    caller: FrameType | None = sys._getframe(2)
+    while caller is not None and caller.f_code.co_filename.startswith(_OURS):
+        caller = caller.f_back
+    return sp if caller is not None and caller.f_code is _SAVE else None
 
 
 def kept(func: Any, found: list[Any]) -> torch.Tensor | None:
-    """A view of the copy an earlier read of this parameter gave in this state dict."""
+    """A view of the copy an earlier read of this parameter gave in this state dict, unless
+    it was written since (a state-dict hook's ``p.detach().mul_(0)``, which in torch would
+    write the parameter: here it changed a copy, which later reads must not show)."""
     sp = _whole(func, found)
-    first = sp.rt.shared_reads.get(id(sp)) if sp is not None else None
-    return first.detach() if first is not None else None
+    first: tuple[torch.Tensor, int] | None = (
+        sp.rt.shared_reads.get(id(sp)) if sp is not None else None)
+    if first is None or first[0]._version != first[1]:
+        return None
+    return first[0].detach()
 
 
 def keep(func: Any, found: list[Any], out: Any) -> Any:
-    """``out``, a read's result, kept for the later names of its parameter."""
+    """``out``, a read's result, kept (with its version) for the later names of its
+    parameter."""
     if (sp := _whole(func, found)) is not None and isinstance(out, torch.Tensor):
-        sp.rt.shared_reads[id(sp)] = out
+        sp.rt.shared_reads.setdefault(id(sp), (out, out._version))
     return out
 
 

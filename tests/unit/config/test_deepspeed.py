@@ -11,6 +11,7 @@ every other key in one warning; under ``OutcoreTrainer`` its ``"auto"`` values c
 from __future__ import annotations
 
 import json
+import os
 import warnings
 from pathlib import Path
 
@@ -311,6 +312,11 @@ def test_a_swap_folder_of_a_tier_not_on_nvme_is_not_the_one_used() -> None:
     out, ignored = translate({"zero_optimization": {
         "stage": 3, "offload_param": {"device": "nvme", "nvme_path": "./swap"},
         "offload_optimizer": {"device": "nvme", "nvme_path": "swap"}}})
+    assert ignored == []
+    home = {"device": "nvme", "nvme_path": os.path.expanduser("~/swap")}
+    _, ignored = translate({"zero_optimization": {
+        "stage": 3, "offload_param": {"device": "nvme", "nvme_path": "~/swap"},
+        "offload_optimizer": home}})
     assert ignored == []
     assert is_deepspeed({"zero_optimization": {"stage": 3}, "seed": 4})
 

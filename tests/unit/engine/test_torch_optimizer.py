@@ -778,3 +778,25 @@ def test_zero_grad_drops_a_grad_from_before_initialize(tmp_path: Path, how: str,
     opt.zero_grad()
     assert all(p.grad is None for p in model.parameters())
     _two_steps_match(engine, model, ref, opt, tol=1e-5)
+
+
+def test_the_models_own_zero_grad_runs_from_model_zero_grad(tmp_path: Path) -> None:
+    """A model class's ``zero_grad`` (one that resets more) ran from ``model.zero_grad()``,
+    and runs again (a reviewer found it skipped); ``optimizer.zero_grad()`` calls none, as
+    torch's."""
+    class Counting(nn.Sequential):
+        calls = 0
+
+        def zero_grad(self, set_to_none: bool = True) -> None:
+            Counting.calls += 1
+            super().zero_grad(set_to_none)
+
+    model = Counting(nn.Linear(4, 4))
+    engine = outcore.initialize(model, {"dtype": "fp32", "offload": {
+        "params": "nvme", "optimizer": "nvme", "nvme_path": str(tmp_path)}})
+    model.zero_grad()
+    assert Counting.calls == 1
+    engine.optimizer.zero_grad()
+    engine.zero_grad()
+    assert Counting.calls == 1
+    engine.close()

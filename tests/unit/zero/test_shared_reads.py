@@ -56,3 +56,39 @@ def test_a_tied_weight_is_one_tensor_in_the_state_dict(tmp_path: Path, offload: 
     assert plain.state_dict()["head.weight"].shape == (32, 16)
     engine.close()
     assert "state_dict" not in model.__dict__  # handed back plain
+
+
+def test_a_hooks_read_during_the_state_dict_is_its_own_copy(tmp_path: Path) -> None:
+    """Found by a reviewer: a state-dict hook's ``p.detach().mul_(0)`` wrote into the copy the
+    state dict holds (torch would write the parameter; here a copy changes, and the state
+    dict must not show it)."""
+    torch.manual_seed(0)
+    model = Tied()
+    want = model.embed.weight.detach().clone()
+    engine = outcore.initialize(model, {"dtype": "fp32", "offload": {
+        "params": "nvme", "optimizer": "nvme", "nvme_path": str(tmp_path)}})
+    model.head.register_state_dict_pre_hook(
+        lambda *_: model.embed.weight.detach().mul_(0))
+    sd = model.state_dict()
+    assert torch.equal(sd["embed.weight"], want) and torch.equal(sd["head.weight"], want)
+    engine.close()
+
+
+def test_a_peft_models_base_model_shares_its_tied_weight(tmp_path: Path) -> None:
+    """``pm.get_base_model().save_pretrained()`` still wrote the tied head twice: only the
+    root's ``state_dict`` shared reads (found by a reviewer)."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("peft")
+    from outcore.hf import apply_lora
+
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=1, num_attention_heads=2,
+                                   num_key_value_heads=2, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    pm = apply_lora(transformers.LlamaForCausalLM(cfg), "r=2,targets=q_proj")
+    engine = outcore.initialize(pm, {"dtype": "fp32", "offload": {
+        "params": "nvme", "optimizer": "nvme", "nvme_path": str(tmp_path)}})
+    sd = pm.get_base_model().state_dict()
+    assert sd["lm_head.weight"].untyped_storage().data_ptr() == (
+        sd["model.embed_tokens.weight"].untyped_storage().data_ptr())
+    engine.close()

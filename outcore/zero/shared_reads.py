@@ -6,11 +6,12 @@ tensors sharing one storage, which ``save_pretrained`` and safetensors recognise
 and write once. A read of a parameter outcore holds is a copy of its values, so each name
 got a copy of its own: ``model.save_pretrained`` wrote a tied head as a second
 vocabulary-sized tensor (found by a user's probe), and the state dict held two copies in
-memory. So while the root module's ``state_dict()`` runs (``sharing``, around it:
-overlap/entry.py), the first read of each parameter is kept, and each later read of it is
-a view of that copy, sharing its storage and version counter as torch's detached tensors
-share the parameter's (zero/finer.py's note then sees a write of either as a write of the
-read). Outside that call every read is a new copy, as before.
+memory. So while the model's ``state_dict()`` runs (``sharing``, around the root's and a
+PEFT model's base model's: overlap/entry.py), the first read of each parameter that torch's
+``_save_to_state_dict`` makes is kept, and each later one is a view of that copy, sharing
+its storage and version counter as torch's detached tensors share the parameter's
+(zero/finer.py's note then sees a write of either as a write of the read). Any other read
+(a state-dict hook's), and every read outside that call, is a new copy, as before.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-_OURS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # outcore's own files
+_OURS = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # outcore's files
 _SAVE = nn.Module._save_to_state_dict.__code__
 
 
@@ -46,8 +47,8 @@ def _whole(func: Any, found: list[Any]) -> Any:
 
 def kept(func: Any, found: list[Any]) -> torch.Tensor | None:
     """A view of the copy an earlier read of this parameter gave in this state dict, unless
-    it was written since (a state-dict hook's ``p.detach().mul_(0)``, which in torch would
-    write the parameter: here it changed a copy, which later reads must not show)."""
+    that copy was written since (an entry changed in place by a hook: in torch that would
+    write the parameter, here only the copy, which the later names must not show)."""
     sp = _whole(func, found)
     first: tuple[torch.Tensor, int] | None = (
         sp.rt.shared_reads.get(id(sp)) if sp is not None else None)

@@ -42,6 +42,13 @@ _MiB = 1 << 20
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        """Refused as outcore refuses a user's mistake (pydantic's ``ValidationError`` was no
+        ``OutcoreError``, which docs/python.md promises for every one): a config is frozen."""
+        raise ConfigError(f"a config is frozen: {type(self).__name__}.{name} cannot be set; "
+                          "make another with cfg.with_overrides(...), nested as in a config "
+                          "file (e.g. {'optimizer': {'lr': 1e-3}})")
+
 
 class OptimizerConfig(_Section):
     """Hyper-parameters of the sharded optimizer; per-group overrides come from param groups."""

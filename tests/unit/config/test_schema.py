@@ -127,3 +127,14 @@ def test_nvme_path_is_read_as_a_shell_reads_it(tmp_path, monkeypatch) -> None:
                                     ).offload.nvme_path == str(tmp_path / "s")
     with pytest.raises(outcore.ConfigError, match="offload.nvme_path: a blank name"):
         outcore.Config.from_dict({"offload": {**nvme, "nvme_path": "  "}})
+
+
+def test_setting_a_key_of_a_frozen_config_is_outcores_error() -> None:
+    """It raised pydantic's ValidationError, no OutcoreError (found by a docs probe)."""
+    cfg = outcore.Config()
+    for what in (lambda: setattr(cfg, "dtype", "fp32"),
+                 lambda: setattr(cfg.optimizer, "lr", 1.0)):
+        with pytest.raises(outcore.ConfigError, match="a config is frozen: .* cannot be set; "
+                                                      r"make another with cfg.with_overrides"):
+            what()
+    assert cfg.with_overrides({"optimizer": {"lr": 1e-3}}).optimizer.lr == 1e-3

@@ -388,14 +388,15 @@ def _placement(section: dict[str, Any], name: str, out: dict[str, Any], r: _Read
     off = out.setdefault("offload", {})
     off["params" if name == "param" else "optimizer"] = dev
     path = f"zero_optimization.offload_{name}"
-    if section.get("nvme_path") and dev == "nvme":  # one swap folder: the optimizer's, the
-        folder, other = str(section["nvme_path"]), off.get("nvme_path")  # larger, if two
+    if section.get("nvme_path") and dev == "nvme":  # one swap folder: if two, the optimizer's
+        folder, other = str(section["nvme_path"]), off.get("nvme_path")  # (the larger state)
         if other is not None and _same_folder(other) != _same_folder(folder):
             kept, dropped = (folder, other) if name == "optimizer" else (other, folder)
             r.ignored.append(f"zero_optimization.offload_param.nvme_path: outcore keeps "
                              f"parameters and optimizer state in one swap folder, the "
                              f"optimizer's {kept}; {dropped} is not used")
-        off["nvme_path"] = folder if name == "optimizer" or other is None else other
+        if other is None or name == "optimizer":
+            off["nvme_path"] = folder
     for key in section:
         _check_spelling(f"{path}.{key}", key, _OFFLOAD_KEYS)
         if key not in ("device", "nvme_path", "buffer_count", "buffer_size"):

@@ -40,6 +40,7 @@ from outcore.errors import ConfigError
 from outcore.hf import saving
 from outcore.hf.args import OutcoreConfigSource, build_config, check_world, deepspeed_from_args
 from outcore.hf.schedule import deepspeed_scheduler
+from outcore.io.manifest import with_empty
 from outcore.io.publish import MANIFEST
 from outcore.optim.param_groups import TORCH_GROUP_KEYS
 
@@ -119,10 +120,8 @@ class EngineOptimizer(TorchOptimizer):
         if not (empty and isinstance(groups, list)
                 and len(groups) == len(self.param_groups) - len(empty)):
             return state_dict
-        groups = list(groups)
-        for i in empty:
-            groups.insert(i, {**self.param_groups[i], "params": []})
-        return {**state_dict, "param_groups": groups}
+        return {**state_dict, "param_groups": with_empty(
+            groups, empty, lambda i: {**self.param_groups[i], "params": []})}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         hooked_load(self, state_dict, self._load_groups)  # between its hooks, as torch's
@@ -385,14 +384,9 @@ class OutcoreTrainer(Trainer):
             return super()._load_optimizer_and_scheduler(checkpoint)
         load, width = scheduler.load_state_dict, len(self.optimizer.param_groups) - len(empty)
 
-        def padded(v: list[Any]) -> list[Any]:
-            out = list(v)
-            for i in empty:
-                out.insert(i, out[0])
-            return out
-
         def ours(state: dict[str, Any]) -> None:
-            load({k: padded(v) if isinstance(v, list) and len(v) == width and v else v
+            load({k: with_empty(v, empty, lambda i, v=v: v[0])
+                  if isinstance(v, list) and len(v) == width and v else v
                   for k, v in state.items()})
 
         scheduler.load_state_dict = ours  # type: ignore[method-assign]

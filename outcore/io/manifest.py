@@ -110,8 +110,18 @@ def align_empty_groups(man: dict[str, Any], groups: list[dict[str, Any]],
     empty = [i for i, g in enumerate(groups) if not g["params"]]
     if not empty or len(man["param_groups"]) != len(groups) - len(empty):
         return
+    man["param_groups"] = with_empty(man["param_groups"], empty, lambda i: stored(i, groups[i]))
+    if man.get("group_members") is not None:
+        man["group_members"] = with_empty(man["group_members"], empty, lambda i: [])
+
+
+def with_empty(items: list[Any], empty: list[int], make: Callable[[int], Any]) -> list[Any]:
+    """``items``, one per group but the empty groups at the (ascending) indices ``empty``,
+    with ``make(i)`` standing in at each of those: an older checkpoint's list, as long as the
+    engine's groups now (``align_empty_groups``; OutcoreTrainer's optimizer.pt and
+    scheduler.pt)."""
+    out = list(items)
     for i in empty:
-        man["param_groups"].insert(i, stored(i, groups[i]))
-        if man.get("group_members") is not None:
-            man["group_members"].insert(i, [])
+        out.insert(i, make(i))
+    return out
 

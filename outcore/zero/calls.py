@@ -131,7 +131,7 @@ def local_write(func: Any) -> bool:
 _PARAMETER_NEW = nn.Parameter.__new__.__code__
 
 
-def _called_from(code: CodeType, depth: int = 8) -> bool:
+def called_from(code: CodeType, depth: int = 8) -> bool:
     """Whether a frame running ``code`` is among the ``depth`` callers of our caller's caller:
     the torch function that started a call, seen through dispatch, a view's or a user's
     torch function mode, and the ``.data`` setter."""
@@ -172,7 +172,7 @@ def refuse_new_parameter(func: Any, args: Args) -> None:
     stop training; without this, torch's own check fails with a message about
     ``__torch_dispatch__``. (A parametrization that registers the same tensor again, as
     ``spectral_norm`` does, makes no new parameter and trains as in torch.)"""
-    if func != DETACH or not _called_from(_PARAMETER_NEW):
+    if func != DETACH or not called_from(_PARAMETER_NEW):
         return
     source = getattr(args[0], "source", args[0])  # a view's parameter
     sp = registry.managed(source)
@@ -237,7 +237,7 @@ def refuse_meta_move(func: Any, args: Args, kwargs: Kwargs) -> None:
         device = torch._C._nn._parse_to(*args[1:], **kwargs)[0]
     except (TypeError, RuntimeError):
         return  # torch's own call will say what is wrong
-    if device is None or device.type != "meta" or not _called_from(_MODULE_APPLY):
+    if device is None or device.type != "meta" or not called_from(_MODULE_APPLY):
         return
     sp = registry.managed(args[0])
     if sp is None or sp.state is ParamState.DROPPED:
@@ -267,7 +267,7 @@ def refuse_replacing_conversion(func: Any, args: Args) -> None:
     if flag is None:
         return
     sp = registry.managed(args[0]) if args else None
-    if sp is None or sp.state is ParamState.DROPPED or not _called_from(_MODULE_APPLY):
+    if sp is None or sp.state is ParamState.DROPPED or not called_from(_MODULE_APPLY):
         return  # a dropped parameter's read says it has no values, and how to keep them
     advice = ("outcore.initialize takes the model as it is; set dtype in the config to choose "
               "outcore's dtype" if sp.rt.engine is None else "convert before "
@@ -285,7 +285,7 @@ def storage_refusal(name: str, label: str) -> str:
     """Why ``name`` (a call that changes a tensor's storage or shape in place) may not run on
     parameter ``label``; said as ``model.share_memory()`` when that is the call made (torch's
     ``Module._apply`` calls ``share_memory_`` on every parameter)."""
-    if name == "share_memory_" and _called_from(_MODULE_APPLY):
+    if name == "share_memory_" and called_from(_MODULE_APPLY):
         return (f"model.share_memory(): outcore keeps parameter {label} in shards that it moves "
                 "between memory and disk, which other processes cannot share; to train in "
                 "several processes, start them with torchrun: each rank holds its own shards")
@@ -299,7 +299,7 @@ def dtype_refusal(label: str, given: torch.dtype, dtype: torch.dtype, building: 
     ``outcore.initialize`` casts them). Said as the call the user made when it is a module
     conversion (``model.half()``, ``.float()``, ``.to(dtype)``: torch's ``Module._apply``
     assigns ``.data``), since the user never wrote ``.data`` there."""
-    if not _called_from(_MODULE_APPLY):
+    if not called_from(_MODULE_APPLY):
         return (f"assigning a {given} tensor to parameter {label}.data: outcore computes it in "
                 f"{dtype} (the config's dtype); assign a {dtype} tensor, or copy_() values of "
                 "any dtype into it")

@@ -17,16 +17,14 @@ its storage and version counter as torch's detached tensors share the parameter'
 from __future__ import annotations
 
 import contextlib
-import os
-import sys
 from collections.abc import Iterator
-from types import FrameType
 from typing import Any
 
 import torch
 from torch import nn
 
-_OURS = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # outcore's files
+from outcore.zero.calls import called_from
+
 _SAVE = nn.Module._save_to_state_dict.__code__
 
 
@@ -39,10 +37,7 @@ def _whole(func: Any, found: list[Any]) -> Any:
     sp = found[0].sp
     if sp is None or sp.rt.shared_reads is None:
         return None
-    caller: FrameType | None = sys._getframe(2)
-    while caller is not None and caller.f_code.co_filename.startswith(_OURS):
-        caller = caller.f_back
-    return sp if caller is not None and caller.f_code is _SAVE else None
+    return sp if called_from(_SAVE) else None  # (torch's call, seen through access.py)
 
 
 def kept(func: Any, found: list[Any]) -> torch.Tensor | None:

@@ -48,6 +48,7 @@ from outcore.overlap.entry import EntryHooks, drop_grads, entry_modules
 from outcore.overlap.hooks import Hooks
 from outcore.overlap.schedule import Schedule
 from outcore.runtime.plan import ExecutionPlan
+from outcore.runtime.same_config import check_same_groups
 from outcore.sizing import placement
 from outcore.zero import build
 from outcore.zero.gathered import gathered_parameters
@@ -182,9 +183,8 @@ class Engine:
     # -- construction ------------------------------------------------------------------------
     def _optimizer_groups(self, groups: list[tuple[dict, list[nn.Parameter]]] | None
                           ) -> list[tuple[dict, list[ShardedParam]]]:
-        """torch-style group dicts (``"params"``: the user's parameters) with their shards.
-        A dict the user passed is the group's own (completed with the defaults, as torch's
-        optimizers do), so an edit of it later reaches the update."""
+        """torch-style group dicts with their shards. A dict the user passed is the group's
+        own (completed with the defaults, as torch's do): an edit of it reaches the update."""
         if groups is None:
             groups = [({"params": [sp.param for sp in self.params if sp.trainable]},
                        [sp.param for sp in self.params])]
@@ -193,7 +193,7 @@ class Engine:
             for key, value in self.optimizer_defaults.items():
                 spec.setdefault(key, value)
             out.append((spec, [managed(p) for p in params if p.requires_grad]))
-        return out
+        return check_same_groups(out, self.rt.comm)  # same_config.py's note
 
     # -- training ----------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

@@ -73,6 +73,51 @@ def test_a_swap_folder_memory_and_seed_of_each_ranks_own_pass(tmp_path: Path) ->
     assert run_world(_initialize, 2, {1: own}, False, str(tmp_path)) == [None, None]
 
 
+def _grouped(groups_of_rank: dict, adopt: bool, swap: str) -> str | None:
+    rank = int(__import__("os").environ["RANK"])
+    model = _model(False)
+    first, second = model[0], model[2]
+    groups = {"lr": [{"params": [*first.parameters()], "lr": 1e-2},
+                     {"params": [*second.parameters()]}],
+              "members": [{"params": [first.weight]},
+                          {"params": [first.bias, *second.parameters()]}],
+              "count": [{"params": [*model.parameters()]}],
+              }.get(groups_of_rank.get(rank), [{"params": [*first.parameters()]},
+                                                {"params": [*second.parameters()]}])
+    cfg = {"dtype": "fp32", "offload": {"nvme_path": f"{swap}/rank{rank}"}}
+    try:
+        if adopt:
+            engine = outcore.initialize(model, cfg, optimizer=torch.optim.AdamW(groups, lr=1e-3))
+        else:
+            engine = outcore.initialize(model, cfg, param_groups=groups)
+    except ConfigError as e:
+        return str(e)
+    engine.backward(engine(torch.randn(4, 8)).pow(2).mean())
+    engine.step()
+    engine.close()
+    return None
+
+
+@pytest.mark.parametrize(("differ", "named"), [
+    ("lr", "param_groups[0] lr=0.01 on this rank (rank 1) differs on another"),
+    ("members", "param_groups[0] holds other parameters on another rank than on this rank "
+                "(rank 1) (1: 0.weight)"),
+    ("count", "1 group on this rank (rank 1), another number on another")])
+@pytest.mark.parametrize("adopt", [False, True])
+def test_param_groups_that_differ_between_ranks_are_refused(tmp_path: Path, differ: str,
+                                                            named: str, adopt: bool) -> None:
+    """A learning rate per group given to one rank trained the halves of each parameter with
+    two rates, with no word (the config's own settings were compared, the groups not)."""
+    said = run_world(_grouped, 2, {1: differ}, adopt, str(tmp_path))
+    assert said[0] is not None and said[1] is not None, said
+    assert "the ranks pass different param_groups" in said[0]
+    assert named in said[1], said[1]
+
+
+def test_param_groups_alike_on_every_rank_train(tmp_path: Path) -> None:
+    assert run_world(_grouped, 2, {}, False, str(tmp_path)) == [None, None]
+
+
 def _load_by_rank(root: str) -> str | None:
     import torch.distributed as dist
 

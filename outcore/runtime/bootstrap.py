@@ -38,10 +38,32 @@ def join_world(backend: str, timeout_s: float) -> Comm:
             raise ConfigError(f"WORLD_SIZE={world} but {key} is not set; start with torchrun")
     comm = Comm(int(os.environ["RANK"]), world, timeout_s)
     with NamedFailure(comm, "joining the process group"):
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        _init_group(backend, datetime.timedelta(seconds=timeout_s))
     comm = Comm(dist.get_rank(), dist.get_world_size(), timeout_s)
     _settle_at_exit(comm)
     return comm
+
+
+_joins = 0  # process groups this process made: each rendezvous gets keys of its own
+
+
+def _init_group(backend: str, timeout: datetime.timedelta) -> None:
+    """``init_process_group`` from torchrun's variables, under a store prefix of its own.
+
+    [Note: a process group made again after the user destroyed one]
+    A script that makes its own process group, trains, calls ``destroy_process_group()`` and
+    then starts another engine has outcore make the group again. Under torchrun the store
+    is the launcher's and outlives the group, and torch names the new default group as it
+    named the first, so the new rendezvous finds the first one's keys: a user's probe at 2
+    ranks hung in 2 of 6 runs (rank 0 through the rendezvous and waiting in the first
+    collective, rank 1 still connecting), and 2 of 6 again here. So every group outcore makes
+    rendezvouses under a prefix that counts the groups this process made; every rank makes
+    the same groups in the same order (each is a collective), so the ranks' prefixes agree."""
+    global _joins
+    store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+    _joins += 1
+    dist.init_process_group(backend, store=dist.PrefixStore(f"outcore-join-{_joins}", store),
+                            rank=rank, world_size=world, timeout=timeout)
 
 
 # how long the interpreter waits at exit, without the GIL, for gloo's workers

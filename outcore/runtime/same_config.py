@@ -113,8 +113,8 @@ def check_same_groups(groups: _Groups, comm: Any) -> _Groups:
         differ = [f"{k}={v!r}" for k, v in zip(HP_KEYS, hps[i], strict=True) if not next(same)]
         if differ:
             raise ConfigError(f"the ranks pass different param_groups: param_groups[{i}] "
-                              f"{', '.join(differ)} {where} differs on another; give every "
-                              "rank the same groups")
+                              f"{', '.join(differ)} {where} differ{'s' * (len(differ) == 1)} "
+                              "on another; give every rank the same groups")
         if not next(same):
             shown = ", ".join(names[i][:4]) + (", ..." if len(names[i]) > 4 else "")
             raise ConfigError(f"the ranks pass different param_groups: param_groups[{i}] "

@@ -50,7 +50,7 @@ from outcore.overlap.schedule import Schedule
 from outcore.runtime.plan import ExecutionPlan
 from outcore.runtime.same_config import check_same_groups
 from outcore.sizing import placement
-from outcore.zero import build
+from outcore.zero import build, shardable
 from outcore.zero.gathered import gathered_parameters
 from outcore.zero.param import ShardedParam
 from outcore.zero.registry import managed, parameter_counts
@@ -76,9 +76,7 @@ class Engine:
     def __init__(self, module: nn.Module, cfg: Config | dict | str | None = None,
                  param_groups: Iterable[dict] | None = None,
                  optimizer: torch.optim.Optimizer | None = None) -> None:
-        if not isinstance(module, nn.Module):  # a path or a state dict: load it into a model
-            raise ConfigError(f"outcore.initialize: the model must be a torch.nn.Module, got "
-                              f"{type(module).__name__}")
+        shardable.check_model(module)  # a module, of parameters outcore can shard
         cfg = Config.load(cfg)
         self.module = module
         self._closed: str | None = None  # why the engine cannot be used, once it cannot

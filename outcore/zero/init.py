@@ -38,6 +38,7 @@ from outcore.zero.access_mode import ParamAccessMode
 from outcore.zero.deferred import DeferredBuild
 from outcore.zero.param import ShardedParam
 from outcore.zero.registry import OVERWRITE_CALLS, managed, register
+from outcore.zero.shardable import check_registered
 
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
@@ -117,6 +118,7 @@ class init:  # noqa: N801  (a context manager named like the function users call
         if param is None or managed(param) is not None:
             return None
         assert self.runtime is not None  # the hook is registered only inside the context
+        check_registered(module, name, param)
         if self._deferred is not None:
             if self.frozen:
                 param.requires_grad_(False)

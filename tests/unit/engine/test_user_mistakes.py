@@ -64,6 +64,32 @@ def test_tiling_mistakes_are_outcore_errors() -> None:
         outcore.tile_linears(model, min_params=1, in_splits=2, out_splits=2)
 
 
+class _Odd(nn.Module):
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.lin = nn.Linear(5, 5)
+        values = torch.randn(5, 3, dtype=dtype) if dtype.is_complex else torch.arange(3)
+        self.freq_filter = nn.Parameter(values, requires_grad=dtype.is_complex)
+
+
+@pytest.mark.parametrize(("dtype", "advice"), [
+    (torch.complex64, r"torch.view_as_real\(t\)"), (torch.int64, "register it as a buffer")],
+    ids=["complex", "integer"])
+@pytest.mark.parametrize("path", ["initialize", "init"])
+def test_a_parameter_that_is_not_floating_point_is_refused_by_name(
+        dtype: torch.dtype, advice: str, path: str) -> None:
+    """A complex or integer parameter was refused as "cannot shard a torch.complex64
+    parameter of shape (5, 3)": neither which parameter nor what to do."""
+    with pytest.raises(ConfigError, match=f"parameter freq_filter .*{advice}"):
+        if path == "init":
+            with outcore.init({"dtype": "fp32"}):
+                _Odd(dtype)
+        else:
+            outcore.initialize(_Odd(dtype), {"dtype": "fp32"})
+    with outcore.init({"dtype": "fp32"}):  # the refusal left nothing open
+        _net()
+
+
 def test_nesting_is_refused_by_name_and_leaves_things_working() -> None:
     """Nested ``outcore.init`` and nested ``gathered_parameters`` on one parameter raised
     internal assertions ("building -> building", "shown -> shown")."""

@@ -1,0 +1,60 @@
+"""Which parameters outcore can shard: refused up front, by name, with what to do instead.
+
+[Note: refuse by name, before anything is built]
+``ShardedParam`` knows a parameter's shape and dtype but not its name, so a refusal raised
+there ("cannot shard a torch.complex64 parameter of shape (5, 3)") left the user to find
+which of the model's parameters it was, and with no way out. Both places a parameter first
+meets outcore know its name: ``outcore.initialize`` walks ``named_parameters`` (the dotted
+name), and ``outcore.init``'s registration hook sees the module and the attribute. So each
+asks here first, before a runtime or a shard exists for the model.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from outcore.errors import ConfigError
+from outcore.zero.registry import managed
+
+
+def check_model(model: object) -> None:
+    """Refuse what ``outcore.initialize`` cannot shard: not a module, or a parameter of it
+    that is not a floating-point tensor (``refusal``). Parameters already sharded (built
+    under ``outcore.init``) passed there."""
+    if not isinstance(model, nn.Module):  # a path or a state dict: load it into a model
+        raise ConfigError(f"outcore.initialize: the model must be a torch.nn.Module, got "
+                          f"{type(model).__name__}")
+    for name, p in model.named_parameters():
+        why = refusal(p) if managed(p) is None else None
+        if why is not None:
+            raise ConfigError(f"outcore cannot shard parameter {name} {why}")
+
+
+def check_registered(module: nn.Module, name: str, param: nn.Parameter) -> None:
+    """``outcore.init``'s part: the same refusal for ``module.name`` as it is registered."""
+    why = refusal(param)
+    if why is not None:
+        raise ConfigError(f"outcore.init cannot shard parameter {name} of "
+                          f"{type(module).__name__} {why}")
+
+
+def refusal(p: nn.Parameter) -> str | None:
+    """Why ``p`` cannot be sharded and what to do, or None where it can.
+
+    [Note: only floating-point parameters are sharded]
+    Shards are kept in fp32 and computed in the training dtype: a complex tensor would lose
+    its imaginary part in that cast and an integer one its meaning, so both are refused.
+    An integer tensor gets no gradient, so it is state, which a buffer holds (and moves with
+    the model, unsharded); a complex weight trains as its real and imaginary parts."""
+    if p.is_floating_point():
+        return None
+    shape = list(p.shape)
+    if p.is_complex():
+        return (f"({p.dtype}, shape {shape}): outcore shards floating-point parameters only. "
+                "Hold it as a real parameter, nn.Parameter(torch.view_as_real(t)), and use "
+                "torch.view_as_complex(p) in forward; or, if it is not trained, register it "
+                "as a buffer (module.register_buffer(name, t))")
+    return (f"({p.dtype}, shape {shape}): outcore shards floating-point parameters only, and "
+            "such a tensor is never trained; register it as a buffer instead "
+            "(module.register_buffer(name, t))")
+

@@ -12,6 +12,7 @@ asks here first, before a runtime or a shard exists for the model.
 from __future__ import annotations
 
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 from outcore.errors import ConfigError
 from outcore.zero.registry import managed
@@ -24,14 +25,39 @@ def check_model(model: object) -> None:
     if not isinstance(model, nn.Module):  # a path or a state dict: load it into a model
         raise ConfigError(f"outcore.initialize: the model must be a torch.nn.Module, got "
                           f"{type(model).__name__}")
-    for name, p in model.named_parameters():
+    named = list(model.named_parameters())
+    lazy = [name for name, p in named if is_lazy(p)]
+    if lazy:
+        shown = ", ".join(lazy[:3]) + (f" and {len(lazy) - 3} more" if len(lazy) > 3 else "")
+        raise ConfigError(
+            f"outcore.initialize: {'parameters' if len(lazy) > 1 else 'parameter'} {shown} "
+            f"{'are' if len(lazy) > 1 else 'is'} not materialised yet (a lazy module, "
+            "such as nn.LazyLinear, makes its parameters at its first forward) and outcore "
+            "shards a parameter by its shape. Run the model once on a sample input "
+            "(model(sample), or the lazy module's initialize_parameters(sample)) before "
+            "outcore.initialize")
+    for name, p in named:
         why = refusal(p) if managed(p) is None else None
         if why is not None:
             raise ConfigError(f"outcore cannot shard parameter {name} {why}")
 
 
 def check_registered(module: nn.Module, name: str, param: nn.Parameter) -> None:
-    """``outcore.init``'s part: the same refusal for ``module.name`` as it is registered."""
+    """``outcore.init``'s part: the same refusal for ``module.name`` as it is registered.
+
+    [Note: no lazy modules under outcore.init]
+    A lazy module registers a parameter with no shape; it gets one at the first forward,
+    long after the hook would have had to cut its shard (torch's own error from there was
+    about ``load_state_dict``). Materialising it later and sharding it then would hold the
+    whole layer in memory, which outcore.init exists to avoid; so it is refused here."""
+    if is_lazy(param):
+        raise ConfigError(
+            f"outcore.init cannot shard parameter {name} of {type(module).__name__}: a lazy "
+            "module has no shape for it until its first forward, and outcore.init shards each "
+            "parameter as it is created. Use the module's non-lazy form with its sizes (e.g. "
+            "nn.Linear(in_features, out_features)) under outcore.init, or build the model "
+            "without outcore.init, run it once on a sample input, then pass it to "
+            "outcore.initialize")
     why = refusal(param)
     if why is not None:
         raise ConfigError(f"outcore.init cannot shard parameter {name} of "

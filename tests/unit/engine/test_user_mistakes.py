@@ -90,6 +90,26 @@ def test_a_parameter_that_is_not_floating_point_is_refused_by_name(
         _net()
 
 
+def test_a_lazy_module_not_yet_run_is_refused_by_name() -> None:
+    """An ``nn.LazyLinear`` before its first forward failed inside initialize with torch's
+    "Attempted to use an uninitialized parameter in <method 'numel' ...>", and under
+    ``outcore.init`` with torch's advice about ``load_state_dict``."""
+    model = nn.Sequential(nn.Linear(5, 5), nn.LazyLinear(3))
+    with pytest.raises(ConfigError, match=r"parameters 1.weight, 1.bias are not materialised.*"
+                                          r"Run the model once on a sample input"):
+        outcore.initialize(model, {"dtype": "fp32"})
+    model(torch.randn(2, 5))  # materialised: now it is sharded like any other
+    with outcore.initialize(model, {"dtype": "fp32"}) as engine:
+        engine.backward(engine(torch.randn(2, 5)).pow(2).mean())
+        engine.step()
+    with pytest.raises(ConfigError, match="outcore.init cannot shard parameter weight of "
+                                          "LazyLinear: a lazy module"), \
+            outcore.init({"dtype": "fp32"}):
+        nn.LazyLinear(3)
+    with outcore.init({"dtype": "fp32"}):  # the refusal left nothing open
+        _net()
+
+
 def test_nesting_is_refused_by_name_and_leaves_things_working() -> None:
     """Nested ``outcore.init`` and nested ``gathered_parameters`` on one parameter raised
     internal assertions ("building -> building", "shown -> shown")."""

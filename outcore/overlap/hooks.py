@@ -25,17 +25,6 @@ still reading the group; if a later node needs it again, the unpack fetches it a
 schedule keeps it instead when its trace says so). Without this, fine-tuning a mostly frozen
 model would hold every frozen layer gathered until backward ends.
 
-[Note: a parameter unfrozen after initialize]
-The optimizer's members are the parameters that require grad when the engine is made; a
-frozen one gets no optimizer state, no gradient hook, and in bf16 or fp16 only its
-training-dtype shard (no fp32 master). ``requires_grad_(True)`` on it later would let
-autograd compute its gradient into ``p.grad``, full-size, every backward, and the step would
-never use it: a gradual-unfreezing schedule would silently not train what it unfroze. So
-``engine.backward`` refuses before any work (the loss and its graph are untouched, so the
-call can be retried after re-freezing), naming the parameters. Freezing a trained
-parameter later is fine: it gets no gradient and the update skips it, as torch's skips a
-parameter whose ``grad`` is None.
-
 A group a recomputation (activation checkpointing) fetched during backward is different:
 checkpoint keeps raw views of its weights, which no unpack of ours would see, so it stays
 ("pinned") while that block's backward runs. It is released when the next recomputation
@@ -60,15 +49,16 @@ from typing import TYPE_CHECKING, NoReturn, Protocol, TypeVar, final
 import torch
 from torch import nn
 
-from outcore.errors import OutcoreError
 from outcore.overlap import abandoned
 from outcore.overlap.abandoned import OuterCall
 from outcore.overlap.compiled import uncompiled
 from outcore.overlap.plain_backward import refuse_plain_backward
 from outcore.overlap.saved import Kept
 from outcore.overlap.tied_rows import TiedRows
+from outcore.overlap.unfrozen import refuse_unfrozen
 from outcore.runtime.phase import Phase
 from outcore.zero.access_mode import ParamAccessMode
+from outcore.zero.forward_writes import WriteWatch
 from outcore.zero.group import GatherGroup, PendingReduce
 from outcore.zero.load_agreement import agree_on_load
 from outcore.zero.registry import owner
@@ -117,6 +107,8 @@ class Hooks:
     def __init__(self, module_groups: dict[nn.Module, list[GatherGroup]],
                  groups: list[GatherGroup], schedule: Schedule, rt: Runtime) -> None:
         self.rt = rt  # its ``phase`` is moved here only: _sync_phase
+        # zero/forward_writes.py's note: begun and checked as the phase moves
+        self.writes = rt.write_watch = WriteWatch(sp for g in groups for sp in g.params)
         # only a step that returns early leaves zero-copy groups with updates to wait for
         self._defers = rt.plan.defers_updates
         self.module_groups = module_groups
@@ -131,7 +123,7 @@ class Hooks:
         self.mode = ParamAccessMode(self._on_access)
         # see [Note: frozen groups in backward]: (group, node that last unpacked it, thread)
         self._frozen_held: list[tuple[GatherGroup, object, int | None]] = []
-        # [Note: a parameter unfrozen after initialize]: the shards made without training state
+        # unfrozen.py's [Note: a parameter unfrozen after initialize]: made without its state
         self._born_frozen = [sp for g in groups for sp in g.params
                              if not any(sp is t for t in g.trainable)]
         self._pinned: set[int] = set()  # groups a recomputation fetched in this backward
@@ -171,8 +163,10 @@ class Hooks:
 
     def _sync_phase(self) -> None:
         """The runtime's ``Phase`` follows the frames and the backward flag (state.py)."""
-        self.rt.phase = (Phase.BACKWARD if self._in_backward else
-                         Phase.FORWARD if self.frames else Phase.IDLE)
+        before, self.rt.phase = self.rt.phase, (Phase.BACKWARD if self._in_backward else
+                                                Phase.FORWARD if self.frames else Phase.IDLE)
+        if before is Phase.IDLE and self.rt.phase is not Phase.IDLE:
+            self.writes.begin()
         if not self.frames:
             self.outer.clear()
 
@@ -209,6 +203,7 @@ class Hooks:
             # starts during a forward).
             try:
                 yield
+                self._check_writes()
             finally:
                 self._end_frame()
             return
@@ -216,8 +211,13 @@ class Hooks:
         try:
             with self.mode, saved:
                 yield
+            self._check_writes()
         finally:
             self._end_frame()
+
+    def _check_writes(self) -> None:
+        if len(self.frames) == 1 and not self._in_backward:  # the outermost forward ends
+            self.writes.check("forward")
 
     def inside(self) -> bool:
         """``active``, once a forward left without its post hooks is closed (abandoned.py)."""
@@ -423,7 +423,7 @@ class Hooks:
         body or the finish raises, ``before_abort`` runs, then the partial backward is
         dropped (``abort_backward``), and the error goes on."""
         global _engine_backwards
-        self._refuse_unfrozen()
+        refuse_unfrozen(self._born_frozen)  # unfrozen.py's note
         self._in_backward, self._on_reduced = True, on_reduced
         _engine_backwards += 1
         self._unseen = dict(self._tied)
@@ -433,6 +433,7 @@ class Hooks:
             yield
             with self.mode.suspended():
                 self.finish_backward()
+            self.writes.check("backward")
         except BaseException:
             if before_abort is not None:
                 before_abort()
@@ -443,18 +444,6 @@ class Hooks:
             self._in_backward, self._on_reduced, self._unseen = False, None, {}
             _engine_backwards -= 1
             self._sync_phase()
-
-    def _refuse_unfrozen(self) -> None:
-        """See [Note: a parameter unfrozen after initialize]."""
-        late = [sp.label() for sp in self._born_frozen if sp.alive and sp.trainable]
-        if late:
-            more = f" (and {len(late) - 1} more)" if len(late) > 1 else ""
-            raise OutcoreError(
-                f"parameter {late[0]}{more} requires grad now, but it was frozen when "
-                "outcore.initialize made the engine, which keeps no optimizer state for it: "
-                "it would not train. Set requires_grad_(False) on it again (this backward did "
-                "not start, so it can be retried), or unfreeze it before outcore.initialize "
-                "(engine.close() hands the model back with its trained values).")
 
     def abort_backward(self) -> None:
         """Backward raised: forget its partial reductions so the next one starts clean."""

@@ -19,7 +19,6 @@ from outcore.zero import calls, finer, registry, shared_reads
 from outcore.zero.calls import (
     CPU,
     CUDA,
-    DATA_GET,
     DATA_SET,
     DETACH,
     TO,
@@ -362,7 +361,7 @@ def _data_get(t: Touch) -> torch.Tensor:
     sp = t.sp
     if sp is None or (not t.chain and sp.state in HAS_VALUES and (
             sp.state in USER_OWNED or sp.rt.phase is not Phase.IDLE or is_live(sp))):
-        return raw(DATA_GET, (t.obj,), {}) if sp is not None else _resolve(t).detach()
+        return sp.rt.write_watch.data(sp, t.obj) if sp is not None else _resolve(t).detach()
     if sp.state is ParamState.DROPPED:
         raise ParamAccessError(dropped_message(sp))
     return ParamView(t.param, t.chain, True, _geometry(sp, t.chain))

@@ -1,0 +1,88 @@
+"""Writes into a parameter's temporary full tensor during a forward or backward, found after.
+
+[Note: a write the shards never see is refused after the fact]
+In the engine's forward and backward a parameter shows a full tensor gathered for compute:
+a temporary, or a training copy beside its fp32 master. A write through the parameter itself
+is refused as it happens (access.py's ``_check_writable``), but two ways past it reach the
+temporary directly: ``p.detach()`` and ``p.data``, plain tensors over the same storage. Torch
+writes through the first in ``nn.Embedding(max_norm=...)`` (it renormalizes the rows it looks
+up, in place, in every forward), and users write through the second (``w.data.clamp_(-c, c)``
+in a forward, WGAN-style). The shards never saw those writes: the next update started from
+the master and the write was gone, so the weights trained away from PyTorch's without a word
+(a user's probe: max_norm's rows at norms 1.7-2.6 after one step where torch keeps 1.0).
+
+Every write bumps a version counter: ``p.detach()`` and views share the parameter's, and a
+``p.data`` handed out here has its own, which ``watch`` keeps. So the hooks record the
+versions when a forward or backward begins and compare them when it ends without error; a
+parameter written meanwhile is refused by name, with the way that works (a write between
+steps, or inside ``gathered_parameters(modify=True)``). Where the full tensor is the fp32
+master itself (one rank, the state in memory: a zero-copy group whose training copy is the
+master), the write reached the values and trains as in PyTorch, so those are not watched.
+Cost: one read of a version counter per parameter at each forward's start and end (2,000
+parameters: under a millisecond).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+import torch
+from torch._C import DisableTorchFunctionSubclass
+
+from outcore.errors import ParamAccessError
+
+if TYPE_CHECKING:
+    from outcore.zero.param import ShardedParam
+
+
+def _lost(sp: ShardedParam) -> bool:
+    """Whether a write into ``sp``'s shown tensor misses its values (see the note)."""
+    g = sp.group
+    return not (g is not None and g.zero_copy
+                and (sp.master_shard is None or sp.compute_shard is sp.master_shard))
+
+
+class WriteWatch:
+    """The version of each watched parameter when the engine's forward or backward began."""
+
+    def __init__(self, params: Iterable[ShardedParam]) -> None:
+        self._params = [weakref.ref(sp) for sp in params]
+        self._begun: list[tuple[weakref.ref[ShardedParam], int]] = []
+        # strongly: torch hands the caller another tensor object over the same storage and
+        # version counter, so this one is held to the check (an alias; storage is freed apart)
+        self._handed: list[tuple[weakref.ref[ShardedParam], torch.Tensor]] = []
+
+    def begin(self) -> None:
+        """A forward or backward starts: remember every watched parameter's version."""
+        self._handed = []
+        with DisableTorchFunctionSubclass():
+            self._begun = [(ref, sp.param._version) for ref in self._params
+                           if (sp := ref()) is not None and sp.alive and _lost(sp)]
+
+    def data(self, sp: ShardedParam, param: torch.Tensor) -> torch.Tensor:
+        """``param.data`` as torch keeps it, for the caller; remembered while a forward or
+        backward runs."""
+        with DisableTorchFunctionSubclass():
+            data = param.data
+        if self._begun and _lost(sp):
+            self._handed.append((weakref.ref(sp), data))
+        return data
+
+    def check(self, where: str) -> None:
+        """The forward or backward ended: refuse a parameter written meanwhile."""
+        begun, handed, self._begun, self._handed = self._begun, self._handed, [], []
+        with DisableTorchFunctionSubclass():
+            written = [sp for ref, v in begun if (sp := ref()) is not None
+                       and sp.alive and sp.param._version != v]
+            written += [sp for ref, t in handed if (sp := ref()) is not None and t._version > 0]
+        if written:
+            raise ParamAccessError(
+                f"parameter {written[0].label()} was written in place inside the engine's "
+                f"{where}, through p.detach() or p.data (nn.Embedding(max_norm=...) "
+                "renormalizes its weight this way): there its full tensor is a temporary "
+                "gathered for compute, so the write never reached the fp32 master and would "
+                "be lost at the next update. Write it between steps (outcore sends the "
+                "values to the shards) or inside engine.gathered_parameters([p], "
+                "modify=True); for max_norm, set it to None and renormalize between steps")

@@ -1,0 +1,119 @@
+"""A write into a parameter's gathered tensor inside the engine's forward, through
+``p.detach()`` or ``p.data``, is refused by name where it would be lost, and trains as in
+PyTorch where the tensor is the fp32 master itself (zero/forward_writes.py's note). Found by
+a user's probe: ``nn.Embedding(max_norm=...)`` lost its renormalization after every step, and
+``w.data.clamp_()`` in a forward was neither refused nor kept."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import outcore
+from outcore.errors import ParamAccessError
+
+
+class _Renorm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 5, max_norm=1.0)
+        self.out = nn.Linear(5, 1)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.out(self.emb(ids)).pow(2).mean()
+
+
+class _Clip(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l = nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.l.weight.data.clamp_(-0.1, 0.1)  # WGAN-style, inside the forward
+        return self.l(x).pow(2).mean()
+
+
+class _Reads(nn.Module):
+    """Reads through ``.data`` and ``.detach()`` in its forward, and writes nothing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l = nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = self.l.weight.data.abs().mean() + self.l.weight.detach().abs().mean()
+        return (self.l(x) * scale).pow(2).mean()
+
+
+def _cfg(place: str, dtype: str, tmp_path: Path) -> dict:
+    params, _, optimizer = place.partition("+")
+    return {"dtype": dtype, "optimizer": {"type": "adamw", "lr": 1e-2, "weight_decay": 0.0},
+            "offload": {"params": params, "optimizer": optimizer or params,
+                        "nvme_path": str(tmp_path)}}
+
+
+def _inputs(model: nn.Module) -> torch.Tensor:
+    return torch.tensor([[1, 2, 3, 2]]) if isinstance(model, _Renorm) else torch.randn(4, 5)
+
+
+def _losses(model: nn.Module, steps: int, engine: outcore.Engine | None = None) -> list[float]:
+    torch.manual_seed(1)
+    opt = None if engine else torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    out = []
+    for _ in range(steps):
+        loss = model(_inputs(model))
+        if engine is None:
+            assert opt is not None
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        else:
+            engine.backward(loss)
+            engine.step()
+        out.append(loss.item())
+    return out
+
+
+@pytest.mark.parametrize("make", [_Renorm, _Clip])
+@pytest.mark.parametrize(("place", "dtype"), [("nvme", "fp32"), ("cpu+nvme", "fp32"),
+                                              ("none", "bf16")])
+def test_a_write_that_would_be_lost_is_refused_by_name(tmp_path: Path, make: type,
+                                                       place: str, dtype: str) -> None:
+    torch.manual_seed(0)
+    model = make()
+    engine = outcore.initialize(model, _cfg(place, dtype, tmp_path))
+    name = "emb.weight" if make is _Renorm else "l.weight"
+    with pytest.raises(ParamAccessError, match=f"parameter {name} was written in place inside "
+                       "the engine's forward.*gathered_parameters"):
+        model(_inputs(model))
+    engine.close()
+
+
+@pytest.mark.parametrize("make", [_Renorm, _Clip])
+def test_where_the_tensor_is_the_master_the_write_trains_as_in_pytorch(tmp_path: Path,
+                                                                       make: type) -> None:
+    torch.manual_seed(0)
+    model = make()
+    reference = copy.deepcopy(model)
+    want = _losses(reference, 3)
+    engine = outcore.initialize(model, _cfg("none", "fp32", tmp_path))
+    assert _losses(model, 3, engine) == want
+    engine.close()
+    for a, b in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("place", ["nvme", "none"])
+def test_reads_through_data_and_detach_are_not_refused(tmp_path: Path, place: str) -> None:
+    torch.manual_seed(0)
+    model = _Reads()
+    reference = copy.deepcopy(model)
+    want = _losses(reference, 3)
+    engine = outcore.initialize(model, _cfg(place, "fp32", tmp_path))
+    got = _losses(model, 3, engine)
+    engine.close()
+    assert got == pytest.approx(want, rel=1e-5)

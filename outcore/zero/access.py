@@ -30,6 +30,7 @@ from outcore.zero.calls import (
     kind_of,
     local_write,
     refuse_new_parameter,
+    shape_refusal,
     storage_refusal,
 )
 from outcore.zero.state import HAS_VALUES, USER_OWNED, ParamState
@@ -484,11 +485,8 @@ def _data_set(obj: torch.Tensor, value: object, found: list[Touch]) -> None:
         value = _value(touched((value,), {})[0])[0]
     _check_writable(sp, DATA_SET)
     if tuple(value.shape) != tuple(sp.shape):
-        raise ParamAccessError(
-            f"assigning a tensor of shape {list(value.shape)} to parameter {sp.label()}.data "
-            f"(shape {list(sp.shape)}): outcore shards it by its shape; copy_() values of the "
-            "same shape, or change shapes (resize_token_embeddings) before outcore.initialize "
-            "or after engine.close()")
+        raise ParamAccessError(shape_refusal(sp.label(), list(value.shape), list(sp.shape),
+                                             building=sp.rt.engine is None))
     if sp.state is ParamState.DROPPED:
         sp.hand_back(value)
         return None

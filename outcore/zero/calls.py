@@ -313,6 +313,23 @@ def dtype_refusal(label: str, given: torch.dtype, dtype: torch.dtype, building: 
             "outcore.initialize or after engine.close(); no parameter was converted")
 
 
+def shape_refusal(label: str, given: list[int], shape: list[int], building: bool) -> str:
+    """Why a parameter's ``.data`` may not become a tensor of another shape, with the way
+    that works where the parameter is: ``building`` (under ``outcore.init``, no engine yet)
+    the shards were cut as the model was built, so "before outcore.initialize" is no way
+    out there (a user's ``resize_token_embeddings`` got that advice)."""
+    said = (f"assigning a tensor of shape {given} to parameter {label}.data (shape {shape}): "
+            "outcore shards it by its shape")
+    if building:
+        return (said + "; outcore.init cut its shards as the model was built, so its shape "
+                "cannot change now. To resize it (resize_token_embeddings), build the model "
+                "without outcore.init, resize it, then pass it to outcore.initialize; or set "
+                "the new size in the model's config (e.g. vocab_size) before building it "
+                "under outcore.init")
+    return (said + "; copy_() values of the same shape, or change shapes "
+            "(resize_token_embeddings) before outcore.initialize or after engine.close()")
+
+
 def is_live(sp: ShardedParam) -> bool:
     """Whether ``.data`` is where the exact values live (one rank, fp32 shards in memory
     shown without a copy): then every call, writes included, is plain PyTorch's."""

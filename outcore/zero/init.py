@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -67,6 +68,8 @@ class init:  # noqa: N801  (a context manager named like the function users call
         self._mode = ParamAccessMode(self._materialize)
         self._handles: list[RemovableHandle] = []
         self._deferred = DeferredBuild(weights) if weights is not None else None
+        self._modules: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # see _name_params
+        self._children: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
     def __enter__(self) -> init:
         if init._depth:  # the inner one's parameters would be the outer one's as well
@@ -85,8 +88,7 @@ class init:  # noqa: N801  (a context manager named like the function users call
         # torch's stub says the hook returns None; it may return a replacement (deferred.py)
         hook = register_module_parameter_registration_hook
         self._handles.append(hook(self._on_register))  # type: ignore[arg-type]
-        if self._deferred is not None:
-            self._handles.append(register_module_module_registration_hook(self._on_module))
+        self._handles.append(register_module_module_registration_hook(self._on_module))
         self._mode.__enter__()  # type: ignore[no-untyped-call]  # unannotated in torch
         return self
 
@@ -106,6 +108,8 @@ class init:  # noqa: N801  (a context manager named like the function users call
                 if not failed and self._deferred is not None:
                     assert self.runtime is not None  # __exit__ follows __enter__
                     self._deferred.bind(self.runtime)
+                if not failed:
+                    self._name_params()
             except BaseException:
                 failed = True
                 raise
@@ -119,6 +123,7 @@ class init:  # noqa: N801  (a context manager named like the function users call
             return None
         assert self.runtime is not None  # the hook is registered only inside the context
         check_registered(module, name, param)
+        self._modules.add(module)
         if self._deferred is not None:
             if self.frozen:
                 param.requires_grad_(False)
@@ -130,8 +135,24 @@ class init:  # noqa: N801  (a context manager named like the function users call
         return None
 
     def _on_module(self, parent: nn.Module, name: str, child: nn.Module | None) -> None:
-        assert self._deferred is not None  # registered only with ``weights``
-        self._deferred.on_module(parent, child)
+        self._modules.add(parent)
+        if child is not None:
+            self._children.add(child)
+        if self._deferred is not None:
+            self._deferred.on_module(parent, child)
+
+    def _name_params(self) -> None:
+        """[Note: parameters built here are named when the context ends]
+        A parameter is sharded as it is registered, when only its attribute name is known;
+        its dotted name is known to ``outcore.initialize`` (build.py). A refusal in between
+        (``model.resize_token_embeddings`` assigning ``.data`` of a new shape) named it "of
+        shape [256, 32]" only. So each model built here (a module no other built here holds)
+        names its parameters when the context ends; initialize names them again."""
+        for root in [m for m in self._modules if m not in self._children]:
+            for name, p in root.named_parameters():
+                sp = managed(p)
+                if sp is not None and not sp.name:
+                    sp.name = name
 
     def _materialize(self, sp: ShardedParam, func: object) -> None:
         if self._open is sp:

@@ -112,6 +112,23 @@ def test_leaving_the_context_removes_the_hook() -> None:
     assert all(type(p) is nn.Parameter for p in outside.parameters())
 
 
+def test_a_resize_under_init_is_refused_by_name_with_advice_that_works_there() -> None:
+    """``resize_token_embeddings`` on a model built under ``outcore.init``, before any
+    ``outcore.initialize``, was refused naming the parameter only "of shape [256, 32]" and
+    telling the user to resize "before outcore.initialize", which is where they were."""
+    with outcore.init(FP32):
+        model = nn.Sequential(nn.Embedding(256, 32), nn.Sequential(nn.Linear(32, 4)))
+    assert managed(model[1][0].weight).label() == "1.0.weight"
+    with pytest.raises(outcore.ParamAccessError,
+                       match=r"parameter 0.weight.data \(shape \[256, 32\]\).*build the model "
+                             r"without outcore.init, resize it, then pass it to outcore.initi"):
+        model[0].weight.data = torch.zeros(264, 32)
+    with outcore.initialize(model, FP32), pytest.raises(
+            outcore.ParamAccessError, match=r"0.weight.data .* before outcore.initialize or "
+                                            r"after engine.close\(\)"):
+        model[0].weight.data = torch.zeros(264, 32)  # with an engine: that advice holds
+
+
 def test_a_body_that_raises_closes_the_runtime_and_removes_the_hook(tmp_path: Any) -> None:
     ctx = outcore.init({"dtype": "fp32", "offload": {"params": "nvme", "optimizer": "nvme",
                                                      "nvme_path": str(tmp_path),

@@ -18,7 +18,7 @@ import os
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -66,6 +66,17 @@ def _full_values(entries: list[tuple[str, torch.Tensor]]
         yield name, full
 
 
+class _Saved(NamedTuple):
+    """One tensor of the folder: its name, the model's tensor it comes from, its shape in the
+    file, and, where transformers computes it from that tensor on save, the state-dict name
+    its conversion is run on (``_plan``'s note)."""
+
+    name: str
+    source: torch.Tensor
+    shape: tuple[int, ...]
+    converted_from: str | None = None
+
+
 def save_full(model: nn.Module, rank: int, out: str | os.PathLike[str],
               max_shard_size: int | str = "50GB") -> Path | None:
     """Write what ``save_pretrained`` writes (see [Note: the names save_pretrained writes]):
@@ -77,13 +88,16 @@ def save_full(model: nn.Module, rank: int, out: str | os.PathLike[str],
         writer = None
         if rank == 0:
             folder.mkdir(parents=True, exist_ok=True)
-            specs = [TensorSpec(name, torch.float32 if managed(t) is not None else t.dtype,
-                                tuple(t.shape)) for name, t in pairs]
+            specs = [TensorSpec(e.name, torch.float32 if managed(e.source) is not None
+                                else e.source.dtype, e.shape) for e in pairs]
             writer = StreamWriter(folder / filename, specs, {"format": "pt"})
         try:
-            for name, full in _full_values(pairs):
+            converted = _Converted(model, pairs)
+            for e, (_, full) in zip(pairs, _full_values([(e.name, e.source) for e in pairs]),
+                                    strict=True):
                 if writer is not None:
-                    writer.write(name, full.detach().cpu().contiguous())
+                    value = converted.value(e, full)
+                    writer.write(e.name, value.detach().cpu().contiguous())
             if writer is not None:
                 writer.finish()
         except BaseException:
@@ -99,17 +113,46 @@ def save_full(model: nn.Module, rank: int, out: str | os.PathLike[str],
     return folder / files[0][0]
 
 
+class _Converted:
+    """The tensors transformers computes from one parameter on save, made once per file from
+    its gathered values and dropped after their last one is written."""
+
+    def __init__(self, model: nn.Module, pairs: list[_Saved]) -> None:
+        self._model = model
+        self._left = Counter(id(e.source) for e in pairs if e.converted_from is not None)
+        self._made: dict[int, dict[str, torch.Tensor]] = {}
+
+    def value(self, e: _Saved, full: torch.Tensor) -> torch.Tensor:
+        if e.converted_from is None:
+            return full
+        from transformers.modeling_utils import revert_weight_conversion
+
+        key = id(e.source)
+        made = self._made.get(key)
+        if made is None:
+            made = self._made[key] = revert_weight_conversion(
+                self._model, {e.converted_from: full})
+        self._left[key] -= 1
+        if not self._left[key]:
+            del self._made[key]
+        return made[e.name]
+
+
 def _plan(model: nn.Module, entries: list[tuple[str, torch.Tensor]], max_shard_size: int | str
-          ) -> tuple[list[tuple[str, list[tuple[str, torch.Tensor]]]], dict | None]:
+          ) -> tuple[list[tuple[str, list[_Saved]]], dict | None]:
     """[Note: the names save_pretrained writes]
     transformers 5 does not write a model's attribute names as they are: it drops tied
     aliases, drops ``_keys_to_ignore_on_save``, reverts its weight conversions (GPT-NeoX's
     ``lm_head`` is written ``embed_out``) and splits files at ``max_shard_size``. Those steps
     run here on meta tensors that stand for the parameters (transformers' own functions), so
     the plan of files and names is save_pretrained's while the values are still only shards;
-    then each file is streamed one gathered parameter at a time. A conversion that computes a
-    new tensor from several (none in the tested models) cannot be streamed, and is refused.
-    Returns ([(file name, [(saved name, source tensor)])], the index for a split model).
+    then each file is streamed one gathered parameter at a time. A conversion that computes
+    tensors from one parameter (Mixtral's and Qwen2-MoE's experts, fused in one parameter in
+    memory, are written one tensor per expert) is run again on that parameter's gathered
+    values as its file is written: each such name is traced to its parameter by converting
+    every parameter on its own, on meta. One that needs several parameters at once cannot be
+    streamed, and is refused, naming ``save_checkpoint`` and ``consolidate``, which write the
+    model's own names. Returns ([(file name, [_Saved])], the index for a split model).
     """
     stand_in = {name: torch.empty(t.shape, device="meta", dtype=torch.float32
                                   if managed(t) is not None else t.dtype) for name, t in entries}
@@ -125,15 +168,17 @@ def _plan(model: nn.Module, entries: list[tuple[str, torch.Tensor]], max_shard_s
 
         for key in getattr(model, "_keys_to_ignore_on_save", None) or ():
             names.pop(key, None)
-        names = revert_weight_conversion(model, remove_tied_weights_from_state_dict(names, model))
-        made = [k for k, v in names.items() if id(v) not in source]
-        if made:
-            raise ConfigError(f"cannot stream {type(model).__name__}'s weights: transformers "
-                              f"computes {made[:3]} from several parameters when saving")
+        kept = remove_tied_weights_from_state_dict(names, model)
+        names = revert_weight_conversion(model, kept)
+        origin = _converted_from(model, kept, {k for k, v in names.items() if id(v) not in source})
+        # each a tensor of its own, as save_pretrained's are, so the split into files is its
+        names = {k: torch.empty_like(v) if k in origin else v for k, v in names.items()}
         split = split_torch_state_dict_into_shards(
             names, filename_pattern=WEIGHTS_NAME.replace(".safetensors", "{suffix}.safetensors"),
             max_shard_size=max_shard_size)
-        files = [(f, [(n, source[id(names[n])]) for n in tensors])
+        files = [(f, [_Saved(n, source[id(names[n])], tuple(names[n].shape)) if n not in origin
+                      else _Saved(n, by_name[origin[n]], tuple(names[n].shape), origin[n])
+                      for n in tensors])
                  for f, tensors in split.filename_to_tensors.items()]
         index = None
         if split.is_sharded:
@@ -141,7 +186,31 @@ def _plan(model: nn.Module, entries: list[tuple[str, torch.Tensor]], max_shard_s
             index = {"metadata": {"total_parameters": total, **split.metadata},
                      "weight_map": split.tensor_to_filename}
         return files, index
-    return [(WEIGHTS_NAME, [(n, source[id(m)]) for n, m in names.items()])], None
+    return [(WEIGHTS_NAME, [_Saved(n, source[id(m)], tuple(m.shape))
+                            for n, m in names.items()])], None
+
+
+def _converted_from(model: nn.Module, kept: dict[str, torch.Tensor], made: set[str]
+                    ) -> dict[str, str]:
+    """For each name in ``made`` (a tensor transformers computes when saving), the one
+    state-dict name whose conversion alone gives it (see ``_plan``'s note)."""
+    if not made:
+        return {}
+    from transformers.modeling_utils import revert_weight_conversion
+
+    origin: dict[str, str] = {}
+    for name, meta in kept.items():
+        for out in revert_weight_conversion(model, {name: meta}):
+            if out in made:
+                origin[out] = name
+    missing = sorted(made - origin.keys())
+    if missing:
+        raise ConfigError(
+            f"cannot stream {type(model).__name__}'s weights: transformers computes "
+            f"{missing[:3]} from several parameters at once when saving. Save with "
+            "engine.save_checkpoint and write the folder with outcore consolidate, which keep "
+            "the model's own names (from_pretrained reads them)")
+    return origin
 
 
 def save_configs(model: nn.Module, folder: Path, dtype: torch.dtype | None = None) -> None:

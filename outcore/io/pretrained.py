@@ -10,7 +10,9 @@ master and training-dtype shards in their home tiers. Host memory holds at most 
 one tensor that overlap this rank's shard, and never a whole model.
 
 Names and shapes are checked for every tensor before anything is written, so a mismatch
-leaves the model as it was and the error lists every offending name.
+leaves the model as it was and the error lists every offending name. Names go through
+transformers' load-time conversions first (hf_keys.py's [Note: a folder's names are not
+always the model's]).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from safetensors import safe_open
 from torch import nn
 
 from outcore.errors import ConfigError
+from outcore.io.hf_keys import folder_names
 from outcore.io.safetensors_stream import read_flat_range
 from outcore.zero.deferred import few_names, folder_tensors
 from outcore.zero.registry import managed
@@ -52,17 +55,17 @@ def load_pretrained(model: nn.Module, path: str | os.PathLike[str]) -> None:
             by_id[id(p)] = len(params)
             params.append(([name], p))
     buffers = dict(_persistent_buffers(model))
+    names_of = folder_names(model, where)
     plan, missing, used = [], [], set()
     for names, p in params:
-        key = next((n for n in names if n in where), None)
+        key = next((n for n in names if names_of.uses(n)), None)
         if key is None:
             missing.append(names[0])
             continue
         plan.append((key, p))
-        used.update(n for n in names if n in where)
+        used.update(k for n in names for k in names_of.uses(n))
     for name in buffers:
-        if name in where:
-            used.add(name)
+        used.update(names_of.uses(name))
     unexpected = sorted(set(where) - used)
     if missing or unexpected:
         raise ConfigError(f"weights in {path} do not match the model: missing "
@@ -75,19 +78,33 @@ def load_pretrained(model: nn.Module, path: str | os.PathLike[str]) -> None:
                 handles[f] = stack.enter_context(safe_open(f, framework="pt"))
             return handles[f]
 
+        def read(key: str) -> torch.Tensor:
+            return handle(where[key]).get_tensor(key)
+
+        def stand_in(key: str) -> torch.Tensor:  # its shape, no values: the check reads none
+            return torch.empty(handle(where[key]).get_slice(key).get_shape(), device="meta")
+
         bad = []
         for key, p in plan:
-            shape = tuple(handle(where[key]).get_slice(key).get_shape())
+            if key in names_of.fused:  # the converter run on stand-ins gives its shape
+                shape = tuple(names_of.fused[key].values(stand_in).shape)
+                key = f"{key} (from {names_of.uses(key)[0]}, ...)"
+            else:
+                file_key = names_of.renamed[key]
+                shape = tuple(handle(where[file_key]).get_slice(file_key).get_shape())
             if shape != tuple(p.shape):
                 bad.append(f"{key}: file {list(shape)} vs model {list(p.shape)}")
         if bad:
             raise ConfigError(f"shape mismatch in {path}: " + "; ".join(bad[:10]))
         with torch.no_grad():
             for key, p in plan:
-                _load_one(handle(where[key]), key, p)
+                if key in names_of.fused:  # one parameter's tensors in memory at a time
+                    _load_values(names_of.fused[key].values(read), p)
+                else:
+                    _load_one(handle(where[names_of.renamed[key]]), names_of.renamed[key], p)
             for name, buf in buffers.items():
-                if name in where:
-                    buf.copy_(handle(where[name]).get_tensor(name))
+                if name in names_of.renamed:
+                    buf.copy_(read(names_of.renamed[name]))
 
 
 def _load_one(h, key: str, p: nn.Parameter) -> None:
@@ -100,6 +117,18 @@ def _load_one(h, key: str, p: nn.Parameter) -> None:
     if lay.valid_numel:
         read_flat_range({0: h}, 1, key, sp.numel, lay.start, lay.start + lay.valid_numel, shard)
     sp.overwrite(shard.to(sp.rt.device))  # past running updates and in-flight reads
+
+
+def _load_values(full: torch.Tensor, p: nn.Parameter) -> None:
+    """A parameter from its whole values in memory (made from several tensors of the file)."""
+    sp = managed(p)
+    if sp is None:
+        p.copy_(full)
+        return
+    lay = sp.layout
+    shard = torch.zeros(lay.shard_numel, dtype=torch.float32)
+    shard[: lay.valid_numel] = full.reshape(-1)[lay.start : lay.start + lay.valid_numel]
+    sp.overwrite(shard.to(sp.rt.device))
 
 
 def _persistent_buffers(model: nn.Module):

@@ -15,7 +15,10 @@ whose shards come from the file: a frozen one on NVMe reads its bytes in place
 (file_shard.py), any other gets this rank's slice read once into its home tier. The meta
 parameter is then replaced in every module that holds it, so ties stay ties. Anything that
 does not match (a missing name, a shape, a tensor the model has no place for) is refused
-before a shard exists, naming what differs.
+before a shard exists, naming what differs. Names go through transformers' load-time
+conversions first (io/hf_keys.py's [Note: a folder's names are not always the model's]): a
+parameter fused from several of the folder's tensors is made whole once, in host memory, and
+its shards cut from it.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import torch
 from torch import nn
 
 from outcore.errors import ConfigError
+from outcore.io.hf_keys import FolderNames, Fused, folder_names
 from outcore.offload.file_shard import FileShard
 from outcore.offload.ledger import Kind
 from outcore.offload.source_file import TensorEntry, read_header
@@ -104,10 +108,13 @@ class DeferredBuild:
         hook replaced and copies of them (``copy.deepcopy`` registers nothing)."""
         slots = {root: _meta_slots(root) for root in list(self._modules)
                  if root not in self._children}
+        names_of = {root: folder_names(root, self.tensors) for root in slots}
         # a root none of whose names the files hold is no model of theirs (a template layer
         # still in a variable): left alone, unless no root matches at all
-        roots = [r for r, found in slots.items() if any(n in self.tensors for n, *_ in found)]
+        roots = [r for r, found in slots.items() if any(names_of[r].uses(n) for n, *_ in found)]
         roots = roots or list(slots)[:1]
+        folder = names_of[roots[0]] if len(roots) == 1 else FolderNames(
+            {k: k for k in self.tensors}, {})  # several models of one folder: names as they are
         metas: dict[int, tuple[nn.Parameter, list[str], list[tuple[nn.Module, str]]]] = {}
         for root in roots:
             for name, module, key, p in slots[root]:
@@ -117,18 +124,24 @@ class DeferredBuild:
                 holders.append((module, key))
         if not metas:  # nothing built here is alive (or every value came another way)
             return
-        plan, missing, bad = [], [], []
-        for p, names, holders in metas.values():
-            entry = next((self.tensors[n] for n in names if n in self.tensors), None)
-            if entry is None:
-                missing.append(names[0])
-            elif entry.shape != tuple(p.shape):
-                bad.append(f"{entry.name}: file {list(entry.shape)} vs model {list(p.shape)}")
+        plan: list[tuple[nn.Parameter, TensorEntry | Fused, list[tuple[nn.Module, str]]]] = []
+        missing, bad = [], []
+        for p, held_as, holders in metas.values():
+            found = next((n for n in held_as if folder.uses(n)), None)
+            source: TensorEntry | Fused | None = (
+                None if found is None else folder.fused.get(found)
+                or self.tensors[folder.renamed[found]])
+            shape = (None if source is None else source.shape if isinstance(source, TensorEntry)
+                     else tuple(source.values(self._stand_in).shape))
+            if source is None:
+                missing.append(held_as[0])
+            elif shape != tuple(p.shape):
+                bad.append(f"{found}: file {list(shape or ())} vs model {list(p.shape)}")
             else:
-                plan.append((p, entry, holders))
-        used = {n for _, names, _ in metas.values() for n in names}
-        buffers = {n for r in roots for n, _ in r.named_buffers()}
-        unexpected = sorted(n for n in self.tensors if n not in used and n not in buffers)
+                plan.append((p, source, holders))
+        used = {k for _, held_as, _ in metas.values() for n in held_as for k in folder.uses(n)}
+        used |= {k for r in roots for n, _ in r.named_buffers() for k in folder.uses(n)}
+        unexpected = sorted(n for n in self.tensors if n not in used)
         if missing or unexpected:
             hint = ("; a weight file of the folder may be missing, or, in a Python script, "
                     "parameters the files do not hold (LoRA adapters) are made after the "
@@ -138,15 +151,28 @@ class DeferredBuild:
         if bad:
             raise ConfigError(f"shape mismatch in {self.folder}: " + "; ".join(bad[:10]))
         with torch.no_grad():
-            for meta, entry, holders in plan:
-                _bind_one(rt, meta, entry, holders)
+            for meta, source, holders in plan:
+                _bind_one(rt, meta, source.values(lambda key: self._read(rt, key))
+                          if isinstance(source, Fused) else source,  # made whole, one at a time
+                          holders)
             for root in roots:
-                _load_buffers(rt, root, self.tensors)
+                _load_buffers(rt, root, self.tensors, folder)
+
+    def _stand_in(self, key: str) -> torch.Tensor:
+        """A tensor of the folder as its shape only (a fused parameter's shape check)."""
+        return torch.empty(self.tensors[key].shape, device="meta")
+
+    def _read(self, rt: Runtime, key: str) -> torch.Tensor:
+        """A tensor of the folder, whole, in fp32."""
+        out = torch.empty(self.tensors[key].shape, dtype=torch.float32)
+        rt.reader.read_now(self.tensors[key], 0, out.view(-1))
+        return out
 
 
-def _bind_one(rt: Runtime, meta: nn.Parameter, entry: TensorEntry,
+def _bind_one(rt: Runtime, meta: nn.Parameter, entry: TensorEntry | torch.Tensor,
               holders: list[tuple[nn.Module, str]]) -> None:
-    """A real parameter with shards from ``entry`` in place of ``meta`` wherever it is held."""
+    """A real parameter with shards from ``entry`` (or its whole values) in place of ``meta``
+    wherever it is held."""
     param = nn.Parameter(torch.empty(meta.shape, dtype=meta.dtype),
                          requires_grad=meta.requires_grad)
     param.__dict__.update(meta.__dict__)
@@ -162,30 +188,36 @@ def _meta_slots(root: nn.Module) -> list[tuple[str, nn.Module, str, nn.Parameter
             for key, p in mod._parameters.items() if p is not None and p.is_meta]
 
 
-def _shards(rt: Runtime, entry: TensorEntry, trainable: bool
+def _shards(rt: Runtime, entry: TensorEntry | torch.Tensor, trainable: bool
             ) -> tuple[StoredShard | None, StoredShard | None]:
-    """(master, compute) for one parameter from its tensor in the file."""
+    """(master, compute) for one parameter from its tensor in the file, or from its values."""
     lay = ShardLayout(math.prod(entry.shape), rt.world_size, rt.rank)
-    if not trainable and rt.param_tier is Tier.NVME:  # read in place, every step
+    if isinstance(entry, torch.Tensor):
+        values = entry.reshape(-1)[lay.start : lay.start + lay.valid_numel]
+    elif not trainable and rt.param_tier is Tier.NVME:  # read in place, every step
         return None, FileShard(rt.reader, entry, lay.start, lay.valid_numel, lay.shard_numel,
                                verify=rt.cfg.offload.verify_swap)
     dtype = torch.float32 if trainable or rt.plan.compute_is_master else rt.compute_dtype
     shard = torch.zeros(lay.shard_numel, dtype=dtype)
-    if lay.valid_numel:
+    if isinstance(entry, torch.Tensor):
+        shard[: lay.valid_numel] = values
+    elif lay.valid_numel:
         rt.reader.read_now(entry, lay.start, shard[: lay.valid_numel])
     if trainable or rt.plan.compute_is_master:
         return rt.store(shard.to(rt.device), rt.state_tier, Kind.MASTER), None
     return None, rt.store(shard.to(rt.device), rt.param_tier, Kind.PARAMS)
 
 
-def _load_buffers(rt: Runtime, root: nn.Module, tensors: dict[str, TensorEntry]) -> None:
+def _load_buffers(rt: Runtime, root: nn.Module, tensors: dict[str, TensorEntry],
+                  names: FolderNames) -> None:
     """Persistent buffers the folder holds are loaded (non-persistent ones are computed)."""
     for mod_name, mod in root.named_modules():
         for name, buf in mod._buffers.items():
             full = f"{mod_name}.{name}" if mod_name else name
-            if buf is None or name in mod._non_persistent_buffers_set or full not in tensors:
+            if (buf is None or name in mod._non_persistent_buffers_set
+                    or full not in names.renamed):
                 continue
-            entry = tensors[full]
+            entry = tensors[names.renamed[full]]
             if entry.shape != tuple(buf.shape):
                 raise ConfigError(f"shape mismatch in {entry.path}: buffer {full}: file "
                                   f"{list(entry.shape)} vs model {list(buf.shape)}")

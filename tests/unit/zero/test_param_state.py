@@ -78,6 +78,22 @@ def test_close_hands_back_a_plain_model_in_its_own_dtypes(tmp_path: Path) -> Non
     assert not list(tmp_path.rglob("*.swap")), "close() deletes the swap"
 
 
+def test_an_fp32_run_keeps_each_buffers_own_dtype_and_precision(tmp_path: Path) -> None:
+    """A float64 buffer was cast to fp32 in an fp32 run and came back float64 at close with
+    its low bits gone (a user's probe); plain PyTorch keeps it as it is, and so does the
+    engine now, a float16 buffer too."""
+    model = _model()
+    model.register_buffer("fine", torch.tensor([1 + 1e-12], dtype=torch.float64))
+    model.register_buffer("low", torch.ones(4, dtype=torch.float16))
+    engine = outcore.initialize(model, _cfg(tmp_path, dtype="fp32"))
+    assert (model.fine.dtype, model.low.dtype) == (torch.float64, torch.float16)
+    assert model.state_dict()["fine"].dtype == torch.float64
+    engine.backward(engine(torch.randn(2, 16)).sum())
+    engine.step()
+    engine.close()
+    assert model.fine.dtype == torch.float64 and float(model.fine - 1) > 0
+
+
 def test_model_call_casts_inputs_as_the_engine_does(tmp_path: Path) -> None:
     """``model(x)`` with fp32 inputs on a bf16 engine: what ``engine(x)`` computes."""
     model = _model()

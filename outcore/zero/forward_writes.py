@@ -47,8 +47,11 @@ def _lost(sp: ShardedParam) -> bool:
 class WriteWatch:
     """The version of each watched parameter when the engine's forward or backward began."""
 
-    def __init__(self, params: Iterable[ShardedParam]) -> None:
+    def __init__(self, params: Iterable[ShardedParam], every: bool = False) -> None:
+        """``every``: watch each of ``params``, as ``gathered_parameters(modify=False)``
+        does, whose shown copies are discarded whatever the tier."""
         self._params = [weakref.ref(sp) for sp in params]
+        self._every = every
         self._begun: list[tuple[weakref.ref[ShardedParam], int]] = []
         # strongly: torch hands the caller another tensor object over the same storage and
         # version counter, so this one is held to the check (an alias; storage is freed apart)
@@ -59,24 +62,32 @@ class WriteWatch:
         self._handed = []
         with DisableTorchFunctionSubclass():
             self._begun = [(ref, sp.param._version) for ref in self._params
-                           if (sp := ref()) is not None and sp.alive and _lost(sp)]
+                           if (sp := ref()) is not None and sp.alive and self._lost(sp)]
 
     def data(self, sp: ShardedParam, param: torch.Tensor) -> torch.Tensor:
         """``param.data`` as torch keeps it, for the caller; remembered while a forward or
         backward runs."""
         with DisableTorchFunctionSubclass():
             data = param.data
-        if self._begun and _lost(sp):
+        if self._begun and self._lost(sp):
             self._handed.append((weakref.ref(sp), data))
         return data
 
-    def check(self, where: str) -> None:
-        """The forward or backward ended: refuse a parameter written meanwhile."""
+    def _lost(self, sp: ShardedParam) -> bool:
+        return self._every or _lost(sp)
+
+    def written(self) -> list[ShardedParam]:
+        """The watched parameters written since ``begin``; the watch ends."""
         begun, handed, self._begun, self._handed = self._begun, self._handed, [], []
         with DisableTorchFunctionSubclass():
             written = [sp for ref, v in begun if (sp := ref()) is not None
                        and sp.alive and sp.param._version != v]
-            written += [sp for ref, t in handed if (sp := ref()) is not None and t._version > 0]
+            return written + [sp for ref, t in handed
+                              if (sp := ref()) is not None and t._version > 0]
+
+    def check(self, where: str) -> None:
+        """The forward or backward ended: refuse a parameter written meanwhile."""
+        written = self.written()
         if written:
             raise ParamAccessError(
                 f"parameter {written[0].label()} was written in place inside the engine's "

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from outcore.errors import ParamAccessError
+from outcore.zero.forward_writes import WriteWatch
 from outcore.zero.registry import managed
 from outcore.zero.state import ParamState
 
@@ -59,21 +60,35 @@ def gathered_parameters(params: Iterable[nn.Parameter] | nn.Module,
             g.await_update()  # the step may have returned with updates still running
             g.reshard()
             g.hide_resident()
-    shown = []
+    shown, lost = [], []
     ok = False
+    # a write through p.data or p.detach() is past the refusals: found by its version on exit
+    # (forward_writes.py's note), where modify=False discards it
+    watch, outer = WriteWatch(sps, every=True), sps[0].rt.write_watch if sps else None
     try:
         with torch.no_grad():
             for sp in sps:
                 sp.show_user(sp.gather_values(), modify)
                 shown.append(sp)
+        if sps and not modify:
+            sps[0].rt.write_watch = watch
+            watch.begin()
         yield plist
         ok = True
+        lost = watch.written()
     finally:
+        if outer is not None:
+            sps[0].rt.write_watch = outer
         with torch.no_grad():
             for sp in shown:
                 sp.end_shown(write_back=ok and modify)
             for g in groups:
                 g.shown_elsewhere()
+    if lost:
+        raise ParamAccessError(
+            f"parameter {lost[0].label()} was written inside gathered_parameters(modify=False) "
+            "through p.data or p.detach(), and the write was discarded on exit; pass "
+            "modify=True to keep it")
 
 
 def _same_on_every_rank(sps: list[ShardedParam], modify: bool) -> None:

@@ -20,22 +20,27 @@ print("done", engine.rank, flush=True)
 """
 
 
+def _torchrun(folder: Path, name: str, text: str) -> subprocess.CompletedProcess[str]:
+    """``text`` as a script under torchrun at 2 ranks on the CPU, with this checkout's outcore."""
+    script = Path(str(folder)) / name
+    script.write_text(text)
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "OUTCORE_DEVICE": "cpu", "CUDA_VISIBLE_DEVICES": "",
+           "PYTHONPATH": os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH"))
+                                         if p)}
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc_per_node", "2", str(script)], cwd=folder, env=env,
+                          capture_output=True, text=True, timeout=180)
+
+
 def test_a_two_rank_script_exits_cleanly(tmp_path: Path) -> None:
     """A 2-rank torchrun script that trains, closes and ends used to abort at interpreter exit
     in about half of the runs (SIGABRT, "terminate called without an active exception":
     bootstrap.py's [Note: gloo's workers need the GIL once more after the last collective]);
     three runs, each must exit 0. A regression test by chance: without the fix 2 of 5 runs
     aborted here, so three clean runs miss a return of the bug about one time in five."""
-    script = Path(str(tmp_path)) / "plain.py"
-    script.write_text(_ENDS_WITHOUT_DESTROY)
-    root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "OUTCORE_DEVICE": "cpu", "CUDA_VISIBLE_DEVICES": "",
-           "PYTHONPATH": os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH"))
-                                         if p)}
     for _ in range(3):
-        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                               "--nproc_per_node", "2", str(script)], cwd=tmp_path, env=env,
-                              capture_output=True, text=True, timeout=180)
+        done = _torchrun(tmp_path, "plain.py", _ENDS_WITHOUT_DESTROY)
         output = done.stdout + done.stderr
         assert done.returncode == 0 and "terminate called" not in output, output[-3000:]
         assert done.stdout.count("done") == 2, output[-3000:]  # both ranks got to the end
@@ -63,14 +68,6 @@ def test_an_engine_after_the_user_destroyed_the_group(tmp_path: Path) -> None:
     [Note: a process group made again after the user destroyed one]). Four times in one run:
     without the fix it hung in 2 of 6 single tries, so four pass by chance about one time in
     five."""
-    script = Path(str(tmp_path)) / "again.py"
-    script.write_text(_GROUP_MADE_AGAIN)
-    root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "OUTCORE_DEVICE": "cpu", "CUDA_VISIBLE_DEVICES": "",
-           "PYTHONPATH": os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH"))
-                                         if p)}
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc_per_node", "2", str(script)], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=180)
+    done = _torchrun(tmp_path, "again.py", _GROUP_MADE_AGAIN)
     output = done.stdout + done.stderr
     assert done.returncode == 0 and done.stdout.count("done") == 2, output[-3000:]

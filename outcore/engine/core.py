@@ -41,6 +41,7 @@ from outcore.guard.lock import HeldFolders
 from outcore.io import checkpoint
 from outcore.offload.storage import Tier
 from outcore.optim import adafactor
+from outcore.optim import param_groups as pgroups
 from outcore.optim.optimizer import ShardedOptimizer
 from outcore.optim.param_groups import check_param_groups, from_torch_optimizer, hp_keys
 from outcore.optim.precision import LossScaler
@@ -48,7 +49,6 @@ from outcore.overlap.entry import EntryHooks, drop_grads, entry_modules
 from outcore.overlap.hooks import Hooks
 from outcore.overlap.schedule import Schedule
 from outcore.runtime.plan import ExecutionPlan
-from outcore.runtime.same_config import check_same_groups
 from outcore.sizing import placement
 from outcore.zero import build, shardable
 from outcore.zero.gathered import gathered_parameters
@@ -191,7 +191,7 @@ class Engine:
             for key, value in self.optimizer_defaults.items():
                 spec.setdefault(key, value)
             out.append((spec, [managed(p) for p in params if p.requires_grad]))
-        return check_same_groups(out, self.rt.comm)  # same_config.py's note
+        return pgroups.check_same_groups(out, self.rt.comm)  # runtime/same_config.py's note
 
     # -- training ----------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

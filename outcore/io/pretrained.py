@@ -11,8 +11,8 @@ one tensor that overlap this rank's shard, and never a whole model.
 
 Names and shapes are checked for every tensor before anything is written, so a mismatch
 leaves the model as it was and the error lists every offending name. Names go through
-transformers' load-time conversions first (hf_keys.py's [Note: a folder's names are not
-always the model's]).
+transformers' load-time conversions first (zero/folder_names.py's [Note: a folder's names
+are not always the model's]).
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from safetensors import safe_open
 from torch import nn
 
 from outcore.errors import ConfigError
-from outcore.io.hf_keys import folder_names
 from outcore.io.safetensors_stream import read_flat_range
 from outcore.zero.deferred import few_names, folder_tensors
+from outcore.zero.folder_names import folder_names
 from outcore.zero.registry import managed
 
 

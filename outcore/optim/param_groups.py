@@ -12,12 +12,18 @@ import math
 import numbers
 import warnings
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch import nn
 
 from outcore.errors import ConfigError, user_stacklevel
+from outcore.runtime.same_config import digest_of
+
+if TYPE_CHECKING:
+    from outcore.zero.param import ShardedParam
+
+_Groups = TypeVar("_Groups", bound="list[tuple[dict[str, Any], list[ShardedParam]]]")
 
 HP_KEYS = ("lr", "betas", "eps", "weight_decay", "momentum", "nesterov")
 """The hyper-parameters a group may set (the engine's optimizer's ``defaults``)."""
@@ -182,3 +188,41 @@ def _check_torch_keys(where: str, group: dict[str, Any]) -> None:
         if key in group and neutral is not None and group[key] != neutral:
             raise ConfigError(f"{where}: {key}={group[key]!r} is not supported; outcore's "
                               f"kernels run with {key}={neutral!r}")
+
+
+def _plain(value: Any) -> Any:
+    """A hyper-parameter as JSON compares it: a tensor learning rate as its number, betas as
+    a list."""
+    if hasattr(value, "item") and getattr(value, "numel", lambda: 0)() == 1:
+        return value.item()
+    return list(value) if isinstance(value, tuple) else value
+
+
+def check_same_groups(groups: _Groups, comm: Any) -> _Groups:
+    """Refuse, on every rank together, optimizer groups that differ between ranks
+    (runtime/same_config.py's [Note: every rank runs one config]); returns ``groups``."""
+    if comm.world_size == 1:
+        return groups
+    where = f"on this rank (rank {comm.rank})"
+    if not comm.alike([len(groups)])[0]:
+        raise ConfigError(f"the ranks pass different param_groups: {len(groups)} group"
+                          f"{'s' if len(groups) != 1 else ''} {where}, another number on "
+                          "another; give every rank the same groups")
+    # per group: each hyper-parameter (absent ones too, so every rank sends as many), then
+    # the names of the parameters it holds
+    hps = [[_plain(spec.get(k)) for k in HP_KEYS] for spec, _ in groups]
+    names = [[sp.name for sp in sps] for _, sps in groups]
+    same = iter(comm.alike([digest_of(v) for hp, held in zip(hps, names, strict=True)
+                            for v in (*hp, held)]))
+    for i in range(len(groups)):
+        differ = [f"{k}={v!r}" for k, v in zip(HP_KEYS, hps[i], strict=True) if not next(same)]
+        if differ:
+            raise ConfigError(f"the ranks pass different param_groups: param_groups[{i}] "
+                              f"{', '.join(differ)} {where} differ{'s' * (len(differ) == 1)} "
+                              "on another; give every rank the same groups")
+        if not next(same):
+            shown = ", ".join(names[i][:4]) + (", ..." if len(names[i]) > 4 else "")
+            raise ConfigError(f"the ranks pass different param_groups: param_groups[{i}] "
+                              f"holds other parameters on another rank than {where} "
+                              f"({len(names[i])}: {shown}); give every rank the same groups")
+    return groups

@@ -43,7 +43,6 @@ from outcore.runtime.phase import Phase
 from outcore.runtime.plan import ExecutionPlan
 from outcore.runtime.same_config import check_same_config
 from outcore.units import format_bytes
-from outcore.zero.forward_writes import WriteWatch
 
 log = logging.getLogger("outcore")
 
@@ -81,7 +80,8 @@ class Runtime:
         self._reader: SourceReader | None = None
         self.closed = False
         self.phase = Phase.IDLE  # moved only by the engine's hooks (state.py's note)
-        self.write_watch = WriteWatch(())  # the engine's hooks put theirs (forward_writes.py)
+        # the engine's hooks put theirs (zero/forward_writes.py's WriteWatch); None: no engine
+        self.write_watch: Any = None
         # closes a forward left by a KeyboardInterrupt (overlap/abandoned.py): the hooks'
         self.drop_abandoned: Callable[[], bool] = lambda: False
         self.shown = 0  # parameters gathered_parameters shows now (ShardedParam keeps it)

@@ -12,27 +12,21 @@ digest of each setting (the schema's sections and keys, a fixed set on every ran
 collective, and every rank refuses together, naming the settings that differ. The settings
 of a rank's own host are left out (``_OWN``): its swap folder, memory and I/O. The groups
 given to ``initialize`` (``param_groups``, or an adopted optimizer's) are compared the same
-way once their parameters are known (``check_same_groups``): their number, each group's
-hyper-parameters and which parameters it holds, as a learning rate per group given to one
-rank trains two runs' halves just as the config's does.
+way once their parameters are known (optim/param_groups.py's ``check_same_groups``): their
+number, each group's hyper-parameters and which parameters it holds, as a learning rate per
+group given to one rank trains two runs' halves just as the config's does.
 """
 
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any
 
 import xxhash
 from pydantic import BaseModel
 
 from outcore.config import Config
 from outcore.errors import ConfigError
-from outcore.optim.param_groups import HP_KEYS
-
-if TYPE_CHECKING:
-    from outcore.zero.param import ShardedParam
-
-_Groups = TypeVar("_Groups", bound="list[tuple[dict[str, Any], list[ShardedParam]]]")
 
 # what each rank may set for its own host: where its swap lives and how much of its memory
 # and I/O it spends (reads ahead are local stages, never collectives: overlap/schedule.py's
@@ -61,7 +55,8 @@ def settings(cfg: Config) -> dict[str, Any]:
             if k not in _OWN and (fp16 or not k.startswith("loss_scale."))}
 
 
-def _digest(value: Any) -> int:
+def digest_of(value: Any) -> int:
+    """A setting's digest, as the ranks compare it."""
     return xxhash.xxh3_64_intdigest(json.dumps(value, sort_keys=True, default=str).encode())
 
 
@@ -71,7 +66,7 @@ def check_same_config(cfg: Config, comm: Any) -> None:
         return
     mine = settings(cfg)
     names = sorted(mine)
-    digests = [_digest(mine[k]) for k in names]
+    digests = [digest_of(mine[k]) for k in names]
     differ = [k for k, same in zip(names, comm.alike(digests), strict=True) if not same]
     if differ:
         shown = ", ".join(f"{k}={mine[k]!r}" for k in differ[:4])
@@ -83,41 +78,3 @@ def check_same_config(cfg: Config, comm: Any) -> None:
                               " (an automatic placement plans by each host's free memory: "
                               "name the tiers where the hosts differ)"
                               if "offload.params" in differ else ""))
-
-
-def _plain(value: Any) -> Any:
-    """A hyper-parameter as JSON compares it: a tensor learning rate as its number, betas as
-    a list."""
-    if hasattr(value, "item") and getattr(value, "numel", lambda: 0)() == 1:
-        return value.item()
-    return list(value) if isinstance(value, tuple) else value
-
-
-def check_same_groups(groups: _Groups, comm: Any) -> _Groups:
-    """Refuse, on every rank together, optimizer groups that differ between ranks (see the
-    note); returns ``groups``."""
-    if comm.world_size == 1:
-        return groups
-    where = f"on this rank (rank {comm.rank})"
-    if not comm.alike([len(groups)])[0]:
-        raise ConfigError(f"the ranks pass different param_groups: {len(groups)} group"
-                          f"{'s' if len(groups) != 1 else ''} {where}, another number on "
-                          "another; give every rank the same groups")
-    # per group: each hyper-parameter (absent ones too, so every rank sends as many), then
-    # the names of the parameters it holds
-    hps = [[_plain(spec.get(k)) for k in HP_KEYS] for spec, _ in groups]
-    names = [[sp.name for sp in sps] for _, sps in groups]
-    same = iter(comm.alike([_digest(v) for hp, held in zip(hps, names, strict=True)
-                            for v in (*hp, held)]))
-    for i in range(len(groups)):
-        differ = [f"{k}={v!r}" for k, v in zip(HP_KEYS, hps[i], strict=True) if not next(same)]
-        if differ:
-            raise ConfigError(f"the ranks pass different param_groups: param_groups[{i}] "
-                              f"{', '.join(differ)} {where} differ{'s' * (len(differ) == 1)} "
-                              "on another; give every rank the same groups")
-        if not next(same):
-            shown = ", ".join(names[i][:4]) + (", ..." if len(names[i]) > 4 else "")
-            raise ConfigError(f"the ranks pass different param_groups: param_groups[{i}] "
-                              f"holds other parameters on another rank than {where} "
-                              f"({len(names[i])}: {shown}); give every rank the same groups")
-    return groups

@@ -15,7 +15,7 @@ from torch._C import DisableTorchFunctionSubclass
 
 from outcore.errors import ParamAccessError
 from outcore.runtime.phase import Phase
-from outcore.zero import calls, finer, registry, shared_reads
+from outcore.zero import calls, finer, forward_writes, registry, shared_reads
 from outcore.zero.calls import (
     CPU,
     CUDA,
@@ -362,7 +362,7 @@ def _data_get(t: Touch) -> torch.Tensor:
     sp = t.sp
     if sp is None or (not t.chain and sp.state in HAS_VALUES and (
             sp.state in USER_OWNED or sp.rt.phase is not Phase.IDLE or is_live(sp))):
-        return sp.rt.write_watch.data(sp, t.obj) if sp is not None else _resolve(t).detach()
+        return forward_writes.data(sp, t.obj) if sp is not None else _resolve(t).detach()
     if sp.state is ParamState.DROPPED:
         raise ParamAccessError(dropped_message(sp))
     return ParamView(t.param, t.chain, True, _geometry(sp, t.chain))

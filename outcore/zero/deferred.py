@@ -16,9 +16,9 @@ whose shards come from the file: a frozen one on NVMe reads its bytes in place
 parameter is then replaced in every module that holds it, so ties stay ties. Anything that
 does not match (a missing name, a shape, a tensor the model has no place for) is refused
 before a shard exists, naming what differs. Names go through transformers' load-time
-conversions first (io/hf_keys.py's [Note: a folder's names are not always the model's]): a
-parameter fused from several of the folder's tensors is made whole once, in host memory, and
-its shards cut from it.
+conversions first (folder_names.py's [Note: a folder's names are not always the model's]):
+a parameter fused from several of the folder's tensors is made whole once, in host memory,
+and its shards cut from it.
 """
 
 from __future__ import annotations
@@ -33,13 +33,13 @@ import torch
 from torch import nn
 
 from outcore.errors import ConfigError
-from outcore.io.hf_keys import FolderNames, Fused, folder_names
 from outcore.offload.file_shard import FileShard
 from outcore.offload.ledger import Kind
 from outcore.offload.source_file import TensorEntry, read_header
 from outcore.offload.storage import StoredShard
 from outcore.offload.tier import Tier
 from outcore.runtime import Runtime
+from outcore.zero.folder_names import FolderNames, Fused, folder_names
 from outcore.zero.param import ShardedParam
 from outcore.zero.registry import register
 from outcore.zero.sharding import ShardLayout

@@ -44,6 +44,16 @@ def _lost(sp: ShardedParam) -> bool:
                 and (sp.master_shard is None or sp.compute_shard is sp.master_shard))
 
 
+def data(sp: ShardedParam, param: torch.Tensor) -> torch.Tensor:
+    """``param.data`` as torch keeps it, for the caller; remembered by the runtime's watch
+    while a forward or backward runs (see the note)."""
+    watch: WriteWatch | None = sp.rt.write_watch
+    if watch is not None:
+        return watch.data(sp, param)
+    with DisableTorchFunctionSubclass():
+        return param.data
+
+
 class WriteWatch:
     """The version of each watched parameter when the engine's forward or backward began."""
 

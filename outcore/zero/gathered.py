@@ -77,7 +77,7 @@ def gathered_parameters(params: Iterable[nn.Parameter] | nn.Module,
         ok = True
         lost = watch.written()
     finally:
-        if outer is not None:
+        if sps:
             sps[0].rt.write_watch = outer
         with torch.no_grad():
             for sp in shown:

@@ -1,6 +1,6 @@
 """A folder the model's own ``save_pretrained`` wrote loads through ``outcore.init(cfg,
 weights=folder)`` and ``outcore.load_pretrained`` where transformers renames or fuses its
-tensors on load (io/hf_keys.py's note): GPT-NeoX's ``embed_out``, Mixtral's and Qwen2-MoE's
+tensors on load (zero/folder_names.py's note): GPT-NeoX's ``embed_out``, Mixtral's and Qwen2-MoE's
 experts one tensor per expert on disk and one fused parameter in memory. Both were refused
 ("missing lm_head.weight; unexpected embed_out.weight"), found by a user's probe."""
 

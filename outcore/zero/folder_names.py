@@ -46,7 +46,8 @@ class Fused:
             conv.add_tensor(self.name, key, pattern, read(key))
         made = conv.convert(self.name, model=self.model, config=getattr(self.model, "config", None))
         out = made[self.name]
-        return out[0] if isinstance(out, list) else out
+        value: torch.Tensor = out[0] if isinstance(out, list) else out
+        return value
 
 
 @dataclass
@@ -78,7 +79,7 @@ def folder_names(model: nn.Module, keys: Iterable[str]) -> FolderNames:
         )
     except ImportError:
         return identity
-    mapping = get_model_conversion_mapping(model) or []
+    mapping = get_model_conversion_mapping(model) or []  # type: ignore[arg-type]  # checked above
     renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
     converters = [m for m in mapping if isinstance(m, WeightConverter)]
     if not renamings and not converters:

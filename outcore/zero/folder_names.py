@@ -71,6 +71,7 @@ def folder_names(model: nn.Module, keys: Iterable[str]) -> FolderNames:
     if not hasattr(model, "get_parameter_or_buffer") or not hasattr(model, "config"):
         return identity  # not a transformers model
     try:
+        from transformers import PreTrainedModel
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import (
             WeightConverter,
@@ -79,7 +80,9 @@ def folder_names(model: nn.Module, keys: Iterable[str]) -> FolderNames:
         )
     except ImportError:
         return identity
-    mapping = get_model_conversion_mapping(model) or []  # type: ignore[arg-type]  # checked above
+    if not isinstance(model, PreTrainedModel):  # a PEFT wrapper, say: its names as they are
+        return identity
+    mapping = get_model_conversion_mapping(model) or []
     renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
     converters = [m for m in mapping if isinstance(m, WeightConverter)]
     if not renamings and not converters:

@@ -209,9 +209,9 @@ def check_same_groups(groups: _Groups, comm: Any) -> _Groups:
                           f"{'s' if len(groups) != 1 else ''} {where}, another number on "
                           "another; give every rank the same groups")
     # per group: each hyper-parameter (absent ones too, so every rank sends as many), then
-    # the names of the parameters it holds
+    # the names of the parameters it holds, in any order
     hps = [[_plain(spec.get(k)) for k in HP_KEYS] for spec, _ in groups]
-    names = [[sp.name for sp in sps] for _, sps in groups]
+    names = [sorted(sp.name for sp in sps) for _, sps in groups]  # a set has no order
     same = iter(comm.alike([digest_of(v) for hp, held in zip(hps, names, strict=True)
                             for v in (*hp, held)]))
     for i in range(len(groups)):

@@ -167,6 +167,8 @@ class Hooks:
                                                 Phase.FORWARD if self.frames else Phase.IDLE)
         if before is Phase.IDLE and self.rt.phase is not Phase.IDLE:
             self.writes.begin()
+        elif self.rt.phase is Phase.IDLE:  # ended unchecked (it raised): forward_writes.py
+            self.writes.end()
         if not self.frames:
             self.outer.clear()
 
@@ -217,7 +219,7 @@ class Hooks:
 
     def _check_writes(self) -> None:
         if len(self.frames) == 1 and not self._in_backward:  # the outermost forward ends
-            self.writes.check("forward")
+            self.writes.check("forward", self.rt.comm)
 
     def inside(self) -> bool:
         """``active``, once a forward left without its post hooks is closed (abandoned.py)."""
@@ -276,7 +278,11 @@ class Hooks:
             return None
         with self.mode.suspended():
             self._release(self.frames.pop())
-            self._sync_phase()
+            try:  # a submodule called on its own ends its forward here (forward_writes.py)
+                if not self.frames and not self._in_backward:
+                    self.writes.check("forward", self.rt.comm)
+            finally:
+                self._sync_phase()
             # a tied embedding's output: tied_rows.py's note
             return self.tied_rows.wrap(module, args, output) if self.tied_rows.modules else None
 
@@ -433,7 +439,7 @@ class Hooks:
             yield
             with self.mode.suspended():
                 self.finish_backward()
-            self.writes.check("backward")
+            self.writes.check("backward", self.rt.comm)
         except BaseException:
             if before_abort is not None:
                 before_abort()

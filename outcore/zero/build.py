@@ -202,18 +202,20 @@ def build_groups(module: nn.Module, rt: Runtime, persistence_threshold_bytes: in
 
 def cast_buffers(module: nn.Module, rt: Runtime
                  ) -> list[tuple[nn.Module, str, torch.dtype, torch.device]]:
-    """In a 16-bit run floating buffers follow the compute dtype, as ``module.to(dtype)``
-    would do; in an fp32 run they keep theirs, as in PyTorch (a float64 buffer cast to fp32
-    and back at ``close()`` came back with its precision gone: a user's probe). Every buffer
-    moves to the device. Returns where each was, for ``close()`` to put it back
+    """Floating buffers follow the compute dtype, as ``module.to(dtype)`` would do, but for
+    wider ones in an fp32 run: a float64 buffer cast to fp32 and back at ``close()`` came
+    back with its precision gone (a user's probe), so it stays float64 as in PyTorch; a
+    16-bit one (a model loaded in bf16) is computed with in fp32 like its parameters. Every
+    buffer moves to the device. Returns where each was, for ``close()`` to put it back
     (engine/lifetime.py)."""
-    cast = rt.compute_dtype if rt.compute_dtype != torch.float32 else None
+    fp32 = rt.compute_dtype == torch.float32
     before = []
     for m in module.modules():
         for key, buf in m._buffers.items():
             if buf is not None:
                 before.append((m, key, buf.dtype, buf.device))
-                dtype = cast if cast is not None and buf.is_floating_point() else buf.dtype
+                wide = fp32 and buf.is_floating_point() and buf.element_size() >= 4
+                dtype = rt.compute_dtype if buf.is_floating_point() and not wide else buf.dtype
                 m._buffers[key] = buf.to(device=rt.device, dtype=dtype)
     return before
 

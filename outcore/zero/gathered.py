@@ -60,7 +60,8 @@ def gathered_parameters(params: Iterable[nn.Parameter] | nn.Module,
             g.await_update()  # the step may have returned with updates still running
             g.reshard()
             g.hide_resident()
-    shown, lost = [], []
+    shown: list[ShardedParam] = []
+    lost: list[ShardedParam] | None = []
     ok = False
     # a write through p.data or p.detach() is past the refusals: found by its version on exit
     # (forward_writes.py's note), where modify=False discards it
@@ -75,20 +76,22 @@ def gathered_parameters(params: Iterable[nn.Parameter] | nn.Module,
             watch.begin()
         yield plist
         ok = True
-        lost = watch.written()
+        lost = watch.written_anywhere(sps[0].rt.comm) if sps and not modify else []
     finally:
         if sps:
             sps[0].rt.write_watch = outer
+            if outer is not None:  # within a forward: these writes are the user's own
+                outer.rebase(sps)
         with torch.no_grad():
             for sp in shown:
                 sp.end_shown(write_back=ok and modify)
             for g in groups:
                 g.shown_elsewhere()
-    if lost:
+    if lost or lost is None:
         raise ParamAccessError(
-            f"parameter {lost[0].label()} was written inside gathered_parameters(modify=False) "
-            "through p.data or p.detach(), and the write was discarded on exit; pass "
-            "modify=True to keep it")
+            f"parameter {lost[0].label() if lost else 'of another rank'} was written inside "
+            "gathered_parameters(modify=False) through p.data or p.detach(), and the write "
+            "was discarded on exit; pass modify=True to keep it")
 
 
 def _same_on_every_rank(sps: list[ShardedParam], modify: bool) -> None:

@@ -15,6 +15,7 @@ from torch import nn
 
 import outcore
 from outcore.errors import ParamAccessError
+from tests.distributed import run_world
 
 
 class _Renorm(nn.Module):
@@ -117,3 +118,70 @@ def test_reads_through_data_and_detach_are_not_refused(tmp_path: Path, place: st
     got = _losses(model, 3, engine)
     engine.close()
     assert got == pytest.approx(want, rel=1e-5)
+
+
+class _GatheredInForward(nn.Module):
+    """Clips inside its forward the way the refusal says works: in gathered_parameters."""
+
+    def __init__(self, engine_of: list) -> None:
+        super().__init__()
+        self.l = nn.Linear(5, 3)
+        self.engine_of = engine_of
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.engine_of:
+            with self.engine_of[0].gathered_parameters([self.l.weight], modify=True):
+                self.l.weight.detach().clamp_(-0.1, 0.1)
+                self.l.weight.data.clamp_(-0.1, 0.1)
+        return self.l(x).pow(2).mean()
+
+
+def test_gathered_parameters_with_modify_inside_a_forward_is_not_refused(tmp_path: Path) -> None:
+    """The refusal's own advice: a reviewer found it refused at the forward's end."""
+    torch.manual_seed(0)
+    holder: list = []
+    model = _GatheredInForward(holder)
+    engine = outcore.initialize(model, _cfg("nvme", "fp32", tmp_path))
+    holder.append(engine)
+    engine.backward(model(torch.randn(4, 5)))
+    engine.step()
+    with engine.gathered_parameters([model.l.weight]):
+        assert model.l.weight.abs().max() <= 0.1 + 1e-2  # clipped, then one small step
+    engine.close()
+
+
+def test_a_submodule_called_on_its_own_is_checked_and_ends_its_watch(tmp_path: Path) -> None:
+    """``model.emb(ids)`` outside the model's forward: its renormalization was lost unseen,
+    and the watch stayed open, holding every p.data read afterwards (a reviewer's find)."""
+    torch.manual_seed(0)
+    model = _Renorm()
+    engine = outcore.initialize(model, _cfg("nvme", "fp32", tmp_path))
+    with pytest.raises(ParamAccessError, match="parameter emb.weight was written"):
+        model.emb(torch.tensor([1, 2]))
+    for _ in range(3):
+        model.out.weight.data.sum()
+    watch = engine.hooks.writes
+    assert not watch._begun and not watch._handed
+    engine.close()
+
+
+def _write_on_rank_zero(swap: str) -> str | None:
+    import os
+
+    rank = int(os.environ["RANK"])
+    torch.manual_seed(0)
+    model = _Clip() if rank == 0 else _Reads()  # the same parameters; one rank writes
+    engine = outcore.initialize(model, _cfg("nvme", "fp32", Path(swap) / str(rank)))
+    try:
+        model(torch.randn(4, 5))
+    except ParamAccessError as e:
+        return str(e)
+    finally:
+        engine.close()
+    return None
+
+
+def test_a_write_on_one_rank_is_refused_on_every_rank(tmp_path: Path) -> None:
+    said = run_world(_write_on_rank_zero, 2, str(tmp_path))
+    assert said[0] is not None and "parameter l.weight was written" in said[0]
+    assert said[1] is not None and "another rank wrote a parameter" in said[1]

@@ -82,6 +82,8 @@ def _grouped(groups_of_rank: dict, adopt: bool, swap: str) -> str | None:
               "members": [{"params": [first.weight]},
                           {"params": [first.bias, *second.parameters()]}],
               "count": [{"params": [*model.parameters()]}],
+              "reordered": [{"params": [first.bias, first.weight]},
+                            {"params": [*second.parameters()]}],
               }.get(groups_of_rank.get(rank), [{"params": [*first.parameters()]},
                                                 {"params": [*second.parameters()]}])
     cfg = {"dtype": "fp32", "offload": {"nvme_path": f"{swap}/rank{rank}"}}
@@ -115,7 +117,9 @@ def test_param_groups_that_differ_between_ranks_are_refused(tmp_path: Path, diff
 
 
 def test_param_groups_alike_on_every_rank_train(tmp_path: Path) -> None:
+    """A group's parameters in another order on one rank are the same group (a set, say)."""
     assert run_world(_grouped, 2, {}, False, str(tmp_path)) == [None, None]
+    assert run_world(_grouped, 2, {1: "reordered"}, False, str(tmp_path)) == [None, None]
 
 
 def _load_by_rank(root: str) -> str | None:

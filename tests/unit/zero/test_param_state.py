@@ -78,20 +78,31 @@ def test_close_hands_back_a_plain_model_in_its_own_dtypes(tmp_path: Path) -> Non
     assert not list(tmp_path.rglob("*.swap")), "close() deletes the swap"
 
 
-def test_an_fp32_run_keeps_each_buffers_own_dtype_and_precision(tmp_path: Path) -> None:
+def test_an_fp32_run_keeps_a_float64_buffer_and_its_precision(tmp_path: Path) -> None:
     """A float64 buffer was cast to fp32 in an fp32 run and came back float64 at close with
     its low bits gone (a user's probe); plain PyTorch keeps it as it is, and so does the
-    engine now, a float16 buffer too."""
+    engine now. A 16-bit buffer (a model loaded in bf16) is still computed with in fp32, as
+    its parameters are: a reviewer found BatchNorm's bf16 running stats refused by torch."""
     model = _model()
     model.register_buffer("fine", torch.tensor([1 + 1e-12], dtype=torch.float64))
-    model.register_buffer("low", torch.ones(4, dtype=torch.float16))
+    model.register_buffer("low", torch.ones(4, dtype=torch.bfloat16))
     engine = outcore.initialize(model, _cfg(tmp_path, dtype="fp32"))
-    assert (model.fine.dtype, model.low.dtype) == (torch.float64, torch.float16)
+    assert (model.fine.dtype, model.low.dtype) == (torch.float64, torch.float32)
     assert model.state_dict()["fine"].dtype == torch.float64
     engine.backward(engine(torch.randn(2, 16)).sum())
     engine.step()
     engine.close()
     assert model.fine.dtype == torch.float64 and float(model.fine - 1) > 0
+    assert model.low.dtype == torch.bfloat16  # back as it came
+
+
+def test_a_model_loaded_in_bf16_trains_in_an_fp32_run(tmp_path: Path) -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 2)).to(torch.bfloat16)
+    engine = outcore.initialize(model, _cfg(tmp_path, dtype="fp32"))
+    engine.backward(engine(torch.randn(4, 8)).float().sum())
+    engine.step()
+    engine.close()
+    assert model[1].running_mean.dtype == torch.bfloat16
 
 
 def test_model_call_casts_inputs_as_the_engine_does(tmp_path: Path) -> None:

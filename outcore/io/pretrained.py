@@ -86,14 +86,15 @@ def load_pretrained(model: nn.Module, path: str | os.PathLike[str]) -> None:
 
         bad = []
         for key, p in plan:
+            label = key
             if key in names_of.fused:  # the converter run on stand-ins gives its shape
                 shape = tuple(names_of.fused[key].values(stand_in).shape)
-                key = f"{key} (from {names_of.uses(key)[0]}, ...)"
+                label = f"{key} (from {names_of.uses(key)[0]}, ...)"
             else:
                 file_key = names_of.renamed[key]
                 shape = tuple(handle(where[file_key]).get_slice(file_key).get_shape())
             if shape != tuple(p.shape):
-                bad.append(f"{key}: file {list(shape)} vs model {list(p.shape)}")
+                bad.append(f"{label}: file {list(shape)} vs model {list(p.shape)}")
         if bad:
             raise ConfigError(f"shape mismatch in {path}: " + "; ".join(bad[:10]))
         with torch.no_grad():

@@ -26,7 +26,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import weakref
 from pathlib import Path
 
 import torch
@@ -83,13 +82,10 @@ class DeferredBuild:
     def __init__(self, folder: str | os.PathLike[str]) -> None:
         self.tensors = folder_tensors(folder)  # a wrong folder fails before the build
         self.folder = Path(folder).resolve()
-        self._modules: weakref.WeakSet[nn.Module] = weakref.WeakSet()
-        self._children: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
     def on_param(self, module: nn.Module, name: str, param: nn.Parameter
                  ) -> nn.Parameter | None:
         """The registration hook's part: the meta stand-in ``module.name`` gets instead."""
-        self._modules.add(module)
         if param.is_meta:  # a stand-in already (a tie), or a model built on meta by itself
             return None
         meta = nn.Parameter(torch.empty_like(param, device="meta"),
@@ -97,17 +93,11 @@ class DeferredBuild:
         meta.__dict__.update(param.__dict__)  # attributes code set on it (_no_weight_decay)
         return meta
 
-    def on_module(self, parent: nn.Module, child: nn.Module | None) -> None:
-        """A module became another's child: it is no root."""
-        self._modules.add(parent)
-        if child is not None:
-            self._children.add(child)
-
-    def bind(self, rt: Runtime) -> None:
-        """Give every meta parameter the live roots hold its shards from the folder: those the
-        hook replaced and copies of them (``copy.deepcopy`` registers nothing)."""
-        slots = {root: _meta_slots(root) for root in list(self._modules)
-                 if root not in self._children}
+    def bind(self, rt: Runtime, built: list[nn.Module]) -> None:
+        """Give every meta parameter the live roots ``built`` (the modules no other built
+        module holds: init.py's ``roots``) hold its shards from the folder: those the hook
+        replaced and copies of them (``copy.deepcopy`` registers nothing)."""
+        slots = {root: _meta_slots(root) for root in built}
         names_of = {root: folder_names(root, self.tensors) for root in slots}
         # a root none of whose names the files hold is no model of theirs (a template layer
         # still in a variable): left alone, unless no root matches at all

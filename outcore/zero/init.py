@@ -107,7 +107,7 @@ class init:  # noqa: N801  (a context manager named like the function users call
             try:
                 if not failed and self._deferred is not None:
                     assert self.runtime is not None  # __exit__ follows __enter__
-                    self._deferred.bind(self.runtime)
+                    self._deferred.bind(self.runtime, self._roots())
                 if not failed:
                     self._name_params()
             except BaseException:
@@ -136,10 +136,12 @@ class init:  # noqa: N801  (a context manager named like the function users call
 
     def _on_module(self, parent: nn.Module, name: str, child: nn.Module | None) -> None:
         self._modules.add(parent)
-        if child is not None:
+        if child is not None:  # a module another holds is no model of its own
             self._children.add(child)
-        if self._deferred is not None:
-            self._deferred.on_module(parent, child)
+
+    def _roots(self) -> list[nn.Module]:
+        """The modules built here that no other module built here holds: the models."""
+        return [m for m in self._modules if m not in self._children]
 
     def _name_params(self) -> None:
         """[Note: parameters built here are named when the context ends]
@@ -148,7 +150,7 @@ class init:  # noqa: N801  (a context manager named like the function users call
         (``model.resize_token_embeddings`` assigning ``.data`` of a new shape) named it "of
         shape [256, 32]" only. So each model built here (a module no other built here holds)
         names its parameters when the context ends; initialize names them again."""
-        for root in [m for m in self._modules if m not in self._children]:
+        for root in self._roots():
             for name, p in root.named_parameters():
                 sp = managed(p)
                 if sp is not None and not sp.name:

@@ -572,6 +572,26 @@ def test_saved_files_and_names_are_save_pretrained_s(tmp_path: Path, make: Any,
         assert torch.equal(loaded.state_dict()[key], value), key
 
 
+def test_a_mixture_of_experts_trains_and_saves_under_outcore_trainer(tmp_path: Path) -> None:
+    """The user's path for the MoE save above: checkpoints every step, then save_model; each
+    folder loads with from_pretrained into the trained values (every save refused before,
+    stopping train() at its first checkpoint)."""
+    args = arguments(tmp_path / "o", max_steps=2, save_strategy="steps", save_steps=1)
+    trainer = OutcoreTrainer(model=_mixtral(), args=args, train_dataset=dataset(),
+                             outcore_config=nvme(tmp_path))
+    trainer.train()
+    trainer.save_model(str(tmp_path / "final"))
+    with trainer.outcore_engine.gathered_parameters():
+        trained = {k: v.detach().clone() for k, v in trainer.model.named_parameters()}
+    trainer.close()
+    assert sorted(os.listdir(tmp_path / "o")) == ["checkpoint-1", "checkpoint-2"]
+    for folder in (tmp_path / "o" / "checkpoint-2", tmp_path / "final"):
+        loaded = dict(type(_mixtral()).from_pretrained(folder).named_parameters())
+        assert sorted(loaded) == sorted(trained)
+        for key, value in trained.items():
+            assert torch.equal(loaded[key], value.cpu()), (folder.name, key)
+
+
 def test_checkpoint_folders_load_with_from_pretrained(tmp_path: Path) -> None:
     """A checkpoint-N folder: from_pretrained loads it, and it resumes exactly; nothing of
     outcore's is left in output_dir once training ends (no lock file)."""

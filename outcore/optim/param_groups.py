@@ -33,6 +33,12 @@ _KEYS_OF_TYPE = {"adam": ("lr", "betas", "eps", "weight_decay"),
                  "sgd": ("lr", "weight_decay", "momentum", "nesterov")}
 
 
+_COMPARED = (*HP_KEYS, "clip_threshold", "decay_rate", "beta1", "scale_parameter",
+             "relative_step", "warmup_init")
+"""What a group sets that an update reads, and so must be alike on every rank: the
+hyper-parameters, and Adafactor's own keys (its runner reads every key of its group)."""
+
+
 def hp_keys(kind: str) -> tuple[str, ...]:
     """The hyper-parameters the optimizer ``kind`` of the config runs with: its ``defaults``
     and what its groups are completed with. Only its own, as torch's optimizers have: torch's
@@ -210,12 +216,12 @@ def check_same_groups(groups: _Groups, comm: Any) -> _Groups:
                           "another; give every rank the same groups")
     # per group: each hyper-parameter (absent ones too, so every rank sends as many), then
     # the names of the parameters it holds, in any order
-    hps = [[_plain(spec.get(k)) for k in HP_KEYS] for spec, _ in groups]
+    hps = [[_plain(spec.get(k)) for k in _COMPARED] for spec, _ in groups]
     names = [sorted(sp.name for sp in sps) for _, sps in groups]  # a set has no order
     same = iter(comm.alike([digest_of(v) for hp, held in zip(hps, names, strict=True)
                             for v in (*hp, held)]))
     for i in range(len(groups)):
-        differ = [f"{k}={v!r}" for k, v in zip(HP_KEYS, hps[i], strict=True) if not next(same)]
+        differ = [f"{k}={v!r}" for k, v in zip(_COMPARED, hps[i], strict=True) if not next(same)]
         if differ:
             raise ConfigError(f"the ranks pass different param_groups: param_groups[{i}] "
                               f"{', '.join(differ)} {where} differ{'s' * (len(differ) == 1)} "

@@ -73,7 +73,7 @@ def test_a_swap_folder_memory_and_seed_of_each_ranks_own_pass(tmp_path: Path) ->
     assert run_world(_initialize, 2, {1: own}, False, str(tmp_path)) == [None, None]
 
 
-def _grouped(groups_of_rank: dict, adopt: bool, swap: str) -> str | None:
+def _grouped(groups_of_rank: dict, adopt: bool, swap: str, kind: str = "adamw") -> str | None:
     rank = int(__import__("os").environ["RANK"])
     model = _model(False)
     first, second = model[0], model[2]
@@ -84,9 +84,12 @@ def _grouped(groups_of_rank: dict, adopt: bool, swap: str) -> str | None:
               "count": [{"params": [*model.parameters()]}],
               "reordered": [{"params": [first.bias, first.weight]},
                             {"params": [*second.parameters()]}],
+              "clip": [{"params": [*first.parameters()], "clip_threshold": 0.5},
+                       {"params": [*second.parameters()]}],
               }.get(groups_of_rank.get(rank), [{"params": [*first.parameters()]},
                                                 {"params": [*second.parameters()]}])
-    cfg = {"dtype": "fp32", "offload": {"nvme_path": f"{swap}/rank{rank}"}}
+    cfg = {"dtype": "fp32", "offload": {"nvme_path": f"{swap}/rank{rank}"},
+           "optimizer": {"type": kind, "lr": 1e-3}}
     try:
         if adopt:
             engine = outcore.initialize(model, cfg, optimizer=torch.optim.AdamW(groups, lr=1e-3))
@@ -114,6 +117,14 @@ def test_param_groups_that_differ_between_ranks_are_refused(tmp_path: Path, diff
     assert said[0] is not None and said[1] is not None, said
     assert "the ranks pass different param_groups" in said[0]
     assert named in said[1], said[1]
+
+
+def test_adafactor_keys_that_differ_between_ranks_are_refused(tmp_path: Path) -> None:
+    """Adafactor's runner reads every key of its group: a ``clip_threshold`` on one rank only
+    clipped the halves of each parameter apart (only the hyper-parameters were compared)."""
+    said = run_world(_grouped, 2, {1: "clip"}, False, str(tmp_path), "adafactor")
+    assert said[0] is not None and said[1] is not None, said
+    assert "param_groups[0] clip_threshold=0.5 on this rank (rank 1) differs" in said[1], said
 
 
 def test_param_groups_alike_on_every_rank_train(tmp_path: Path) -> None:

@@ -9,11 +9,13 @@ from __future__ import annotations
 import codecs
 import os
 import sysconfig
+import warnings
 from pathlib import Path
 from typing import Any, TypeAlias
 
 import numpy as np
 import torch
+import xxhash
 
 from outcore.app import models
 from outcore.errors import ConfigError, DataError
@@ -208,15 +210,36 @@ class BatchSampler:
         return self.next()
 
     def state_dict(self) -> dict[str, int]:
-        """Plain ints, so the state fits a JSON checkpoint manifest."""
-        return {"step": self.step, "seed": self.seed}
+        """Plain ints, so the state fits a JSON checkpoint manifest: the step, the seed and
+        what the windows are cut from (its length and digest)."""
+        return {"step": self.step, "seed": self.seed, "tokens": len(self.tokens),
+                "digest": self._digest()}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        """Continue from ``state``; the seed must match or the batches would silently differ."""
+        """Continue from ``state``; the seed must match or the batches would silently differ.
+
+        Other text than the checkpoint's (a file edited, another ``--data``, the default corpus
+        of another Python) is named but taken: continuing on new text is a real use, and the
+        step's windows are drawn from whatever text is given. A checkpoint from before the
+        digest was kept is taken as it is."""
         if int(state["seed"]) != self.seed:
             raise DataError(f"checkpoint's data seed {state['seed']} differs from --seed "
                             f"{self.seed}; resume with the same seed")
         self.step = int(state["step"])
+        if self.rank == 0 and "digest" in state and int(state["digest"]) != self._digest():
+            then, now = int(state.get("tokens", -1)), len(self.tokens)
+            sizes = (f"{then:,} tokens then, {now:,} now" if then != now
+                     else f"{now:,} tokens, other ones")
+            warnings.warn(f"the training text differs from the checkpoint's ({sizes}): the "
+                          f"run continues at step {self.step} with windows from this text, "
+                          "not the batches the first run would have drawn", stacklevel=2)
+
+    def _digest(self) -> int:
+        """xxh3 of the training tokens (milliseconds for the default corpus), once."""
+        if getattr(self, "_tokens_digest", None) is None:
+            data = np.ascontiguousarray(self.tokens.numpy())
+            self._tokens_digest = xxhash.xxh3_64_intdigest(memoryview(data).cast("B"))
+        return self._tokens_digest
 
 
 # [Note: text to tokens]

@@ -6,6 +6,7 @@ import argparse
 import inspect
 import json
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -340,6 +341,23 @@ def test_resume_reproduces_the_uninterrupted_losses(tmp_path: Path, text_file: P
     assert outcore.latest_checkpoint(out / "checkpoints").name == "step-00000006"
     assert train.run(_parse(*argv, "--resume")) == 0  # nothing left to do: a no-op
     assert _losses(out) == uninterrupted
+
+
+@needs_engine
+def test_resume_over_edited_text_is_named(tmp_path: Path, text_file: Path) -> None:
+    """The checkpoint keeps its text's digest: a resume over an edited file says so."""
+    out = tmp_path / "run"
+    argv = _job(out, text_file, "--steps", "3", "--save-every", "2", "--dtype", "fp32")
+    assert train.run(_parse(*argv)) == 0
+    shutil.rmtree(out / "checkpoints" / "step-00000003")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert train.run(_parse(*argv, "--resume", "--steps", "4")) == 0
+    assert not [w for w in seen if "training text" in str(w.message)]
+    text_file.write_text(text_file.read_text() + "one more line\n")
+    with pytest.warns(UserWarning, match="the training text differs from the checkpoint's"):
+        assert train.run(_parse(*argv, "--resume", "--steps", "5")) == 0
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")][-1] == 5
 
 
 @needs_engine

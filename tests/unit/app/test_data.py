@@ -141,6 +141,30 @@ def test_sampler_state_round_trip_resumes_the_same_batches() -> None:
         BatchSampler(_tokens(), batch=3, seq_len=10, seed=12).load_state_dict(state)
 
 
+def test_sampler_names_other_text_than_the_checkpoints(recwarn: pytest.WarningsRecorder) -> None:
+    """A resume over edited text took the step and drew windows from the new text with no
+    word: the run was no longer the one it continued. It is named and taken (continuing on
+    new text is a real use); the same text, and a state from before the digest, pass."""
+    first = BatchSampler(_tokens(), batch=3, seq_len=10, seed=11)
+    first.next()
+    state = json.loads(json.dumps(first.state_dict()))
+    BatchSampler(_tokens(), batch=3, seq_len=10, seed=11).load_state_dict(state)
+    BatchSampler(_tokens(4000), 3, 10, seed=11).load_state_dict({"step": 1, "seed": 11})
+    assert not recwarn.list
+    longer = BatchSampler(_tokens(6000), batch=3, seq_len=10, seed=11)
+    with pytest.warns(UserWarning, match=r"differs from the checkpoint's \(5,000 tokens then, "
+                                         r"6,000 now\): the run continues at step 1"):
+        longer.load_state_dict(state)
+    assert longer.step == 1
+    edited = _tokens()
+    edited[100] += 1
+    with pytest.warns(UserWarning, match=r"\(5,000 tokens, other ones\)"):
+        BatchSampler(edited, batch=3, seq_len=10, seed=11).load_state_dict(state)
+    other_rank = BatchSampler(edited, batch=3, seq_len=10, seed=11, rank=1, world_size=2)
+    other_rank.load_state_dict(state)  # rank 0 says it once for the job
+    assert not recwarn.list
+
+
 def test_sampler_rejects_bad_shapes() -> None:
     with pytest.raises(DataError, match="too short"):
         BatchSampler(_tokens(20), batch=1, seq_len=32, seed=0)

@@ -67,6 +67,7 @@ from outcore.io.publish import (
     publish,
     remove_ours,
     settle,
+    settle_others,
 )
 from outcore.io.safetensors_stream import CHECKSUM, FileInfo, StreamWriter, TensorSpec
 from outcore.offload.storage import load_now
@@ -129,6 +130,7 @@ def _save(engine: Any, path: Path, client_state: dict[str, Any],
             check_replaceable(path, replace_folder)
             path.parent.mkdir(parents=True, exist_ok=True)
             settle(path)  # what a save killed between its renames left aside
+            settle_others(path, replace_folder)
             remove_ours(partial, files)
             partial.mkdir()  # the umask decides who may read it, as for any file
         except Exception as e:  # noqa: BLE001 - every rank hears of it in agree

@@ -18,7 +18,11 @@ Killed between the two renames, a save leaves no ``<path>`` and the old checkpoi
 whole; killed after them, before the old one is deleted, it leaves both. ``latest_checkpoint``
 takes an aside folder whose ``<path>`` is missing as that checkpoint, so a resume finds it,
 and the next save into ``<path>`` first puts it back (``settle``), or deletes a leftover copy
-aside of a published one, so nothing is left for good.
+aside of a published one. A run's last save, or a step's folder, is never saved into again:
+so any save into the same folder also deletes the copies aside of its other published
+checkpoints (``settle_others``), the folder being this job's alone while it saves there
+(guard/lock.py). A copy aside whose checkpoint is missing is the only one, and is left for
+``latest_checkpoint`` and the save into its own path.
 """
 
 from __future__ import annotations
@@ -90,6 +94,27 @@ def settle(path: Path) -> None:
                 "hand before deleting anything" if restore else
                 f"an older copy of {path.name} that could not be deleted "
                 f"({e.strerror or e}); delete it by hand"), stacklevel=user_stacklevel())
+
+
+_ASIDE_NAME = re.compile(r"(.+)" + re.escape(ASIDE) + r"[0-9a-f]{8}")
+
+
+def settle_others(path: Path, whole: bool = False) -> None:
+    """Delete the copies aside of ``path``'s sibling checkpoints that are published again,
+    as the saves into their paths would ([Note: what a kill between the renames leaves]);
+    ``whole``: the folders are the caller's whole (``publish``'s ``replace_folder``)."""
+    for aside in path.parent.iterdir():
+        found = _ASIDE_NAME.fullmatch(aside.name)
+        if found is None or found[1] == path.name:
+            continue  # (path's own are settle's)
+        try:
+            stale = aside.is_dir() and (path.parent / found[1] / MANIFEST).is_file()
+            if stale:
+                shutil.rmtree(aside) if whole else remove_ours(aside)
+        except OSError as e:  # as settle: one undeletable copy must not stop every save
+            warnings.warn(f"left {aside}, an older copy of {found[1]} that could not be "
+                          f"deleted ({e.strerror or e}); delete it by hand",
+                          stacklevel=user_stacklevel())
 
 
 def publish(partial: Path, path: Path, replace_folder: bool = False) -> None:

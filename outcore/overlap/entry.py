@@ -81,8 +81,9 @@ class EntryHooks:
                  on_zero_grad: Callable[[], None] | None = None, rt: Any = None) -> None:
         """``cast``: applied to the positional and keyword inputs of a call that opens the
         context (moved to the compute device, floating ones cast to the compute dtype).
-        ``on_zero_grad``: called by the root's ``zero_grad()`` before torch's own (gradients
-        live in the engine's shards, which torch's ``Module.zero_grad`` cannot see). ``rt``:
+        ``on_zero_grad``: called by the root's ``zero_grad()`` (gradients live in the engine's
+        shards, which torch's ``Module.zero_grad`` cannot see); it drops every ``p.grad`` too
+        (``drop_grads``), so only a class's own ``zero_grad`` runs after it. ``rt``:
         the runtime whose reads the root's ``state_dict()`` shares (shared_reads.py)."""
         self._is_inside = is_inside
         self._context = context
@@ -144,9 +145,9 @@ class EntryHooks:
 
         def zero_grad(this: nn.Module, set_to_none: bool = True) -> None:
             if this is root():  # not a deep copy of the model, which has no engine
-                on_zero_grad()  # first: the engine's shards
+                on_zero_grad()  # first: the engine's shards, then every p.grad (drop_grads)
                 if set_to_none and type(this).zero_grad is nn.Module.zero_grad:
-                    return drop_grads(this)  # torch's, with no Python call per p.grad read
+                    return None  # torch's would walk the parameters again, to no effect
             # the class's own (which may reset more: a user's probe found it never called)
             type(this).zero_grad(this, set_to_none)
 

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 import outcore
-from outcore.overlap.entry import EntryHooks, Inputs, entry_modules
+from outcore.overlap.entry import EntryHooks, Inputs, drop_grads, entry_modules
 from outcore.runtime.phase import Phase
 
 
@@ -181,10 +181,19 @@ def test_the_roots_zero_grad_also_calls_the_engines() -> None:
     calls: list[str] = []
     root = nn.Linear(2, 2)
     root(torch.ones(1, 2)).sum().backward()
-    hooks = _hooks([root], rec, on_zero_grad=lambda: calls.append("zero_grad"))
+
+    def engines() -> None:  # as Engine.zero_grad: the shards, then every p.grad
+        calls.append("zero_grad")
+        drop_grads(root)
+
+    hooks = _hooks([root], rec, on_zero_grad=engines)
+    walks: list[int] = []
+    torch_parameters = root.parameters
+    root.parameters = lambda *a, **k: walks.append(1) or torch_parameters(*a, **k)
     root.zero_grad()
-    assert calls == ["zero_grad"]
-    assert root.weight.grad is None  # torch's own zero_grad ran too
+    assert calls == ["zero_grad"] and root.weight.grad is None
+    assert len(walks) == 1  # torch's own zero_grad walked them a second time, to no effect
+    del root.parameters
     twin = copy.deepcopy(root)
     twin.zero_grad()
     assert calls == ["zero_grad"]  # a copy has no engine

@@ -212,7 +212,7 @@ def memory_line(engine: Any) -> str:
     rank = f" (rank {engine.rank}'s shards)" if several else ""
     mine = (f" for this rank's {format_count(f['adapter_shard'])}" if several else "")
     return (f"  memory{rank}: frozen base {format_count(f['base_params'])} params, {where} "
-            f"({per:.3g} B/param, {f['dtype']}; {extra}); adapters "
+            f"({per:.3g} B/param; computed in {f['dtype']}; {extra}); adapters "
             f"{format_count(f['adapter_params'])} params, "
             f"{format_bytes(f['adapter_bytes'])}{mine} with master and optimizer state")
 

@@ -61,6 +61,23 @@ def data(sp: ShardedParam, param: torch.Tensor) -> torch.Tensor:
         return param.data
 
 
+# [Note: a forward on some ranks only]
+# ``if rank == 0: model(x)`` (samples, a metric: what DDP allows) pairs that rank's gathers
+# with the other ranks' next forward, which gather the same layers, so nothing failed where
+# it happened: the ranks ran on out of step until two collectives of different sizes met (a
+# hang, or gloo's error about sizes, far from the cause). The collective that ends every
+# forward (see the note above) also carries what ended and the grad mode: a forward under
+# no_grad on one rank against a training forward, or a backward, on another is refused on
+# every rank at once, naming the cause. A forward on some ranks only that meets a forward of
+# the same kind on the others is not found here.
+_ENDS = {"forward": 1, "backward": 2, "gathered": 3}
+
+
+def _said(where: int, grad: int) -> str:
+    what = {1: "a forward", 2: "a backward", 3: "gathered_parameters()"}[where]
+    return what + (" with gradients" if grad else " under torch.no_grad()") * (where == 1)
+
+
 class WriteWatch:
     """The version of each watched parameter when the engine's forward or backward began."""
 
@@ -118,17 +135,29 @@ class WriteWatch:
         """A forward or backward ended without a check (it raised): the watch ends."""
         self._begun, self._handed = [], []
 
-    def written_anywhere(self, comm: Any) -> list[ShardedParam] | None:
+    def written_anywhere(self, comm: Any, where: str = "gathered") -> list[ShardedParam] | None:
         """``written()``, and whether any rank wrote (None: another rank did, this one not);
-        at more ranks a collective, so every rank answers alike (see the note)."""
+        at more ranks a collective, so every rank answers alike (see the note). The same
+        collective checks that every rank ended the same ``where``, in the same grad mode
+        ([Note: a forward on some ranks only])."""
         written = self.written()
-        if comm.world_size > 1 and comm.any_failed(bool(written)) and not written:
-            return None
-        return written
+        if comm.world_size == 1:
+            return written
+        ended = (_ENDS[where], int(torch.is_grad_enabled() and where == "forward"))
+        wrote, *same = comm.alike([int(bool(written)), *ended])
+        if not all(same):
+            raise ParamAccessError(
+                f"the ranks are out of step: this rank (rank {comm.rank}) ended "
+                f"{_said(*ended)}, another rank something else at the same point. Every rank "
+                "runs the same forwards and backwards, in the same order: each layer is "
+                "gathered from every rank's shards. A forward on some ranks only (`if rank "
+                "== 0: model(x)` for samples or a metric) must run on every rank; the others "
+                "may discard its output")
+        return None if not wrote and not written else written
 
     def check(self, where: str, comm: Any) -> None:
         """The forward or backward ended: refuse a parameter written meanwhile."""
-        written = self.written_anywhere(comm)
+        written = self.written_anywhere(comm, where)
         if written is None:
             raise ParamAccessError(f"another rank wrote a parameter in place inside the "
                                    f"engine's {where}, through p.detach() or p.data; see "

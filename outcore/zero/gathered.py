@@ -76,7 +76,7 @@ def gathered_parameters(params: Iterable[nn.Parameter] | nn.Module,
             watch.begin()
         yield plist
         ok = True
-        lost = watch.written_anywhere(sps[0].rt.comm) if sps and not modify else []
+        lost = watch.written_anywhere(sps[0].rt.comm, "gathered") if sps and not modify else []
     finally:
         if sps:
             sps[0].rt.write_watch = outer

@@ -185,3 +185,40 @@ def test_a_write_on_one_rank_is_refused_on_every_rank(tmp_path: Path) -> None:
     said = run_world(_write_on_rank_zero, 2, str(tmp_path))
     assert said[0] is not None and "parameter l.weight was written" in said[0]
     assert said[1] is not None and "another rank wrote a parameter" in said[1]
+
+
+def _forward_on_rank_zero_only(swap: str) -> list[str]:
+    import os
+
+    rank = int(os.environ["RANK"])
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 1))
+    engine = outcore.initialize(model, _cfg("nvme", "fp32", Path(swap) / str(rank)))
+    said = []
+    try:
+        with torch.no_grad():  # every rank: an eval forward is fine
+            model(torch.randn(4, 5))
+        for _ in range(2):
+            try:
+                if rank == 0:  # a sample on rank 0 alone, as DDP allows
+                    with torch.no_grad():
+                        model(torch.randn(4, 5))
+                engine.backward(model(torch.randn(4, 5)).pow(2).mean())
+                engine.step()
+            except ParamAccessError as e:
+                said.append(str(e))
+    finally:
+        engine.close()
+    return said
+
+
+def test_a_forward_on_one_rank_only_is_refused_on_every_rank(tmp_path: Path) -> None:
+    """It paired with the other ranks' next training forward, which gathers the same layers:
+    nothing failed there, and the ranks ran on out of step until collectives of different
+    sizes met (a hang). Each time it is refused on every rank, and they stay in step."""
+    said = run_world(_forward_on_rank_zero_only, 2, str(tmp_path), timeout=120)
+    assert [len(s) for s in said] == [2, 2], said
+    assert "the ranks are out of step: this rank (rank 0) ended a forward under " \
+           "torch.no_grad(), another rank something else" in said[0][0]
+    assert "(rank 1) ended a forward with gradients" in said[1][0]
+    assert "must run on every rank" in said[1][1]

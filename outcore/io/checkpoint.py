@@ -67,7 +67,6 @@ from outcore.io.publish import (
     publish,
     remove_ours,
     settle,
-    settle_others,
 )
 from outcore.io.safetensors_stream import CHECKSUM, FileInfo, StreamWriter, TensorSpec
 from outcore.offload.storage import load_now
@@ -129,8 +128,7 @@ def _save(engine: Any, path: Path, client_state: dict[str, Any],
                                       "is not a file")
             check_replaceable(path, replace_folder)
             path.parent.mkdir(parents=True, exist_ok=True)
-            settle(path)  # what a save killed between its renames left aside
-            settle_others(path, replace_folder)
+            settle(path, replace_folder)  # what a save killed between its renames left aside
             remove_ours(partial, files)
             partial.mkdir()  # the umask decides who may read it, as for any file
         except Exception as e:  # noqa: BLE001 - every rank hears of it in agree

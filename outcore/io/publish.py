@@ -70,10 +70,12 @@ def asides(path: Path) -> list[Path]:
     return sorted(found, key=lambda p: p.stat().st_mtime, reverse=True)
 
 
-def settle(path: Path) -> None:
+def settle(path: Path, whole: bool = False) -> None:
     """Before a save into ``path``: an old checkpoint a killed save left aside goes back to
     ``path`` if nothing is there, a copy aside of a published one goes ([Note: what a kill
-    between the renames leaves])."""
+    between the renames leaves]), and so do those of the folder's other checkpoints
+    (``settle_others``)."""
+    settle_others(path, whole)
     for aside in asides(path):
         try:
             restore = not path.exists() and (aside / MANIFEST).is_file()

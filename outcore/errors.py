@@ -9,6 +9,7 @@ is a bug in outcore or torch and keeps its traceback.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 
@@ -56,13 +57,26 @@ class GradReadWarning(UserWarning):
     stays None, and says so])."""
 
 
-_SKIPPED = tuple(os.path.dirname(os.path.abspath(f)) + os.sep for f in (__file__, torch.__file__))
+def _package_dir(name: str) -> str | None:
+    """Where package ``name`` lives, found without importing it; None if absent."""
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return None
+    return None if spec is None or not spec.origin else os.path.dirname(spec.origin)
+
+
+# outcore's, torch's and accelerate's (whose helpers a loop calls in place of torch's:
+# accelerator.clip_grad_norm_)
+_SKIPPED = tuple(os.path.abspath(d) + os.sep for d in (
+    os.path.dirname(__file__), os.path.dirname(torch.__file__), _package_dir("accelerate"))
+    if d is not None)
 
 
 def user_stacklevel() -> int:
     """The ``stacklevel`` that points a warning raised by this function's caller at the first
-    frame outside outcore and torch: the user's line, however deep the call came through
-    (``outcore.initialize``, ``torch.nn.utils.clip_grad_norm_``, a tensor property)."""
+    frame outside outcore, torch and accelerate: the user's line, however deep the call came
+    through (``outcore.initialize``, ``torch.nn.utils.clip_grad_norm_``, a tensor property)."""
     frame, level = sys._getframe(1), 1  # the caller's frame is level 1 for its warnings.warn
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_SKIPPED):
         frame, level = frame.f_back, level + 1

@@ -172,7 +172,7 @@ class Engine:
                                   self._forward_context,
                                   synced_generate=self.rt.world_size > 1, cast=cast,
                                   on_zero_grad=self.zero_grad, rt=self.rt)
-        self.micro_steps = 0
+        self.micro_steps, self.not_syncing = 0, 0  # not_syncing: inside no_sync (stepping.py)
         self._at_boundary = False  # whether the last backward ended an accumulation
         self.global_steps = 0
         self.last_grad_norm: float | None = None
@@ -215,8 +215,7 @@ class Engine:
         accumulation = self.cfg.gradient_accumulation_steps if scale_for_accumulation else 1
         factor = self.scaler.scale / accumulation
         scaled = loss.float() * factor if factor != 1.0 else loss
-        if boundary is None:
-            boundary = (self.micro_steps + 1) % self.cfg.gradient_accumulation_steps == 0
+        boundary = stepping.is_boundary(self) if boundary is None else boundary
         on_reduced = (lambda g: self.sharded_optimizer.submit(
             g.trainable, unseen=self.hooks.unseen_grad_bytes,
             grad_scale=1.0 / self.scaler.scale)) if (
@@ -272,6 +271,10 @@ class Engine:
         self._check_open()
         self._check_nothing_shown("engine.step()")
         return stepping.update(self, via)
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        """Backwards inside accumulate, as under DDP's ``no_sync`` (stepping.py's)."""
+        return stepping.no_sync(self)
 
     def zero_grad(self) -> None:
         """Drop the gradients accumulated since the last step, and any ``p.grad`` (torch's
@@ -335,14 +338,10 @@ class Engine:
     def memory_report(self) -> dict[str, Any]:
         """Bytes per tier from outcore's own accounting, plus process RSS for reference."""
         led = self.rt.ledger
-        report: dict[str, Any] = {t.value: led.tier_bytes(t.value) for t in Tier}
-        report["by_kind"] = led.snapshot()
-        report["rss"] = psutil.Process().memory_info().rss
-        report["rank"], report["world_size"] = self.rank, self.world_size
-        report["dtype"] = self.dtype_choice.to_json()
-        report["schedule"] = self.schedule_stats()
-        report["plan"] = self.plan.to_json()
-        return report
+        return {**{t.value: led.tier_bytes(t.value) for t in Tier}, "by_kind": led.snapshot(),
+                "rss": psutil.Process().memory_info().rss, "rank": self.rank,
+                "world_size": self.world_size, "dtype": self.dtype_choice.to_json(),
+                "schedule": self.schedule_stats(), "plan": self.plan.to_json()}
 
     def schedule_stats(self) -> dict[str, int]:
         """What the schedule and optimizer did: fetches, prefetch hits, divergences, re-traces,

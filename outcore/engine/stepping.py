@@ -15,6 +15,8 @@ one that does not call through still gets it, after the wrapper returns.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -24,6 +26,27 @@ from outcore.profiling import STEP, record_function
 
 if TYPE_CHECKING:
     from outcore.engine.core import Engine
+
+
+def is_boundary(engine: Engine) -> bool:
+    """Whether the next ``engine.backward()`` ends an accumulation, by default: every
+    ``gradient_accumulation_steps``-th one, none inside ``no_sync``."""
+    return (not engine.not_syncing
+            and (engine.micro_steps + 1) % engine.cfg.gradient_accumulation_steps == 0)
+
+
+@contextlib.contextmanager
+def no_sync(engine: Engine) -> Iterator[None]:
+    """DDP's idiom for gradient accumulation, kept for scripts moved from it: a backward
+    inside adds to the gradients and ends no accumulation (``boundary=False``), so the first
+    one after it, with its ``engine.step()``, updates from all of them. Under outcore every
+    backward reduces into the shards, so nothing is saved by it; ``gradient_accumulation_
+    steps`` says the same without a context. The loss is divided as the config says."""
+    engine.not_syncing += 1
+    try:
+        yield
+    finally:
+        engine.not_syncing -= 1
 
 
 def update(engine: Engine, via: torch.optim.Optimizer | None) -> bool:

@@ -34,6 +34,7 @@ from outcore.zero.calls import (
     storage_refusal,
 )
 from outcore.zero.state import HAS_VALUES, USER_OWNED, ParamState
+from outcore.zero.wrappers import wrapper_hint
 
 if TYPE_CHECKING:
     from outcore.zero.param import ShardedParam
@@ -296,7 +297,8 @@ def check_readable(sp: ShardedParam) -> None:
             f"{sp.rt.world_size}: its values are spread over the ranks, and gathering them is "
             "a collective every rank must join; read it inside `with "
             "engine.gathered_parameters([p]):` (or outcore.gathered_parameters(model)) on every "
-            "rank, or save with engine.save_checkpoint / OutcoreTrainer.save_model")
+            "rank, or save with engine.save_checkpoint / OutcoreTrainer.save_model"
+            + wrapper_hint())
 
 
 def dropped_message(sp: ShardedParam) -> str:

@@ -24,6 +24,7 @@ from torch import nn
 from outcore.errors import ParamAccessError
 from outcore.zero import registry
 from outcore.zero.state import ParamState
+from outcore.zero.wrappers import dcp_hint
 
 if TYPE_CHECKING:
     from outcore.zero.param import ShardedParam
@@ -204,7 +205,7 @@ def refuse_grad_assignment(func: Any, args: Args) -> None:
         raise ParamAccessError(
             f"assigning parameter {sp.label()}.grad: outcore's optimizer updates from the "
             "gradients engine.backward(loss) reduces into its shards, never from p.grad; "
-            "put what should reach the gradient into the loss")
+            "put what should reach the gradient into the loss" + dcp_hint())
 
 
 def refuse_grad_of_gathered(func: Any, args: Args, kwargs: Kwargs) -> None:

@@ -16,6 +16,7 @@ from torch.nn.parameter import is_lazy
 
 from outcore.errors import ConfigError
 from outcore.zero.registry import managed
+from outcore.zero.wrappers import refuse_wrapped
 
 
 def check_model(model: object) -> None:
@@ -25,6 +26,7 @@ def check_model(model: object) -> None:
     if not isinstance(model, nn.Module):  # a path or a state dict: load it into a model
         raise ConfigError(f"outcore.initialize: the model must be a torch.nn.Module, got "
                           f"{type(model).__name__}")
+    refuse_wrapped(model)  # wrappers.py's note
     named = list(model.named_parameters())
     lazy = [name for name, p in named if is_lazy(p)]
     if lazy:

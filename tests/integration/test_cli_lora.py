@@ -133,8 +133,8 @@ def test_frozen_base_is_read_in_place_never_copied(
     # the summary says so, from the shards themselves: 2 bytes per parameter, in bf16
     compute = "bfloat16" if dtype == "bf16" else "float32"
     assert (f"frozen base 107K params, 215 KB of bfloat16 read in place from "
-            f"{llama_bf16.resolve()} (2 B/param; computed in {compute}; no master, gradient or optimizer "
-            "state)") in err
+            f"{llama_bf16.resolve()} (2 B/param; computed in {compute}; no master, gradient "
+            "or optimizer state)") in err
     # the ledger counts outcore's own bytes on disk: the adapters' master and AdamW moments
     # (and their bf16 copy, where the compute dtype is not the master's); twice once a step
     # needed no clipping (the main job clips at 1.0): the speculative step then keeps room

@@ -1,0 +1,52 @@
+"""``engine.no_sync()``: DDP's gradient-accumulation idiom, kept for scripts moved from it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import outcore
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1))
+
+
+def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(4, 6, generator=g), torch.randn(4, 1, generator=g)) for _ in range(6)]
+
+
+@pytest.mark.parametrize("optimizer", ["none", "nvme"])
+def test_no_sync_accumulates_as_under_ddp(tmp_path: Path, optimizer: str) -> None:
+    """The DDP loop, unchanged but for the engine: backwards inside ``no_sync`` add up, the
+    one after it updates (with the optimizer on NVMe its updates run during that backward)."""
+    plain = _model()
+    opt = torch.optim.AdamW(plain.parameters(), lr=1e-2, weight_decay=0.0)
+    for i, (x, y) in enumerate(_batches()):
+        (nn.functional.mse_loss(plain(x), y) / 2).backward()
+        if i % 2:
+            opt.step()
+            opt.zero_grad()
+    model = _model()
+    engine = outcore.initialize(model, {
+        "dtype": "fp32",
+        "optimizer": {"type": "adamw", "lr": 1e-2, "betas": [0.9, 0.999], "eps": 1e-8,
+                      "weight_decay": 0.0},
+        "offload": {"optimizer": optimizer, "nvme_path": str(tmp_path)}})
+    for i, (x, y) in enumerate(_batches()):
+        loss = nn.functional.mse_loss(engine(x), y) / 2
+        if i % 2 == 0:
+            with engine.no_sync():
+                engine.backward(loss)
+                assert not engine.step()  # no boundary yet: nothing to update
+        else:
+            engine.backward(loss)
+            assert engine.step()
+    engine.close()
+    for a, b in zip(model.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -10,6 +10,7 @@ from outcore.engine import Engine, initialize
 from outcore.errors import (
     CommError,
     ConfigError,
+    CorruptCheckpointError,
     DataError,
     EngineClosedError,
     FolderInUseError,
@@ -35,6 +36,7 @@ __all__ = [
     "CommError",
     "Config",
     "ConfigError",
+    "CorruptCheckpointError",
     "DataError",
     "Engine",
     "EngineClosedError",

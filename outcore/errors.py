@@ -32,6 +32,11 @@ class StorageError(OutcoreError, OSError):
     """A swap or checkpoint path cannot be used: missing, read-only, full, or corrupt."""
 
 
+class CorruptCheckpointError(StorageError):
+    """A checkpoint's file does not match its manifest: missing, cut short, or its bytes
+    changed since the save (a disk's bit flip, a copy gone wrong)."""
+
+
 class FolderInUseError(StorageError):
     """Another live run holds the folder (``--out``, a checkpoint root): guard/lock.py."""
 

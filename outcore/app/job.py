@@ -14,7 +14,7 @@ from outcore.app import blocks
 from outcore.app.models import is_hf_folder
 from outcore.config import Config, read_mapping
 from outcore.config.deepspeed import is_deepspeed, names_precision, translate_and_warn
-from outcore.errors import ConfigError
+from outcore.errors import ConfigError, CorruptCheckpointError
 from outcore.io.manifest import latest_checkpoint, read_manifest
 from outcore.io.publish import MANIFEST
 
@@ -252,12 +252,14 @@ def check_out(out: Path) -> None:
                           f"({out.parent})")
 
 
-def check_resume(latest: Path, client: dict[str, Any], model: str, steps: int) -> list[str]:
+def check_resume(latest: Path, client: dict[str, Any], model: str, steps: int,
+                 batch: int) -> list[str]:
     """Before the build, from ``latest``'s client state: refuse a checkpoint of another model
     (loading it would fail on its parameter names, in a line listing all of them) or one past
     ``steps`` (the total, not a count of more steps), and one in the way of the run's
-    saves; return the line that says which newer step folders ``latest_checkpoint``
-    passed over as incomplete or damaged."""
+    saves; return the lines that say which newer step folders ``latest_checkpoint``
+    passed over as incomplete or damaged, and how another number of ranks changes the
+    global batch."""
     saved = client.get("model")
     # a base read in place whose folder has moved since (the folder the checkpoint records
     # is gone) may be named anew: its files are checked one by one against that record
@@ -282,10 +284,43 @@ def check_resume(latest: Path, client: dict[str, Any], model: str, steps: int) -
                           "saves: it holds no manifest.json, so it is no checkpoint outcore may "
                           "replace. Move it out of the checkpoints folder (or delete it), then "
                           "resume")
-    if not newer:
+    lines = [] if not newer else [
+        f"passing over {', '.join(newer)} (incomplete or damaged: a rank file missing or cut "
+        f"short, or no valid manifest); resuming from {latest.name}"]
+    return lines + _world_change(read_manifest(latest), client, batch)
+
+
+def _world_change(man: dict[str, Any], client: dict[str, Any], batch: int) -> list[str]:
+    """The line naming another number of ranks than the run's: each rank draws ``--batch``
+    rows of the global batch (data.py's note), so the global batch follows the ranks, and a
+    run resumed at half its ranks trained on half its batch without a word."""
+    then, now = man.get("world_size"), int(os.environ.get("WORLD_SIZE", "1"))
+    record = client.get("run") if isinstance(client.get("run"), dict) else {}
+    had = ((record.get("effective") or {}).get("batch")
+           or (record.get("options") or {}).get("batch"))
+    if not isinstance(then, int) or then == now or not isinstance(had, int):
         return []
-    return [f"passing over {', '.join(newer)} (incomplete or damaged: a rank file missing or "
-            f"cut short, or no valid manifest); resuming from {latest.name}"]
+    before, after = had * then, batch * now
+    keep = ("it stays the same" if before == after else
+            f"give --batch {before // now} to keep it" if before % now == 0 else
+            f"no --batch keeps it at {now} ranks")
+    return [f"{now} rank{'s' * (now != 1)} (the run had {then}): the global batch is {batch} "
+            f"x {now} = {after} sequences, the run's {had} x {then} = {before}; {keep}"]
+
+
+def load_latest(engine: Any, latest: Path) -> dict[str, Any]:
+    """Load the run's newest checkpoint for a resume; return its client state. One damaged
+    after its save (a bit flip: ``latest_checkpoint`` checks sizes, not checksums) stopped
+    every ``--resume`` with a line that named the file and no way on: it now names the
+    checkpoint before it and how to resume from that."""
+    try:
+        return engine.load_checkpoint(latest, keep_settings=True) or {}
+    except CorruptCheckpointError as e:
+        earlier = [p.name for p in sorted(latest.parent.glob("step-*")) if p.is_dir()
+                   and "." not in p.name and p.name < latest.name and (p / MANIFEST).is_file()]
+        to = f"resume from {earlier[-1]}" if earlier else "start over from step 0"
+        raise CorruptCheckpointError(f"{e}. To {to}, move {latest} out of {latest.parent} "
+                                     "(or delete it), then --resume again") from e
 
 
 def step_of(name: str) -> int:

@@ -251,7 +251,7 @@ def run(args: argparse.Namespace) -> int:
     file_cfg = {k: v for k, v in file_cfg.items() if k != "train"}
     lora = loramod.prepare(job["lora"], job["model"])  # a typo fails before the build
     if latest is not None:  # from the manifest alone, before the build
-        changed += jobs.check_resume(latest, client, job["model"], job["steps"])
+        changed += jobs.check_resume(latest, client, job["model"], job["steps"], job["batch"])
         loramod.check_resume(lora, latest)
     for line in changed:
         _say(f"--resume: {line}")
@@ -347,7 +347,7 @@ def _run_holding_out(args: argparse.Namespace, job: dict[str, Any], cfg: Config,
         rank, world = engine.rank, engine.world_size
         client: dict[str, Any] = {}
         if latest is not None:
-            client = engine.load_checkpoint(latest, keep_settings=True) or {}
+            client = jobs.load_latest(engine, latest)
         seed = args.seed if args.seed is not None else int(client.get("seed", cfg.seed))
         accum = cfg.gradient_accumulation_steps
         sampler = datamod.BatchSampler(train_tokens, job["batch"], seq, seed, rank, world)

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from outcore.errors import StorageError
+from outcore.errors import CorruptCheckpointError, StorageError
 from outcore.io import safetensors_stream as sts
 from outcore.io.client_state import decode
 from outcore.io.publish import ASIDE, MANIFEST, PARTIAL, asides
@@ -46,7 +46,7 @@ def read_manifest(folder: Path) -> dict[str, Any]:
     if man.get("checksum") != CHECKSUM:
         raise StorageError(f"{mf}: unknown checksum algorithm {man.get('checksum')!r}")
     if man.get("manifest_checksum") != manifest_checksum(man):
-        raise StorageError(f"{mf} is corrupt: its content does not match its checksum")
+        raise CorruptCheckpointError(f"{mf} is corrupt: its content does not match its checksum")
     return man
 
 
@@ -61,13 +61,13 @@ def check_file(folder: Path, man: dict, name: str, full: bool = True) -> None:
     ``full`` also its checksum (reads the whole file once). ``StorageError`` names the file."""
     rec, path = man["files"].get(name), folder / name
     if rec is None or not path.is_file():
-        raise StorageError(f"checkpoint file {path} is missing")
+        raise CorruptCheckpointError(f"checkpoint file {path} is missing")
     size = path.stat().st_size
     if size != rec["bytes"]:
-        raise StorageError(f"checkpoint file {path} has {size} bytes, the manifest says "
+        raise CorruptCheckpointError(f"checkpoint file {path} has {size} bytes, the manifest says "
                            f"{rec['bytes']}: truncated or replaced")
     if full and (digest := sts.file_checksum(path)[1]) != rec["checksum"]:
-        raise StorageError(f"checkpoint file {path} is corrupt: {CHECKSUM} {digest}, the "
+        raise CorruptCheckpointError(f"checkpoint file {path} is corrupt: {CHECKSUM} {digest}, the "
                            f"manifest says {rec['checksum']}")
 
 

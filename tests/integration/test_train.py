@@ -344,6 +344,27 @@ def test_resume_reproduces_the_uninterrupted_losses(tmp_path: Path, text_file: P
 
 
 @needs_engine
+def test_a_damaged_newest_checkpoint_names_the_one_before_it(tmp_path: Path,
+                                                             text_file: Path) -> None:
+    """A bit flipped in the newest checkpoint (sizes intact, so latest_checkpoint takes it)
+    stopped every --resume with a line that named the file and no way on."""
+    out = tmp_path / "run"
+    argv = _job(out, text_file, "--steps", "4", "--save-every", "2", "--dtype", "fp32")
+    assert train.run(_parse(*argv)) == 0
+    newest = out / "checkpoints" / "step-00000004"
+    rank_file = newest / "rank00000-of-00001.safetensors"
+    data = bytearray(rank_file.read_bytes())
+    data[len(data) // 2] ^= 1
+    rank_file.write_bytes(bytes(data))
+    with pytest.raises(outcore.CorruptCheckpointError, match=r"is corrupt: .*\. To resume from "
+                       r"step-00000002, move .*step-00000004 out of .*checkpoints"):
+        train.run(_parse(*argv, "--resume", "--steps", "6"))
+    shutil.move(newest, tmp_path / "aside")  # as the message says
+    assert train.run(_parse(*argv, "--resume", "--steps", "6")) == 0
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")][-1] == 6
+
+
+@needs_engine
 def test_resume_over_edited_text_is_named(tmp_path: Path, text_file: Path) -> None:
     """The checkpoint keeps its text's digest: a resume over an edited file says so."""
     out = tmp_path / "run"

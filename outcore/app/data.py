@@ -188,6 +188,7 @@ class BatchSampler:
         self.rank, self.world_size = rank, world_size
         self.step = 0
         self._offsets = torch.arange(seq_len + 1)
+        self._tokens_digest: int | None = None  # _digest's, once
 
     def starts(self, step: int) -> np.ndarray:
         """Window start offsets of the whole global batch at ``step``."""
@@ -236,9 +237,9 @@ class BatchSampler:
 
     def _digest(self) -> int:
         """xxh3 of the training tokens (milliseconds for the default corpus), once."""
-        if getattr(self, "_tokens_digest", None) is None:
+        if self._tokens_digest is None:
             data = np.ascontiguousarray(self.tokens.numpy())
-            self._tokens_digest = xxhash.xxh3_64_intdigest(memoryview(data).cast("B"))
+            self._tokens_digest = xxhash.xxh3_64_intdigest(data.view(np.uint8).data)
         return self._tokens_digest
 
 

@@ -295,9 +295,9 @@ def _world_change(man: dict[str, Any], client: dict[str, Any], batch: int) -> li
     rows of the global batch (data.py's note), so the global batch follows the ranks, and a
     run resumed at half its ranks trained on half its batch without a word."""
     then, now = man.get("world_size"), int(os.environ.get("WORLD_SIZE", "1"))
-    record = client.get("run") if isinstance(client.get("run"), dict) else {}
-    had = ((record.get("effective") or {}).get("batch")
-           or (record.get("options") or {}).get("batch"))
+    run = client.get("run")
+    parts = [run.get(k) for k in ("effective", "options")] if isinstance(run, dict) else []
+    had = next((p["batch"] for p in parts if isinstance(p, dict) and "batch" in p), None)
     if not isinstance(then, int) or then == now or not isinstance(had, int):
         return []
     before, after = had * then, batch * now

@@ -54,6 +54,7 @@ from outcore.zero import build, shardable
 from outcore.zero.gathered import gathered_parameters
 from outcore.zero.param import ShardedParam
 from outcore.zero.registry import managed, parameter_counts
+from outcore.zero.wrappers import refuse_wrapper_call
 
 
 def initialize(model: nn.Module, cfg: Config | dict | str | None = None,
@@ -172,7 +173,7 @@ class Engine:
                                   self._forward_context,
                                   synced_generate=self.rt.world_size > 1, cast=cast,
                                   on_zero_grad=self.zero_grad, rt=self.rt)
-        self.micro_steps, self.not_syncing = 0, 0  # not_syncing: inside no_sync (stepping.py)
+        self.micro_steps, self.no_sync_state = 0, stepping.NoSync()
         self._at_boundary = False  # whether the last backward ended an accumulation
         self.global_steps = 0
         self.last_grad_norm: float | None = None
@@ -453,6 +454,7 @@ class Engine:
 
     def _forward_context(self) -> contextlib.AbstractContextManager[None]:
         """Opens a forward (``_before_forward``, then the hooks' phase)."""
+        refuse_wrapper_call(self.module)  # zero/wrappers.py's note
         self._before_forward()
         return self.hooks.forward_context()
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -28,25 +29,41 @@ if TYPE_CHECKING:
     from outcore.engine.core import Engine
 
 
+@dataclass
+class NoSync:
+    """``no_sync``'s state: how deep inside it, and whether the last backward was inside."""
+
+    depth: int = 0
+    pending: bool = False  # backwards inside added up: the next one outside ends them
+
+
 def is_boundary(engine: Engine) -> bool:
-    """Whether the next ``engine.backward()`` ends an accumulation, by default: every
-    ``gradient_accumulation_steps``-th one, none inside ``no_sync``."""
-    return (not engine.not_syncing
-            and (engine.micro_steps + 1) % engine.cfg.gradient_accumulation_steps == 0)
+    """Whether the next ``engine.backward()`` ends an accumulation, by default: none inside
+    ``no_sync``, the first one after backwards inside it, else every
+    ``gradient_accumulation_steps``-th one."""
+    state = engine.no_sync_state
+    if state.depth:
+        state.pending = True
+        return False
+    if state.pending:
+        state.pending = False
+        return True
+    return (engine.micro_steps + 1) % engine.cfg.gradient_accumulation_steps == 0
 
 
 @contextlib.contextmanager
 def no_sync(engine: Engine) -> Iterator[None]:
     """DDP's idiom for gradient accumulation, kept for scripts moved from it: a backward
-    inside adds to the gradients and ends no accumulation (``boundary=False``), so the first
-    one after it, with its ``engine.step()``, updates from all of them. Under outcore every
-    backward reduces into the shards, so nothing is saved by it; ``gradient_accumulation_
-    steps`` says the same without a context. The loss is divided as the config says."""
-    engine.not_syncing += 1
+    inside adds to the gradients and ends no accumulation (``boundary=False``), and the first
+    one after it ends them all, so that its ``engine.step()`` updates from all of them,
+    whatever ``gradient_accumulation_steps`` says. Under outcore every backward reduces into
+    the shards, so nothing is saved by it; the config's accumulation says the same without a
+    context (and divides each loss by it)."""
+    engine.no_sync_state.depth += 1
     try:
         yield
     finally:
-        engine.not_syncing -= 1
+        engine.no_sync_state.depth -= 1
 
 
 def update(engine: Engine, via: torch.optim.Optimizer | None) -> bool:

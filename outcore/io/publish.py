@@ -103,8 +103,11 @@ _ASIDE_NAME = re.compile(r"(.+)" + re.escape(ASIDE) + r"[0-9a-f]{8}")
 
 def settle_others(path: Path, whole: bool = False) -> None:
     """Delete the copies aside of ``path``'s sibling checkpoints that are published again,
-    as the saves into their paths would ([Note: what a kill between the renames leaves]);
-    ``whole``: the folders are the caller's whole (``publish``'s ``replace_folder``)."""
+    as the saves into their paths would ([Note: what a kill between the renames leaves]).
+    Not where the caller owns ``path`` ``whole`` (``replace_folder``): that says nothing of
+    its siblings, whose asides may hold files of the caller's own, as a Trainer's do."""
+    if whole:
+        return
     for aside in path.parent.iterdir():
         found = _ASIDE_NAME.fullmatch(aside.name)
         if found is None or found[1] == path.name:
@@ -112,7 +115,7 @@ def settle_others(path: Path, whole: bool = False) -> None:
         try:
             stale = aside.is_dir() and (path.parent / found[1] / MANIFEST).is_file()
             if stale:
-                shutil.rmtree(aside) if whole else remove_ours(aside)
+                remove_ours(aside)
         except OSError as e:  # as settle: one undeletable copy must not stop every save
             warnings.warn(f"left {aside}, an older copy of {found[1]} that could not be "
                           f"deleted ({e.strerror or e}); delete it by hand",

@@ -64,7 +64,6 @@ from outcore.zero.load_agreement import agree_on_load
 from outcore.zero.registry import owner
 from outcore.zero.state import GroupState
 from outcore.zero.surface import refuse_replacing_load
-from outcore.zero.wrappers import refuse_wrapper_call
 
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
@@ -186,7 +185,6 @@ class Hooks:
     def forward_context(self) -> Iterator[None]:
         """Active around the wrapped module's forward: access mode, saved-tensor hooks, frames."""
         if not self.frames and not self._in_backward:
-            refuse_wrapper_call()  # wrappers.py's note
             self.outer.note()
         self.frames.append([])
         self._sync_phase()

@@ -12,7 +12,10 @@ reads every parameter outside the forward, and the refusal named ``gathered_para
 which was not the way out. So a wrapped model is refused by ``initialize``, a forward that
 runs through a wrapper's ``forward`` is refused before it fetches anything (one walk up the
 Python stack per outermost forward, a few microseconds), and a read refused inside a
-wrapper's constructor says what is wrong. ``nn.DataParallel`` is not refused: with one
+wrapper's constructor says what is wrong. A wrapper around another model (a DDP student
+that calls an outcore teacher in its forward) is that model's business and passes. FSDP2's
+``fully_shard`` after ``initialize`` changes the model's class, which the forward checks.
+``nn.DataParallel`` is not refused: with one
 device per process, which is all outcore runs, it calls the model as it is.
 """
 
@@ -21,6 +24,8 @@ from __future__ import annotations
 import os
 import sys
 from types import FrameType
+
+from torch import nn
 
 from outcore.errors import ConfigError
 
@@ -32,7 +37,8 @@ _FILES = tuple(os.path.join("torch", *parts) for parts in (
 
 ADVICE = ("outcore already runs the data parallelism (each rank holds a shard, and the engine "
           "reduces the gradients into it), and DDP or FSDP around it reduces the same "
-          "gradients again and trains other weights. Use the model itself (ddp_model.module): "
+          "gradients again and trains other weights. Use the model itself (ddp_model.module, or "
+          "the model before fully_shard): "
           "call it or the engine directly; under accelerate, prepare the optimizer, dataloader "
           "and scheduler, not the model")
 
@@ -60,11 +66,27 @@ def in_wrapper(files: tuple[str, ...] = _FILES) -> bool:
     return False
 
 
-def refuse_wrapper_call() -> None:
-    """A forward called through DDP's or FSDP's ``forward`` (a wrap after ``initialize``)."""
-    if in_wrapper():
-        raise ConfigError(f"this model, sharded by outcore, was called through "
-                          f"DistributedDataParallel or FSDP: {ADVICE}")
+def _wrapping(root: nn.Module) -> str | None:
+    """The name of the DDP or FSDP whose ``forward`` on this thread's stack wraps ``root``
+    itself; another model's wrapper (a DDP student calling an outcore teacher) is not."""
+    frame: FrameType | None = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_filename.endswith(_FILES):
+            wrapper = frame.f_locals.get("self")
+            if getattr(wrapper, "module", None) is root:
+                return type(wrapper).__name__
+        frame = frame.f_back
+    return None
+
+
+def refuse_wrapper_call(root: nn.Module) -> None:
+    """A forward of ``root`` called through DDP's or FSDP's ``forward``, or ``root`` made an
+    FSDP2 module by ``fully_shard`` after ``initialize`` (its class changes; its hooks run
+    before outcore's, so no frame of it is left on the stack)."""
+    name = wrapper_of(root) or _wrapping(root)
+    if name is not None:
+        raise ConfigError(f"this model, sharded by outcore, was wrapped in {name} after "
+                          f"outcore.initialize: {ADVICE}")
 
 
 def wrapper_hint() -> str:

@@ -50,3 +50,29 @@ def test_no_sync_accumulates_as_under_ddp(tmp_path: Path, optimizer: str) -> Non
     engine.close()
     for a, b in zip(model.parameters(), plain.parameters(), strict=True):
         torch.testing.assert_close(a.detach().cpu(), b.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_the_backward_after_no_sync_ends_the_accumulation_whatever_the_config(
+        tmp_path: Path) -> None:
+    """With gradient_accumulation_steps 2, the backward after two inside no_sync counted as
+    the third of an accumulation of two and ended nothing: the update came a backward late.
+    The config's accumulation still divides each loss."""
+    plain = _model()
+    opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    for x, y in _batches()[:3]:
+        (nn.functional.mse_loss(plain(x), y) / 2).backward()
+    opt.step()
+    model = _model()
+    engine = outcore.initialize(model, {"dtype": "fp32", "gradient_accumulation_steps": 2,
+                                        "optimizer": {"type": "sgd", "lr": 0.1}})
+    for i, (x, y) in enumerate(_batches()[:3]):
+        loss = nn.functional.mse_loss(engine(x), y.to(engine.device))
+        if i < 2:
+            with engine.no_sync():
+                engine.backward(loss)
+        else:
+            engine.backward(loss)
+    assert engine.step()
+    engine.close()
+    for a, b in zip(model.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(a.detach().cpu(), b.detach(), rtol=1e-5, atol=1e-6)

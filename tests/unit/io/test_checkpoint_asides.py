@@ -54,3 +54,17 @@ def test_a_copy_aside_holding_other_files_is_left_with_a_warning(tmp_path: Path)
         engine.save_checkpoint(tmp_path / "b")
     assert [p.name for p in stale.iterdir()] == ["notes.txt"]
     engine.close()
+
+
+def test_a_save_that_owns_its_folder_whole_leaves_other_asides(tmp_path: Path) -> None:
+    """``replace_folder=True`` owns the path's folder, not its siblings': a copy aside of
+    another checkpoint holding the user's file lost it with no word."""
+    torch.manual_seed(0)
+    engine = _trained(tmp_path, nn.Linear(4, 4))
+    engine.save_checkpoint(tmp_path / "a")
+    stale = tmp_path / f"a{ASIDE}0000beef"
+    shutil.copytree(tmp_path / "a", stale)
+    (stale / "notes.txt").write_text("mine")
+    engine.save_checkpoint(tmp_path / "b", replace_folder=True)
+    assert (stale / "notes.txt").read_text() == "mine"
+    engine.close()

@@ -55,6 +55,7 @@ from outcore.overlap.compiled import uncompiled
 from outcore.overlap.plain_backward import refuse_plain_backward
 from outcore.overlap.saved import Kept
 from outcore.overlap.tied_rows import TiedRows
+from outcore.overlap.traced import refuse_untraceable
 from outcore.overlap.unfrozen import refuse_unfrozen
 from outcore.runtime.phase import Phase
 from outcore.zero.access_mode import ParamAccessMode
@@ -185,6 +186,7 @@ class Hooks:
     def forward_context(self) -> Iterator[None]:
         """Active around the wrapped module's forward: access mode, saved-tensor hooks, frames."""
         if not self.frames and not self._in_backward:
+            refuse_untraceable(self)  # traced.py's note
             self.outer.note()
         self.frames.append([])
         self._sync_phase()
@@ -246,6 +248,7 @@ class Hooks:
     def _pre_forward(self, module: nn.Module, args: tuple[object, ...]) -> None:
         if self.inert:
             return
+        refuse_untraceable(self)  # traced.py's note: before the frame, and outside suspended()
         with self.mode.suspended():
             groups = self.module_groups[module]
             # a submodule called on its own (after a forward left without its post hooks too)

@@ -16,6 +16,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from outcore.zero.registry import METADATA_CALLS, managed
+from outcore.zero.untraced import tracer_active, untraced
 
 if TYPE_CHECKING:
     from outcore.zero.calls import Args, Kwargs
@@ -33,14 +34,20 @@ class ParamAccessMode(TorchFunctionMode):
     @contextlib.contextmanager
     def suspended(self) -> Iterator[None]:
         """outcore's own tensor work inside hooks: it must not re-enter the mode's checks,
-        and what it allocates must not become an inference tensor (a forward under
-        ``torch.inference_mode()`` fetches into buffers that training writes later)."""
+        what it allocates must not become an inference tensor (a forward under
+        ``torch.inference_mode()`` fetches into buffers that training writes later), and a
+        tracer must not record it (untraced.py's [Note: fetches are I/O, not model
+        computation])."""
         self.suspended_depth += 1
         outside = (torch.inference_mode(False) if torch.is_inference_mode_enabled()
                    else contextlib.nullcontext())  # entering it costs per module per step
         try:
-            with outside:
-                yield
+            if tracer_active():
+                with outside, untraced():
+                    yield
+            else:
+                with outside:
+                    yield
         finally:
             self.suspended_depth -= 1
 

@@ -28,6 +28,7 @@ the Python call, which is how outcore without offload keeps pace with plain PyTo
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
@@ -148,7 +149,23 @@ class GatherGroup:
         if self.zero_copy:
             return
         with record_function(UNSHARD):
-            self._issue_reads()
+            try:
+                self._issue_reads()
+            except BaseException:
+                self._undo_fetch()
+                raise
+
+    def _undo_fetch(self) -> None:
+        """[Note: a fetch that raises is undone]
+        A fetch can fail part-way: an allocation or a read refused while the reads are issued,
+        a read's error when they are waited for, a collective that fails. Left FETCHING, the
+        group kept tensors without values (or without storage) that its next fetch took for
+        done, so a persistent group then failed every forward, or ran one on whatever its
+        memory held. So the fetch is cancelled as ``reshard`` cancels a prefetch: what it
+        issued is waited for, what it allocated freed, and the group is SHARDED; the next use
+        fetches afresh, and the error that stopped this one is the one raised."""
+        with contextlib.suppress(Exception):  # a read's error again: the caller raises its own
+            self.reshard()
 
     def _check_shown(self) -> None:
         """[Note: a forward inside gathered_parameters]
@@ -176,8 +193,10 @@ class GatherGroup:
     def _issue_reads(self) -> None:
         # counted from the moment memory is committed to this fetch, prefetches included
         self._unsharded.set(self.full_bytes)
-        # every parameter of a group has its training-dtype shard (prepare_for_training)
+        # every parameter of a group has its training-dtype shard (prepare_for_training);
+        # the reads are kept as they are issued, for _undo_fetch to wait for
         reads: list[Future] = []
+        self._reads = reads
         if self.rt.world_size == 1:
             # A shard is the whole parameter: read it straight into the full tensor, or on an
             # accelerator, where disk reads cannot land, into host memory first
@@ -195,7 +214,6 @@ class GatherGroup:
                     self._staged.append((full, host))
                     full = host
                 reads.append(shard.load(full))
-            self._reads = reads
             return
         dtype = self.rt.compute_dtype
         send = (aligned_empty(self.shard_numel * dtype.itemsize).view(dtype) if self._aligned
@@ -204,7 +222,6 @@ class GatherGroup:
             shard = sp.compute_shard
             assert shard is not None
             reads.append(shard.load(send[off : off + sp.shard_numel]))
-        self._reads = reads
         self._send = send
 
     def _stages(self, shard: StoredShard) -> bool:
@@ -263,20 +280,27 @@ class GatherGroup:
                 assert resident is not None  # zero-copy: the shard is a tensor in memory
                 sp.show_resident(resident[: sp.numel].view(sp.shape))
         else:
-            with record_function(FETCH):
-                for fut in self._reads:
-                    fut.result()
-                self._reads = []
-                if self._staged:
-                    self._copy_staged()
-                for copy in self._copies:
-                    copy.wait()
-                self._copies = []
-                if self._send is not None:
-                    self._gather()
+            try:
+                self._finish_fetch()
+            except BaseException:
+                self._undo_fetch()  # see its note
+                raise
             for sp in self._fetched():
                 sp.mark_gathered()
         self._move(GroupState.UNSHARDED)
+
+    def _finish_fetch(self) -> None:
+        with record_function(FETCH):
+            for fut in self._reads:
+                fut.result()
+            self._reads = []
+            if self._staged:
+                self._copy_staged()
+            for copy in self._copies:
+                copy.wait()
+            self._copies = []
+            if self._send is not None:
+                self._gather()
 
     def _gather(self) -> None:
         assert self._send is not None  # wait_unshard gathers only after packed reads

@@ -180,6 +180,37 @@ def test_a_failed_read_of_a_cancelled_prefetch_is_raised_after_release(
     _forget(group)
 
 
+@pytest.mark.parametrize("when", ["issued", "waited"])
+def test_a_fetch_that_raises_is_undone(nvme_rt: Runtime, when: str) -> None:
+    """zero/group.py's [Note: a fetch that raises is undone]: a read refused as the reads
+    are issued, or failing when they are waited for, leaves the group SHARDED with nothing
+    allocated or counted, so the next fetch reads the values afresh (before, the group stayed
+    FETCHING and the next fetch showed tensors the failed one never filled)."""
+    ref = {k: v.clone() for k, v in _linear().state_dict().items()}
+    fc = _linear()
+    group = _group(fc, nvme_rt, threshold=1 << 20)  # persistent: never released by the schedule
+    shard = group.params[1].compute_shard
+    assert shard is not None and group.persistent
+
+    def refused(out: torch.Tensor) -> object:
+        raise StorageError("read refused (test)")
+
+    shard.load = refused if when == "issued" else (  # type: ignore[method-assign]
+        lambda out: _FailedRead())
+    with pytest.raises(StorageError):
+        group.wait_unshard()
+    assert group.state is GroupState.SHARDED
+    assert [sp.state for sp in group.params] == [ParamState.SHARDED] * 2
+    assert all(_freed(sp) for sp in group.params)
+    assert _unsharded(nvme_rt) == 0
+    del shard.load  # the class's own again
+    group.wait_unshard()
+    assert torch.equal(raw_data(fc.weight), ref["weight"])
+    assert torch.equal(raw_data(fc.bias), ref["bias"])
+    group.reshard()
+    _forget(group)
+
+
 def test_at_one_rank_with_resident_params_the_group_shows_its_shards() -> None:
     rt = Runtime(outcore.Config.from_dict(CPU))
     assert rt.plan.zero_copy

@@ -21,6 +21,13 @@ def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(torch.randn(4, 6, generator=g), torch.randn(4, 1, generator=g)) for _ in range(6)]
 
 
+def _closed_equal(engine: outcore.Engine, model: nn.Module, plain: nn.Module) -> None:
+    """Close the engine; the model's weights equal the plain one's."""
+    engine.close()
+    for a, b in zip(model.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(a.detach().cpu(), b.detach(), rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("optimizer", ["none", "nvme"])
 def test_no_sync_accumulates_as_under_ddp(tmp_path: Path, optimizer: str) -> None:
     """The DDP loop, unchanged but for the engine: backwards inside ``no_sync`` add up, the
@@ -47,9 +54,7 @@ def test_no_sync_accumulates_as_under_ddp(tmp_path: Path, optimizer: str) -> Non
         else:
             engine.backward(loss)
             assert engine.step()
-    engine.close()
-    for a, b in zip(model.parameters(), plain.parameters(), strict=True):
-        torch.testing.assert_close(a.detach().cpu(), b.detach(), rtol=1e-5, atol=1e-6)
+    _closed_equal(engine, model, plain)
 
 
 def test_the_backward_after_no_sync_ends_the_accumulation_whatever_the_config(
@@ -73,6 +78,4 @@ def test_the_backward_after_no_sync_ends_the_accumulation_whatever_the_config(
         else:
             engine.backward(loss)
     assert engine.step()
-    engine.close()
-    for a, b in zip(model.parameters(), plain.parameters(), strict=True):
-        torch.testing.assert_close(a.detach().cpu(), b.detach(), rtol=1e-5, atol=1e-6)
+    _closed_equal(engine, model, plain)

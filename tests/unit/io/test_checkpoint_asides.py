@@ -42,29 +42,23 @@ def test_a_save_deletes_the_stale_copies_aside_of_other_checkpoints(tmp_path: Pa
     engine.close()
 
 
-def test_a_copy_aside_holding_other_files_is_left_with_a_warning(tmp_path: Path) -> None:
-    """Only outcore's files go, as for the save into the path itself."""
+@pytest.mark.parametrize("whole", [False, True])
+def test_a_copy_aside_holding_other_files_keeps_them(tmp_path: Path, whole: bool) -> None:
+    """Only outcore's files go, with a warning, as for the save into the path itself; and
+    nothing where the save owns its own folder whole (``replace_folder=True``): that says
+    nothing of its siblings, and such a copy lost the user's file with no word."""
     torch.manual_seed(0)
     engine = _trained(tmp_path, nn.Linear(4, 4))
     engine.save_checkpoint(tmp_path / "a")
     stale = tmp_path / f"a{ASIDE}0000beef"
     shutil.copytree(tmp_path / "a", stale)
     (stale / "notes.txt").write_text("mine")
-    with pytest.warns(UserWarning, match=r"left .*a\.replaced-0000beef: it holds files"):
-        engine.save_checkpoint(tmp_path / "b")
-    assert [p.name for p in stale.iterdir()] == ["notes.txt"]
-    engine.close()
-
-
-def test_a_save_that_owns_its_folder_whole_leaves_other_asides(tmp_path: Path) -> None:
-    """``replace_folder=True`` owns the path's folder, not its siblings': a copy aside of
-    another checkpoint holding the user's file lost it with no word."""
-    torch.manual_seed(0)
-    engine = _trained(tmp_path, nn.Linear(4, 4))
-    engine.save_checkpoint(tmp_path / "a")
-    stale = tmp_path / f"a{ASIDE}0000beef"
-    shutil.copytree(tmp_path / "a", stale)
-    (stale / "notes.txt").write_text("mine")
-    engine.save_checkpoint(tmp_path / "b", replace_folder=True)
+    if whole:
+        engine.save_checkpoint(tmp_path / "b", replace_folder=True)
+        assert (stale / "manifest.json").is_file()
+    else:
+        with pytest.warns(UserWarning, match=r"left .*a\.replaced-0000beef: it holds files"):
+            engine.save_checkpoint(tmp_path / "b")
+        assert [p.name for p in stale.iterdir()] == ["notes.txt"]
     assert (stale / "notes.txt").read_text() == "mine"
     engine.close()

@@ -332,9 +332,11 @@ class Engine:
         return self.sharded_optimizer.param_groups
 
     def gathered_parameters(self, params: Iterable[nn.Parameter] | nn.Module | None = None,
-                            modify: bool = False) -> contextlib.AbstractContextManager:
+                            modify: bool = False, modifier_rank: int | None = None
+                            ) -> contextlib.AbstractContextManager:
         """Full fp32 values in ``.data`` for the given parameters (default: all); a collective."""
-        return gathered_parameters(self.module if params is None else params, modify)
+        return gathered_parameters(self.module if params is None else params, modify,
+                                   modifier_rank)
 
     def memory_report(self) -> dict[str, Any]:
         """Bytes per tier from outcore's own accounting, plus process RSS for reference."""
@@ -447,8 +449,7 @@ class Engine:
 
     def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
         if exc_type is None:
-            self.close()
-            return
+            return self.close()
         with contextlib.suppress(Exception):  # the exception in flight is the one to see
             self.close(keep_values=False)
 

@@ -114,7 +114,14 @@ class Comm:
         """Maximum of ``t`` over ranks in place, as ``all_reduce_sum``."""
         return self._all_reduce(t, dist.ReduceOp.MAX)
 
+    def broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor:
+        """Rank ``src``'s ``t`` on every rank, in place, as ``all_reduce_sum``."""
+        return self._collective(t, "broadcast", lambda wire: dist.broadcast(wire, src=src))
+
     def _all_reduce(self, t: torch.Tensor, op) -> torch.Tensor:
+        return self._collective(t, "all-reduce", lambda wire: dist.all_reduce(wire, op=op))
+
+    def _collective(self, t: torch.Tensor, what: str, run) -> torch.Tensor:
         if self.world_size == 1:
             return t
         # NCCL reduces device memory only; the small host flags and norms outcore reduces
@@ -122,8 +129,8 @@ class Comm:
         wire = t
         if t.device.type == "cpu" and dist.get_backend() == "nccl":
             wire = t.to(torch.device("cuda", torch.cuda.current_device()))
-        with NamedFailure(self, "all-reduce"):
-            dist.all_reduce(wire, op=op)
+        with NamedFailure(self, what):
+            run(wire)
         if wire is not t:
             t.copy_(wire)
         return t

@@ -5,7 +5,8 @@ master shard, so nothing is rounded). With ``modify=True`` the values are cut ba
 shards on exit, on every rank; if the body raises, nothing is written. This is a collective:
 every rank must enter it with the same parameters (checked: one small collective), and with
 ``modify=True`` each rank writes back its own slice of what it wrote, so every rank writes the
-same values. Inside, the parameters are SHOWN
+same values (checked: [Note: every rank writes the same values]), or names the rank whose
+values are kept (``modifier_rank``). Inside, the parameters are SHOWN
 (state.py): reads and writes of ``.data`` are plain PyTorch's. With ``modify=False`` a write
 on the parameter itself is refused rather than silently discarded; ``.data`` is the plain
 shown tensor, whose writes torch does not report, so a write through it is lost on exit.
@@ -19,7 +20,9 @@ from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
 import torch
+import xxhash
 from torch import nn
+from torch._C import DisableTorchFunctionSubclass
 
 from outcore.errors import ParamAccessError
 from outcore.zero.forward_writes import WriteWatch
@@ -31,15 +34,20 @@ if TYPE_CHECKING:
 
 
 @contextlib.contextmanager
-def gathered_parameters(params: Iterable[nn.Parameter] | nn.Module,
-                        modify: bool = False) -> Iterator[list[nn.Parameter]]:
-    """Yield the parameters with their full fp32 values in ``.data``."""
+def gathered_parameters(params: Iterable[nn.Parameter] | nn.Module, modify: bool = False,
+                        modifier_rank: int | None = None) -> Iterator[list[nn.Parameter]]:
+    """Yield the parameters with their full fp32 values in ``.data``. ``modifier_rank``: the
+    rank whose writes are kept, sent to every rank on exit (DeepSpeed's ``GatheredParameters``
+    habit); it implies ``modify=True``. See [Note: every rank writes the same values]."""
+    modify = modify or modifier_rank is not None
     plist = list(params.parameters()) if isinstance(params, nn.Module) else list(params)
     sps = []
     for p in plist:
         sp = managed(p)
         if sp is not None and sp not in sps:
             sps.append(sp)
+    if modifier_rank is not None:
+        _check_rank(modifier_rank, sps[0].rt.world_size if sps else 1)
     if sps:  # a forward a KeyboardInterrupt left holds its groups (overlap/abandoned.py)
         sps[0].rt.drop_abandoned()
     for sp in sps:
@@ -75,6 +83,8 @@ def gathered_parameters(params: Iterable[nn.Parameter] | nn.Module,
             sps[0].rt.write_watch = watch
             watch.begin()
         yield plist
+        if modify and sps and sps[0].rt.world_size > 1:  # before anything is written back
+            _writes_alike(sps, modifier_rank)
         ok = True
         lost = watch.written_anywhere(sps[0].rt.comm, "gathered") if sps and not modify else []
     finally:
@@ -92,6 +102,54 @@ def gathered_parameters(params: Iterable[nn.Parameter] | nn.Module,
             f"parameter {lost[0].label() if lost else 'of another rank'} was written inside "
             "gathered_parameters(modify=False) through p.data or p.detach(), and the write "
             "was discarded on exit; pass modify=True to keep it")
+
+
+# [Note: every rank writes the same values]
+# On exit each rank cuts its own slice from the values it holds, so a parameter whose ranks
+# wrote different values kept a piece of each: DeepSpeed's habit of writing on rank 0 alone
+# (``GatheredParameters(p, modifier_rank=0)``, transformers' init and resize under it) left
+# half a tensor new and half old at 2 ranks, with no word. So with ``modify=True`` the ranks
+# compare a digest of each parameter's values (xxh3 over its bytes, copied to the host in
+# pieces where it is on a device) and refuse a difference before anything is written back,
+# naming the parameter; or, given ``modifier_rank``, that rank's values are broadcast first.
+
+
+def _check_rank(rank: int, world: int) -> None:
+    """A ``modifier_rank`` that is a rank of this job."""
+    if not isinstance(rank, int) or not 0 <= rank < world:
+        raise ParamAccessError(f"gathered_parameters: modifier_rank={rank!r} is not a rank of "
+                               f"this job (0 to {world - 1})")
+
+
+def _writes_alike(sps: list[ShardedParam], source: int | None) -> None:
+    """Every rank's written values the same, or refused (see the note)."""
+    comm = sps[0].rt.comm
+    with DisableTorchFunctionSubclass():
+        shown = [sp.param.data for sp in sps]
+    if source is not None:
+        for t in shown:
+            comm.broadcast(t, source)
+        return
+    same = comm.alike([_digest(t) for t in shown])
+    differ = [sp.label() for sp, alike in zip(sps, same, strict=True) if not alike]
+    if differ:
+        raise ParamAccessError(
+            f"gathered_parameters(modify=True): the ranks wrote different values into "
+            f"parameter {differ[0]}{f' (and {len(differ) - 1} more)' if len(differ) > 1 else ''}"
+            ": each rank writes back its own slice of what it holds, so the parameter would "
+            "keep a piece of each rank's values; nothing was written. Write the same values on "
+            "every rank, or pass modifier_rank=0 to keep rank 0's (DeepSpeed's "
+            "GatheredParameters(..., modifier_rank=0))")
+
+
+def _digest(t: torch.Tensor, piece: int = 16 << 20) -> int:
+    """xxh3 of ``t``'s bytes, read in pieces of ``piece`` elements (a device's through the
+    host); the same values give the same digest on every rank."""
+    h = xxhash.xxh3_64()
+    flat = t.detach().reshape(-1)
+    for i in range(0, flat.numel(), piece):
+        h.update(flat[i:i + piece].cpu().contiguous().view(torch.uint8).numpy().data)
+    return h.intdigest()
 
 
 def _same_on_every_rank(sps: list[ShardedParam], modify: bool) -> None:

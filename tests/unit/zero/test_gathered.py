@@ -222,3 +222,38 @@ def test_ranks_asking_for_different_parameters_are_refused_together(which: str) 
         else:
             assert "the ranks asked for different parameters" in got["said"], got
             assert ("0.bias (32)" if rank == 0 else "2.bias (32)") in got["said"]
+
+
+def _write_on_rank_zero(how: str) -> list[Any]:
+    rank = int(os.environ["RANK"])
+    torch.manual_seed(0)
+    model = nn.Linear(8, 16)
+    engine = outcore.initialize(model, {"dtype": "fp32"})
+    said = None
+    kwargs = {"modifier_rank": 0} if how == "modifier_rank" else {"modify": True}
+    try:
+        with engine.gathered_parameters([model.weight], **kwargs):
+            if rank == 0 or how == "every rank":
+                model.weight.data.fill_(1.0)
+    except outcore.ParamAccessError as e:
+        said = str(e)
+    with engine.gathered_parameters([model.weight]):
+        ones = int((model.weight.data == 1.0).sum())
+    engine.close()
+    return [said, ones]
+
+
+@pytest.mark.parametrize(("how", "ones"), [("rank 0 alone", 0), ("modifier_rank", 128),
+                                           ("every rank", 128)])
+def test_writes_on_one_rank_are_refused_or_taken_from_modifier_rank(how: str,
+                                                                    ones: int) -> None:
+    """DeepSpeed's habit, a write on rank 0 alone: each rank wrote back its own slice, so
+    the weight held 64 new values and 64 old ones, with no word. Now refused before anything
+    is written, or taken from ``modifier_rank`` on every rank."""
+    for said, got in run_world(_write_on_rank_zero, 2, how):
+        assert got == ones
+        if how == "rank 0 alone":
+            assert said is not None and "the ranks wrote different values into parameter " \
+                "weight" in said and "modifier_rank=0" in said, said
+        else:
+            assert said is None, said

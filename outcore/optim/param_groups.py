@@ -112,11 +112,12 @@ def check_param_groups(module: nn.Module, param_groups: Iterable[dict[str, Any]]
         return None
     names = {id(p): n for n, p in module.named_parameters()}
     out, seen = [], set()
-    for i, spec in enumerate(param_groups):
+    for i, spec in enumerate(_as_groups(param_groups)):
         _warn_near_misses(f"param_groups[{i}]", spec)
         _check_torch_keys(f"param_groups[{i}]", spec)
         check_group_numbers(f"param_groups[{i}]", spec)
-        params = list(spec.get("params", []))
+        given = spec.get("params", [])
+        params: list[Any] = [given] if isinstance(given, torch.Tensor) else list(given)
         for p in params:
             if id(p) not in names:
                 raise ConfigError(f"param_groups[{i}] holds a tensor that is not a "
@@ -129,6 +130,29 @@ def check_param_groups(module: nn.Module, param_groups: Iterable[dict[str, Any]]
     if missing:
         raise ConfigError(f"trainable parameters in no param group: {missing[:5]}")
     return out
+
+
+def _as_groups(given: Any) -> list[dict[str, Any]]:
+    """The groups in torch.optim's forms: dicts, or parameters (``model.parameters()``,
+    DeepSpeed's ``model_parameters=``), or ``(name, parameter)`` pairs, as one group. The
+    parameters themselves reached the dict checks, which failed in torch's words."""
+    if isinstance(given, (torch.Tensor, dict)):
+        raise ConfigError(f"param_groups: give an iterable of parameters or of dicts (as "
+                          f"torch.optim takes them), not a {type(given).__name__}")
+    items = list(given)
+    if not items:
+        raise ConfigError("param_groups is empty: give the model's parameters, or dicts "
+                          "with a 'params' key")
+    if all(isinstance(x, dict) for x in items):
+        return items
+    if all(isinstance(x, torch.Tensor) for x in items):
+        return [{"params": items}]
+    if all(isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], torch.Tensor)
+           for x in items):
+        return [{"params": [p for _, p in items]}]
+    odd = next(x for x in items if not isinstance(x, (dict, torch.Tensor)))
+    raise ConfigError(f"param_groups holds a {type(odd).__name__}: give parameters, or dicts "
+                      "with a 'params' key (torch.optim's forms), not a mix")
 
 
 def _warn_near_misses(where: str, spec: dict[str, Any]) -> None:

@@ -53,6 +53,27 @@ def test_a_generator_of_params_is_listed() -> None:
     assert out is not None and len(out[0][1]) == 4
 
 
+@pytest.mark.parametrize("form", ["parameters", "list", "named", "one tensor per group"])
+def test_torch_optims_other_forms_are_taken(form: str) -> None:
+    """``param_groups=model.parameters()`` (DeepSpeed's ``model_parameters=`` habit) failed
+    in torch's words: "Tensor.__contains__ only supports Tensor or scalar"."""
+    model = _model()
+    given = {"parameters": model.parameters(), "list": list(model.parameters()),
+             "named": model.named_parameters(),
+             "one tensor per group": [{"params": p} for p in model.parameters()]}[form]
+    out = check_param_groups(model, given)
+    assert out is not None
+    assert [p for _, ps in out for p in ps] == list(model.parameters())
+
+
+@pytest.mark.parametrize(("given", "said"), [
+    ([], "param_groups is empty"), ("not groups", "holds a str"),
+    (nn.Linear(2, 2).weight, "not a Parameter"), ({"params": []}, "not a dict")])
+def test_what_torch_optim_would_refuse_is_named(given: object, said: str) -> None:
+    with pytest.raises(ConfigError, match=said):
+        check_param_groups(_model(), given)  # type: ignore[arg-type]
+
+
 def test_every_hyper_parameter_key_and_torch_bookkeeping_key_is_accepted() -> None:
     model = _model()
     spec = {"params": list(model.parameters()), "lr": 1.0, "betas": (0.9, 0.99), "eps": 1e-8,

@@ -13,7 +13,7 @@ from typing import Any
 from outcore.app import blocks
 from outcore.app.models import is_hf_folder
 from outcore.config import Config, read_mapping
-from outcore.config.deepspeed import is_deepspeed, names_precision, translate_and_warn
+from outcore.config.deepspeed import is_deepspeed, names_precision, translate
 from outcore.errors import ConfigError, CorruptCheckpointError
 from outcore.io.manifest import latest_checkpoint, read_manifest
 from outcore.io.publish import MANIFEST
@@ -50,7 +50,18 @@ def read_config_file(path: str | None) -> tuple[dict[str, Any], dict[str, Any]]:
         return loaded, {}
     defaults = Config().model_dump(mode="json")
     del defaults["offload"]["nvme_path"], defaults["optimizer"]["lr"]
-    settings = translate_and_warn(loaded)
+    settings, ignored = translate(loaded)
+    micro = loaded.get("train_micro_batch_size_per_gpu")
+    if isinstance(micro, int) and not isinstance(micro, bool) and micro > 0:
+        settings["train"] = {"batch": micro}  # the job is the data loader: --batch's default
+    said = {"train_micro_batch_size_per_gpu": "" if "train" in settings else None,
+            "scheduler": "scheduler: not read by outcore train, which runs --lr-schedule "
+                         "(cosine over --steps by default)"}
+    ignored = [said.get(line.split(":")[0]) or line for line in ignored
+               if said.get(line.split(":")[0]) != ""]
+    if ignored:
+        warnings.warn("DeepSpeed keys ignored by outcore:\n  " + "\n  ".join(ignored),
+                      stacklevel=2)
     if not names_precision(loaded) and "dtype" in settings:
         defaults["dtype"] = settings.pop("dtype")  # fp32 (or auto) by default, not by the file
     return settings, defaults

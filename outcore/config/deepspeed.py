@@ -201,14 +201,47 @@ def translate(ds: dict[str, Any], auto: Auto | None = None) -> tuple[dict[str, A
             _aio(value, out, r)
         elif key == "scheduler" and r.auto.trainer:
             continue  # the Trainer builds it (hf/schedule.py)
+        elif key in _BATCH and not r.auto.trainer:
+            continue  # _accumulation
         elif value == "auto" and (key not in _IGNORED or r.auto.trainer and key in _TRAINER_AUTO):
             r.is_auto(key, value)
         else:
             r.ignore(key, key)
+    if not r.auto.trainer:  # the Trainer checks them against its arguments (hf/args.py)
+        _accumulation(ds, out, r)
     dtype = _dtype(enabled, r.auto)
     if dtype is not None:
         out["dtype"] = dtype
     return out, r.ignored
+
+
+_BATCH = ("train_batch_size", "train_micro_batch_size_per_gpu")
+
+
+def _accumulation(ds: dict[str, Any], out: dict[str, Any], r: _Reader) -> None:
+    """DeepSpeed's batch sizes: ``train_batch_size`` = micro batch x accumulation x ranks.
+    Where the file gives the first two and no accumulation, DeepSpeed derives it, and so does
+    this (the ranks from ``WORLD_SIZE``, which torchrun sets); three that disagree DeepSpeed
+    refuses, and so does this. A file with the total and the micro batch alone had trained
+    with no accumulation, a quarter of its batch per update, with one line of warning."""
+    given = {k: ds[k] for k in _BATCH if ds.get(k) not in (None, "auto")}
+    total, micro = (r.number(k, given[k], int) if k in given else None for k in _BATCH)
+    world, gas = int(os.environ.get("WORLD_SIZE", "1")), out.get("gradient_accumulation_steps")
+    if total is not None and micro is not None:
+        whole, rest = divmod(total, micro * world * (gas or 1))
+        if gas is None and not rest and whole >= 1:
+            out["gradient_accumulation_steps"] = gas = whole
+            r.ignored.append(f"train_batch_size: gives gradient_accumulation_steps {gas} "
+                             f"({total} / micro batch {micro} / {world} rank(s)); the micro "
+                             "batch is the data loader's")
+            return
+        if rest or whole != 1:
+            raise ConfigError(
+                f"train_batch_size {total} is not train_micro_batch_size_per_gpu {micro} x "
+                f"gradient_accumulation_steps {gas or 'a whole number'} x {world} rank(s), as "
+                "DeepSpeed requires; fix one of them (or leave train_batch_size out)")
+    for key in (k for k in _BATCH if k in ds):
+        r.ignore(key, key)
 
 
 _PRECISIONS = ("bf16", "bfloat16", "fp16")
@@ -300,6 +333,7 @@ def _loss_scale(fp16: dict[str, Any], r: _Reader) -> dict[str, Any]:
         elif key == "loss_scale" and value in (0, 0.0):
             continue  # 0 is DeepSpeed's "dynamic", which is what outcore does
         elif key not in names and key != "enabled":
+            _check_spelling(path, key, _FP16_KEYS)
             r.ignore(path, key)
     return out
 
@@ -329,6 +363,7 @@ def _optimizer(opt: dict[str, Any], r: _Reader) -> dict[str, Any]:
     for key, value in params.items():
         path = f"optimizer.params.{key}"
         if key not in keys:
+            _check_spelling(path, key, _OPTIMIZER_KEYS)
             r.ignore(path, key)
         elif not r.is_auto(path, value):
             out[key] = [r.number(path, v) for v in value] if key == "betas" else (
@@ -360,6 +395,12 @@ _ZERO_KEYS = frozenset((
     "zero_hpz_partition_size", "zero_quantized_gradients", "zero_quantized_nontrainable_weights",
     "zero_quantized_weights"
 ))
+_FP16_KEYS = frozenset((
+    "enabled", "auto_cast", "loss_scale", "initial_scale_power", "loss_scale_window",
+    "hysteresis", "consecutive_hysteresis", "min_loss_scale", "fp16_master_weights_and_grads"))
+_OPTIMIZER_KEYS = frozenset((  # Adam's, AdamW's and SGD's params in DeepSpeed's files
+    "lr", "betas", "eps", "weight_decay", "adam_w_mode", "amsgrad", "bias_correction",
+    "torch_adam", "fp32_optimizer_states", "momentum", "dampening", "nesterov"))
 _OFFLOAD_KEYS = frozenset((
     "buffer_count", "buffer_size", "device", "max_in_cpu", "nvme_path", "pin_memory",
     "cpuadam_cores_perc", "fast_init", "pipeline_read", "pipeline_write", "ratio", "super_offload"

@@ -150,6 +150,28 @@ def test_deepspeed_config_files_are_mapped(tmp_path: Path) -> None:
     assert (cfg.offload.params, cfg.offload.optimizer) == ("none", "none")
 
 
+def test_a_deepspeed_files_batch_sizes_are_the_jobs(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """outcore train is the data loader: the micro batch is --batch's default and the total
+    gives the accumulation (the banner said 8x32 x1 where the file said 2 and a total of 8);
+    the scheduler section is named as not read, pointing at --lr-schedule."""
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2,
+                              "scheduler": {"type": "WarmupLR", "params": {}},
+                              "zero_optimization": {"stage": 3}}))
+    args = _parse("--config", str(ds))
+    with pytest.warns(UserWarning, match="scheduler: not read by outcore train, which runs "
+                      "--lr-schedule") as said:
+        file_cfg = _file_settings(args)
+    assert "train_micro_batch_size_per_gpu" not in str(said[0].message)
+    job = train._job_settings(args, file_cfg.pop("train"))  # as train.run takes it out
+    cfg = train._engine_config(args, file_cfg, job, n_params=1000)
+    assert (job["batch"], cfg.gradient_accumulation_steps) == (2, 4)
+    job = train._job_settings(_parse("--config", str(ds), "--batch", "3"), {"batch": 2})
+    assert job["batch"] == 3  # a flag still wins
+
+
 def test_a_deepspeed_config_means_what_it_means_to_deepspeed(tmp_path: Path) -> None:
     """What a DeepSpeed file leaves out is DeepSpeed's default, not the job's: a file that
     offloads parameters only keeps the optimizer states in memory, with Adam's betas 0.9,

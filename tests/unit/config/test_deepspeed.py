@@ -19,6 +19,7 @@ import pytest
 
 import outcore
 from outcore.config.deepspeed import OUTCORE_ONLY, Auto, is_deepspeed, translate
+from outcore.errors import ConfigError
 
 Z3_AUTO = {"stage": 3, "overlap_comm": True, "contiguous_gradients": True,
            "sub_group_size": 1e9, "reduce_bucket_size": "auto",
@@ -320,3 +321,45 @@ def test_a_swap_folder_of_a_tier_not_on_nvme_is_not_the_one_used() -> None:
     assert ignored == []
     assert is_deepspeed({"zero_optimization": {"stage": 3}, "seed": 4})
 
+
+
+@pytest.mark.parametrize(("world", "ds", "gas"), [
+    ("1", {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4}, 4),
+    ("2", {"train_batch_size": 32, "train_micro_batch_size_per_gpu": 8}, 2),
+    ("2", {"train_batch_size": 32, "train_micro_batch_size_per_gpu": 8,
+           "gradient_accumulation_steps": 2}, 2),
+    ("1", {"train_batch_size": 16}, None),
+])
+def test_the_accumulation_follows_deepspeeds_batch_sizes(monkeypatch: pytest.MonkeyPatch,
+                                                         world: str, ds: dict,
+                                                         gas: int | None) -> None:
+    """train_batch_size = micro batch x accumulation x ranks: the total and the micro batch
+    alone had trained with no accumulation (DeepSpeed derives it), with one warning line."""
+    monkeypatch.setenv("WORLD_SIZE", world)
+    out, ignored = translate(ds)
+    assert out.get("gradient_accumulation_steps") == gas
+    if gas is not None and "gradient_accumulation_steps" not in ds:
+        assert any(f"gives gradient_accumulation_steps {gas}" in line for line in ignored)
+
+
+@pytest.mark.parametrize("ds", [
+    {"train_batch_size": 30, "train_micro_batch_size_per_gpu": 8},
+    {"train_batch_size": 32, "train_micro_batch_size_per_gpu": 8,
+     "gradient_accumulation_steps": 2}])
+def test_batch_sizes_that_disagree_are_refused_as_deepspeed_refuses(
+        monkeypatch: pytest.MonkeyPatch, ds: dict) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(ConfigError, match="train_batch_size .* is not "
+                       "train_micro_batch_size_per_gpu 8 x gradient_accumulation_steps"):
+        translate(ds)
+
+
+@pytest.mark.parametrize(("ds", "said"), [
+    ({"fp16": {"enabled": True, "initial_scale_powr": 8}}, "initial_scale_power"),
+    ({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decya": 0.1}}},
+     "weight_decay")])
+def test_a_misspelt_precision_or_optimizer_key_is_refused(ds: dict, said: str) -> None:
+    """They were warned as "no outcore equivalent" and trained with the default (scale
+    power 16, weight decay 0); DeepSpeed refuses them."""
+    with pytest.raises(ConfigError, match=f"did you mean '{said}'"):
+        translate(ds)

@@ -94,7 +94,7 @@ class Engine:
         # optimizer's own (its groups get no keys of another optimizer's), else the config's
         self.optimizer_defaults = (dict(optimizer.defaults) if optimizer is not None else {
             k: getattr(cfg.optimizer, k) for k in hp_keys(cfg.optimizer.type)})
-        groups = check_param_groups(module, param_groups)
+        groups = check_param_groups(module, param_groups, cfg.optimizer)
         total, trainable = parameter_counts(module)
         fraction = trainable / total if total else 1.0  # host_memory.py: a frozen base
         self.rt, own_runtime = lifetime.runtime_for(module, cfg, fraction)

@@ -105,6 +105,9 @@ def _overflowed(engine: Engine) -> bool:
     engine.micro_steps, engine._at_boundary = 0, False
     engine.scaler.update(overflow=True)
     sharded.skip()  # tentative updates too (speculation.py)
+    # the skipped step's norm is not finite (it kept the last step's, which read as this one's)
+    if engine.cfg.gradient_clipping > 0 or engine.cfg.track_grad_norm:
+        engine.last_grad_norm = float("inf")
     return True
 
 

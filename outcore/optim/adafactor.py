@@ -56,6 +56,10 @@ def check(group: dict[str, Any], optimizer_placement: str) -> None:
     if group["lr"] is None and not group.get("relative_step", True):
         raise ConfigError("Adafactor: lr=None needs relative_step=True (transformers refuses "
                           "it too)")
+    if group["lr"] is not None and group.get("relative_step"):
+        raise ConfigError(f"Adafactor: lr={group['lr']!r} with relative_step=True: the step "
+                          "computes its own lr; set relative_step=False, or lr=None (transformers "
+                          "refuses the pair too)")
 
 
 def check_placement(optimizer_placement: str) -> None:
@@ -159,10 +163,13 @@ class Runner:
                  rt: Runtime) -> None:
         self.rt = rt
         for group in groups:
-            if not isinstance(group.get("eps"), (tuple, list)):  # from an outcore config
-                group["eps"] = DEFAULTS["eps"]
-                group.setdefault("relative_step", False)  # the lr given is the lr, as with
+            # a group of an outcore config: an adopted Adafactor's holds every key of its own
+            # (a group's eps pair had been taken for one, and the lr given became relative)
+            if "relative_step" not in group:
+                group["relative_step"] = False  # the lr given is the lr, as with
                 group.setdefault("scale_parameter", False)  # Trainer's optim="adafactor"
+            if not isinstance(group.get("eps"), (tuple, list)):  # the config's Adam eps
+                group["eps"] = DEFAULTS["eps"]
             for key, value in DEFAULTS.items():
                 group.setdefault(key, value)
             check(group, rt.state_tier.value)

@@ -104,10 +104,12 @@ def from_torch_optimizer(opt: torch.optim.Optimizer) -> tuple[dict[str, Any], li
     return keys, opt.param_groups
 
 
-def check_param_groups(module: nn.Module, param_groups: Iterable[dict[str, Any]] | None
-                        ) -> list[tuple[dict[str, Any], list[nn.Parameter]]] | None:
+def check_param_groups(module: nn.Module, param_groups: Iterable[dict[str, Any]] | None,
+                       optimizer: Any = None
+                       ) -> list[tuple[dict[str, Any], list[nn.Parameter]]] | None:
     """Validate torch-style param groups before anything is sharded (a typo must not
-    leave the model half converted); returns (the group dict, parameters) per group."""
+    leave the model half converted); returns (the group dict, parameters) per group.
+    ``optimizer``: the config's section, whose type and momentum the groups must fit."""
     if param_groups is None:
         return None
     names = {id(p): n for n, p in module.named_parameters()}
@@ -116,6 +118,8 @@ def check_param_groups(module: nn.Module, param_groups: Iterable[dict[str, Any]]
         _warn_near_misses(f"param_groups[{i}]", spec)
         _check_torch_keys(f"param_groups[{i}]", spec)
         check_group_numbers(f"param_groups[{i}]", spec)
+        if optimizer is not None:
+            _check_fits(f"param_groups[{i}]", spec, optimizer)
         given = spec.get("params", [])
         params: list[Any] = [given] if isinstance(given, torch.Tensor) else list(given)
         for p in params:
@@ -153,6 +157,25 @@ def _as_groups(given: Any) -> list[dict[str, Any]]:
     odd = next(x for x in items if not isinstance(x, (dict, torch.Tensor)))
     raise ConfigError(f"param_groups holds a {type(odd).__name__}: give parameters, or dicts "
                       "with a 'params' key (torch.optim's forms), not a mix")
+
+
+def _check_fits(where: str, spec: dict[str, Any], optimizer: Any) -> None:
+    """What a group sets that the run's optimizer does not do, refused: SGD's momentum
+    buffers are planned from the config's ``momentum``, so a group's momentum over a config
+    without it restarted every step (trained as plain SGD, 1e-2 off torch in five steps); and
+    Adam's weight decay is the type's, so a group's ``decoupled_weight_decay`` that says
+    otherwise was dropped."""
+    momentum, decoupled = spec.get("momentum"), spec.get("decoupled_weight_decay")
+    if optimizer.type == "sgd" and not optimizer.momentum and _number(momentum or 0):
+        raise ConfigError(f"{where}: momentum={momentum!r}, but the run keeps no momentum "
+                          "buffers: they are planned from the config's optimizer.momentum, "
+                          "which is 0. Set it above 0 (groups without momentum then say "
+                          "momentum=0), or give the adopted SGD a momentum as its default")
+    if optimizer.type in ("adam", "adamw") and decoupled is not None and (
+            bool(decoupled) != (optimizer.type == "adamw")):
+        raise ConfigError(f"{where}: decoupled_weight_decay={decoupled!r}, but this run's "
+                          f"optimizer is {optimizer.type}, whose weight decay every group "
+                          f"takes; set optimizer.type to {'adamw' if decoupled else 'adam'}")
 
 
 def _warn_near_misses(where: str, spec: dict[str, Any]) -> None:

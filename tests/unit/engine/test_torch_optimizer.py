@@ -800,3 +800,35 @@ def test_the_models_own_zero_grad_runs_from_model_zero_grad(tmp_path: Path) -> N
     engine.zero_grad()
     assert Counting.calls == 1
     engine.close()
+
+
+def test_a_config_adafactor_group_with_an_eps_pair_keeps_the_lr_given() -> None:
+    """A group of the config's Adafactor that restates transformers' eps pair was taken for
+    an adopted one's: its lr became relative, 7e-2 off transformers' Adafactor(lr=1e-2,
+    relative_step=False, scale_parameter=False) in five steps. And a manual lr with
+    relative_step=True is refused, as transformers refuses it."""
+    from transformers.optimization import Adafactor
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1))
+
+    cfg = {"dtype": "fp32", "optimizer": {"type": "adafactor", "lr": 1e-2}}
+    model, plain = build(), build()
+    engine = outcore.initialize(model, cfg, param_groups=[
+        {"params": list(model.parameters()), "eps": (1e-30, 1e-3)}])
+    ref = Adafactor(plain.parameters(), lr=1e-2, relative_step=False, scale_parameter=False)
+    for step in range(5):
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(step))
+        engine.backward(engine(x).pow(2).mean())
+        engine.step()
+        plain(x).pow(2).mean().backward()
+        ref.step()
+        ref.zero_grad()
+    engine.close()
+    for a, b in zip(model.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(a.detach().cpu(), b.detach(), rtol=1e-5, atol=1e-6)
+    other = build()
+    with pytest.raises(outcore.ConfigError, match="lr=0.01 with relative_step=True"):
+        outcore.initialize(other, cfg, param_groups=[
+            {"params": list(other.parameters()), "relative_step": True}])

@@ -179,3 +179,27 @@ def test_a_subclass_under_another_name_is_refused() -> None:
 
     with pytest.raises(ConfigError, match="MyAdamW cannot run"):
         from_torch_optimizer(MyAdamW(_model().parameters()))
+
+
+@pytest.mark.parametrize(("kind", "momentum", "spec", "said"), [
+    ("sgd", 0.0, {"momentum": 0.9}, "momentum=0.9, but the run keeps no momentum buffers"),
+    ("adam", 0.0, {"decoupled_weight_decay": True}, "set optimizer.type to adamw"),
+    ("adamw", 0.0, {"decoupled_weight_decay": False}, "set optimizer.type to adam"),
+])
+def test_group_keys_the_runs_optimizer_does_not_do_are_refused(kind: str, momentum: float,
+                                                               spec: dict, said: str) -> None:
+    """A group's SGD momentum over a config without it trained as plain SGD (the buffers are
+    planned from the config), and a group's decoupled_weight_decay under config Adam was
+    dropped: 1e-2 and 9e-2 off torch in five steps, silently."""
+    from types import SimpleNamespace
+
+    model = _model()
+    optimizer = SimpleNamespace(type=kind, momentum=momentum)
+    with pytest.raises(ConfigError, match=said):
+        check_param_groups(model, [{"params": list(model.parameters()), **spec}], optimizer)
+    fits = {"momentum": 0.0} if kind == "sgd" else {"decoupled_weight_decay": kind == "adamw"}
+    assert check_param_groups(model, [{"params": list(model.parameters()), **fits}], optimizer)
+    if kind == "sgd":  # with momentum in the config, a group's own momentum is taken
+        optimizer.momentum = 0.5
+        assert check_param_groups(model, [{"params": list(model.parameters()), **spec}],
+                                  optimizer)

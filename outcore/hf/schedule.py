@@ -10,7 +10,9 @@ torch ``LambdaLR`` schedulers over the engine's optimizer, with DeepSpeed's form
 logarithmic (default) or linear warm-up from ``warmup_min_lr`` to ``warmup_max_lr``, then
 constant (WarmupLR), linear decay back to ``warmup_min_lr`` at ``total_num_steps``
 (WarmupDecayLR), or a cosine from the peak to ``cos_min_ratio`` of it (WarmupCosineLR).
-Other DeepSpeed schedulers are refused by name.
+The update that each rate reaches is DeepSpeed's too: its first two updates both run at the
+curve's first value (checked against DeepSpeed 0.19's classes in its engine's order; one
+update ahead of it before). Other DeepSpeed schedulers are refused by name.
 """
 
 from __future__ import annotations
@@ -61,4 +63,6 @@ def deepspeed_scheduler(spec: dict[str, Any], optimizer: torch.optim.Optimizer, 
         progress = (step - warmup + 1) / max(1, total - warmup)
         return high * max(0.0, floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
 
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: rate(step) / base)
+    # DeepSpeed's engine runs its first two updates at the curve's first value: its scheduler
+    # sets it when made, and its first step() counts iteration 0 again
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: rate(max(0, step - 1)) / base)

@@ -56,10 +56,6 @@ def check(group: dict[str, Any], optimizer_placement: str) -> None:
     if group["lr"] is None and not group.get("relative_step", True):
         raise ConfigError("Adafactor: lr=None needs relative_step=True (transformers refuses "
                           "it too)")
-    if group["lr"] is not None and group.get("relative_step"):
-        raise ConfigError(f"Adafactor: lr={group['lr']!r} with relative_step=True: the step "
-                          "computes its own lr; set relative_step=False, or lr=None (transformers "
-                          "refuses the pair too)")
 
 
 def check_placement(optimizer_placement: str) -> None:

@@ -113,7 +113,7 @@ def build_config(args: Any, source: OutcoreConfigSource, model: Any = None) -> C
     """The engine's Config: ``source``'s keys plus the Trainer's, with clashes refused."""
     given = given_keys(source, hidden_size(model))
     owned = trainer_keys(args, optimizer_given=_lookup(given, "optimizer.type") is not _MISSING)
-    clashes = []
+    clashes = _deepspeed_clashes(source, args)
     for key, (spelling, value) in owned.items():
         mine = _lookup(given, key)
         if mine is not _MISSING and _normal(mine) != _normal(value):
@@ -123,7 +123,8 @@ def build_config(args: Any, source: OutcoreConfigSource, model: Any = None) -> C
     if clashes:
         raise ConfigError("set in both outcore_config and TrainingArguments, with different "
                           "values: " + "; ".join(clashes) + ". Under OutcoreTrainer the "
-                          "TrainingArguments give these; remove them from outcore_config")
+                          "TrainingArguments give these; remove them from outcore_config (in "
+                          "a DeepSpeed file, \"auto\" takes the Trainer's)")
     nested: dict[str, Any] = {}
     for key, (_, value) in owned.items():
         _assign(nested, key, list(value) if isinstance(value, tuple) else value)
@@ -133,6 +134,27 @@ def build_config(args: Any, source: OutcoreConfigSource, model: Any = None) -> C
     nested["track_grad_norm"] = True
     base = source.model_dump() if isinstance(source, Config) else given
     return Config.from_dict(merge_mappings(base, nested))
+
+
+def _deepspeed_clashes(source: OutcoreConfigSource, args: Any) -> list[str]:
+    """What a DeepSpeed file states that the Trainer states otherwise, beyond the engine's
+    keys, as transformers' integration compares them (``fill_match``): the batch sizes and
+    the scheduler's peak rate (its steps: hf/schedule.py, once the total is known). They were
+    used or dropped with one warning line, where the docs promised an error."""
+    if source is None or isinstance(source, Config):
+        return []
+    raw = dict(source) if isinstance(source, dict) else read_mapping(source)
+    if not is_deepspeed(raw):
+        return []
+    micro, gas = int(args.per_device_train_batch_size), int(args.gradient_accumulation_steps)
+    theirs = {"train_micro_batch_size_per_gpu": ("per_device_train_batch_size", micro),
+              "train_batch_size": ("per_device_train_batch_size x gradient_accumulation_steps "
+                                   "x world_size", micro * gas * int(args.world_size)),
+              "scheduler.params.warmup_max_lr": ("learning_rate", float(args.learning_rate))}
+    return [f"DeepSpeed config {key}={mine!r} and TrainingArguments.{spelling}={value!r}"
+            for key, (spelling, value) in theirs.items()
+            if (mine := _lookup(raw, key)) not in (_MISSING, None, "auto")
+            and _normal(mine) != _normal(value)]
 
 
 _MISSING = object()

@@ -39,12 +39,23 @@ def deepspeed_scheduler(spec: dict[str, Any], optimizer: torch.optim.Optimizer, 
     params = dict(spec.get("params", {}))
     base = float(args.learning_rate)
 
-    def value(key: str, auto: float) -> float:
+    def value(key: str, auto: float, trainer: str | None = None) -> float:
+        """The section's ``key``, or the Trainer's ``auto`` where it says "auto"; a number
+        that differs from the Trainer's is refused, as transformers refuses it."""
         given = params.get(key, "auto")
-        return auto if given == "auto" else number(f"scheduler.params.{key}", given)
+        if given == "auto":
+            return auto
+        mine = number(f"scheduler.params.{key}", given)
+        if trainer is not None and mine != auto:
+            raise ConfigError(f"DeepSpeed config scheduler.params.{key}={given!r} and the "
+                              f"Trainer's {trainer}={auto!r} differ; set one of them (\"auto\" "
+                              "takes the Trainer's), as transformers' DeepSpeed integration "
+                              "asks")
+        return mine
 
-    warmup = max(2, int(value("warmup_num_steps", args.get_warmup_steps(num_training_steps))))
-    total = int(value("total_num_steps", num_training_steps))
+    warmup = max(2, int(value("warmup_num_steps",
+                              max(1, args.get_warmup_steps(num_training_steps)), "warmup_steps")))
+    total = int(value("total_num_steps", num_training_steps, "number of training steps"))
     log_warmup = params.get("warmup_type", "log") == "log"
     if kind == "WarmupCosineLR":
         low, high = value("warmup_min_ratio", 0.0) * base, base

@@ -4,6 +4,7 @@ dropout off), the same per-step losses, gradient norms and saved weights."""
 from __future__ import annotations
 
 import json
+import re
 import os
 import warnings
 from pathlib import Path
@@ -477,7 +478,7 @@ def test_a_deepspeed_config_in_training_arguments_is_honoured(tmp_path: Path) ->
                                 "offload_optimizer": {"device": "cpu"}}}
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(ds))
-    args = arguments(tmp_path / "o", max_steps=6)
+    args = arguments(tmp_path / "o", max_steps=6, warmup_steps=3)  # as the file says
     args.deepspeed = str(path)
     trainer = OutcoreTrainer(model=build("gpt2"), args=args, train_dataset=dataset())
     cfg = trainer.outcore_config
@@ -493,6 +494,30 @@ def test_a_deepspeed_config_in_training_arguments_is_honoured(tmp_path: Path) ->
     assert len(got) == steps and len(set(got)) > 3  # the rate moved as the recipe says
     torch.testing.assert_close(got, want)
     trainer.close()
+
+
+@pytest.mark.parametrize(("ds", "said"), [
+    ({"train_micro_batch_size_per_gpu": 8}, "train_micro_batch_size_per_gpu=8 and "
+     "TrainingArguments.per_device_train_batch_size="),
+    ({"train_batch_size": 64}, "train_batch_size=64 and TrainingArguments."
+     "per_device_train_batch_size x gradient_accumulation_steps x world_size="),
+    ({"scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 5e-3}}},
+     "scheduler.params.warmup_max_lr=0.005 and TrainingArguments.learning_rate="),
+    ({"scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 100}}},
+     "total_num_steps=100 and the Trainer's number of training steps=2 differ"),
+    ({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 4}}},
+     "warmup_num_steps=4 and the Trainer's warmup_steps=")])
+def test_deepspeed_numbers_the_trainer_states_otherwise_are_refused(tmp_path: Path, ds: dict,
+                                                                    said: str) -> None:
+    """As transformers' integration refuses them: they were used, or dropped, with one
+    warning line (a micro batch of 8 trained at the Trainer's, a warm-up of 2 ran where the
+    Trainer said 3)."""
+    config = {"zero_optimization": {"stage": 3}, **ds}
+    with pytest.raises(outcore.ConfigError, match=re.escape(said)):
+        trainer = OutcoreTrainer(model=build("gpt2"), args=arguments(tmp_path / "o",
+                                                                      max_steps=2),
+                                 train_dataset=dataset(), outcore_config=config)
+        trainer.train()
 
 
 def test_resume_from_a_missing_folder_says_what_transformers_says(tmp_path: Path) -> None:

@@ -30,7 +30,7 @@ def test_each_update_runs_at_deepspeeds_rate(kind: str) -> None:
     if kind != "WarmupLR":
         params["warmup_type"] = "linear"
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
-    args = SimpleNamespace(learning_rate=1e-3, get_warmup_steps=lambda n: 0)
+    args = SimpleNamespace(learning_rate=1e-3, get_warmup_steps=lambda n: 5)
     sched = deepspeed_scheduler({"type": kind, "params": params}, opt, args, 12)
     used = []
     for _ in range(12):

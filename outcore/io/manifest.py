@@ -29,13 +29,28 @@ def manifest_checksum(man: dict) -> str:
     return sts.checksum_hex(sts.checksum_update(0, json.dumps(body, sort_keys=True).encode()))
 
 
+def _holds_checkpoints(folder: Path) -> str:
+    """What a refusal adds where ``folder`` is a root of checkpoints, not one (DeepSpeed's
+    ``load_checkpoint(load_dir, tag)`` habit; ``outcore consolidate`` given the root)."""
+    try:
+        inside = sorted(p.name for p in folder.iterdir() if (p / MANIFEST).is_file())
+    except OSError:
+        return ""
+    if not inside:
+        return ""
+    return (f"; it holds checkpoints ({', '.join(inside[-3:])}): give one of them, such as "
+            f"outcore.latest_checkpoint({str(folder)!r}); a checkpoint is its folder, with no "
+            "tag beside it")
+
+
 def read_manifest(folder: Path) -> dict[str, Any]:
     """The manifest of a checkpoint folder, checked for format and version."""
     mf = Path(folder) / MANIFEST
     try:
         man = json.loads(mf.read_text())
     except FileNotFoundError:
-        raise StorageError(f"{folder} is not a complete checkpoint (no {MANIFEST})") from None
+        raise StorageError(f"{folder} is not a complete checkpoint (no {MANIFEST})"
+                           + _holds_checkpoints(Path(folder))) from None
     except (OSError, ValueError) as e:
         raise StorageError(f"{mf} is unreadable or not JSON: {e}") from None
     if not isinstance(man, dict) or man.get("format") != FORMAT:

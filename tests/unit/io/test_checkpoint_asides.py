@@ -62,3 +62,18 @@ def test_a_copy_aside_holding_other_files_keeps_them(tmp_path: Path, whole: bool
         assert [p.name for p in stale.iterdir()] == ["notes.txt"]
     assert (stale / "notes.txt").read_text() == "mine"
     engine.close()
+
+
+def test_loading_a_root_of_checkpoints_names_them(tmp_path: Path) -> None:
+    """DeepSpeed's load_checkpoint(load_dir, tag) habit: the root was refused as "not a
+    complete checkpoint" with no word of the checkpoints it holds."""
+    torch.manual_seed(0)
+    engine = _trained(tmp_path, nn.Linear(4, 4))
+    root = tmp_path / "ckpts"
+    engine.save_checkpoint(root / "step-1")
+    with pytest.raises(outcore.StorageError, match=r"not a complete checkpoint .*it holds "
+                       r"checkpoints \(step-1\): give one of them, such as "
+                       r"outcore.latest_checkpoint"):
+        engine.load_checkpoint(root)
+    engine.load_checkpoint(outcore.latest_checkpoint(root))
+    engine.close()

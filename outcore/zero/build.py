@@ -30,8 +30,15 @@ def shard_params(module: nn.Module, rt: Runtime, prepare: bool = True) -> list[S
     already is) and, with ``prepare``, given its training-dtype shard; tied parameters once.
     The engine prepares them itself once its groups say where each copy lives
     (``keep_resident``)."""
-    check_alike_across_ranks([(n, p) for n, p in module.named_parameters()
-                              if managed(p) is None], rt)
+    fresh = [(n, p) for n, p in module.named_parameters() if managed(p) is None]
+    check_alike_across_ranks(fresh, rt)
+    wide = [n for n, p in fresh if p.dtype == torch.float64]
+    if wide:  # trained in fp32 with no word, and back at close() with fp32's precision
+        warnings.warn(f"parameter{'s' * (len(wide) > 1)} {', '.join(wide[:3])}"
+                      f"{' and more' * (len(wide) > 3)} {'are' if len(wide) > 1 else 'is'} "
+                      "float64: outcore keeps fp32 masters, so training is in fp32, and "
+                      "close() gives float64 back with fp32's precision",
+                      stacklevel=user_stacklevel())
     sps = []
     for name, p in module.named_parameters():
         sp = managed(p)

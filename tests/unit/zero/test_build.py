@@ -91,3 +91,14 @@ def test_inputs_go_to_the_compute_device_and_dtype() -> None:
     assert out["b"].ids.dtype == torch.int64 and out["l"][0].dtype == torch.bfloat16
     assert out["t"][1] == "keep" and out["n"] == 3
     assert to_compute(x, torch.device("cpu"), None) is x  # fp32 compute: nothing to cast
+
+
+def test_a_float64_parameter_is_named_as_trained_in_fp32() -> None:
+    """It trained in fp32 and came back float64 at close() with fp32's precision, with no
+    word (dtype_choice said only 'fp32 as configured')."""
+    model = torch.nn.Linear(3, 2).double()
+    with pytest.warns(UserWarning, match=r"parameters weight, bias are float64: outcore keeps "
+                      r"fp32 masters"):
+        engine = outcore.initialize(model, {"dtype": "fp32"})
+    engine.close()
+    assert model.weight.dtype == torch.float64

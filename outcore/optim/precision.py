@@ -9,11 +9,17 @@ doubles again. The overflow test is global: one rank's inf skips the step on eve
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable
 
 import torch
 
 from outcore.config import LossScaleConfig
+from outcore.errors import user_stacklevel
+
+STUCK = 10
+"""Overflows in a row at the minimum scale that are named: torch's GradScaler skips on in
+silence, and DeepSpeed raises; a warning says it once and the run goes on, as it would."""
 
 
 class LossScaler:
@@ -26,16 +32,25 @@ class LossScaler:
         self.growth_interval = cfg.growth_interval
         self.good_steps = 0
         self.skipped_steps = 0
+        self.at_floor = 0  # overflows in a row with the scale already at its minimum
 
     def update(self, overflow: bool) -> None:
         if not self.enabled:
             return
         if overflow:
+            at_floor = self.scale <= self.min_scale
             self.scale = max(self.scale / 2.0, self.min_scale)
             self.good_steps = 0
             self.skipped_steps += 1
+            self.at_floor = self.at_floor + 1 if at_floor else 0
+            if self.at_floor == STUCK:
+                warnings.warn(
+                    f"fp16: {STUCK} steps in a row skipped at the minimum loss scale "
+                    f"({self.min_scale:g}): the gradients overflow at any scale (a NaN or "
+                    "inf loss, a diverged run?), so nothing trains; look at the loss, or "
+                    "lower loss_scale.min_scale", stacklevel=user_stacklevel())
             return
-        self.good_steps += 1
+        self.good_steps, self.at_floor = self.good_steps + 1, 0
         if self.good_steps % self.growth_interval == 0:
             self.scale *= 2.0
 

@@ -4,8 +4,8 @@ dropout off), the same per-step losses, gradient norms and saved weights."""
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import warnings
 from pathlib import Path
 from typing import Any

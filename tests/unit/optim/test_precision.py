@@ -90,3 +90,28 @@ def test_state_dict_round_trips() -> None:
     other.update(overflow=False)  # the 4th clean step: grows, as the original would
     s.update(overflow=False)
     assert other.scale == s.scale == 64.0
+
+
+def test_overflows_that_go_on_at_the_minimum_scale_are_named_once() -> None:
+    """At its minimum the scale cannot fall further and every step is skipped: torch's
+    GradScaler goes on silently, DeepSpeed raises; here one warning says so."""
+    import warnings
+
+    import pytest
+
+    from outcore.optim.precision import STUCK
+
+    s = _scaler(power=2, min_scale=1.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(2 + STUCK - 1):  # 4 -> 2 -> 1, then at the floor
+            s.update(overflow=True)
+    with pytest.warns(UserWarning, match=f"{STUCK} steps in a row skipped at the minimum loss "
+                      r"scale \(1\)"):
+        s.update(overflow=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        s.update(overflow=True)  # said once
+        s.update(overflow=False)  # a clean step starts the count again
+        for _ in range(STUCK - 1):
+            s.update(overflow=True)

@@ -60,7 +60,8 @@ def read_config_file(path: str | None) -> tuple[dict[str, Any], dict[str, Any]]:
     ignored = [said.get(line.split(":")[0]) or line for line in ignored
                if said.get(line.split(":")[0]) != ""]
     if ignored:
-        warnings.warn("DeepSpeed keys ignored by outcore:\n  " + "\n  ".join(ignored),
+        warnings.warn("DeepSpeed keys ignored by outcore, or read otherwise:\n  "
+                      + "\n  ".join(ignored),
                       stacklevel=2)
     if not names_precision(loaded) and "dtype" in settings:
         defaults["dtype"] = settings.pop("dtype")  # fp32 (or auto) by default, not by the file

@@ -11,6 +11,7 @@ before appending, leaving one line per step, in order, as an uninterrupted run w
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,8 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
             except json.JSONDecodeError:
                 continue
             if isinstance(rec, dict) and "step" in rec:
+                if "loss" in rec and rec["loss"] is None:  # written null: not finite (_encode)
+                    rec["loss"] = math.nan
                 records.append(rec)
     return records
 
@@ -84,7 +87,12 @@ class MetricsWriter:
 
 
 def _encode(record: dict[str, Any]) -> bytes:
-    return (json.dumps(record, separators=(",", ":")) + "\n").encode()
+    """One line of strict JSON: a number that is not finite (a skipped fp16 step's gradient
+    norm, a diverged loss) is null, not the ``Infinity`` or ``NaN`` that jq and browsers
+    refuse; the report reads a null loss as NaN."""
+    clean = {k: None if isinstance(v, float) and not math.isfinite(v) else v
+             for k, v in record.items()}
+    return (json.dumps(clean, separators=(",", ":"), allow_nan=False) + "\n").encode()
 
 
 def _smooth(values: tuple[float, ...], span: int = 20) -> list[float]:

@@ -40,6 +40,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, get_args
 
+import torch.distributed as dist
+
+from outcore.config.deepspeed_keys import FP16_KEYS, OFFLOAD_KEYS, OPTIMIZER_KEYS, ZERO_KEYS
 from outcore.config.mappings import Placement
 from outcore.errors import ConfigError
 
@@ -218,15 +221,23 @@ def translate(ds: dict[str, Any], auto: Auto | None = None) -> tuple[dict[str, A
 _BATCH = ("train_batch_size", "train_micro_batch_size_per_gpu")
 
 
+def _world_size() -> int:
+    """The ranks of the job: the process group's where one is joined (``mp.spawn``), else
+    torchrun's ``WORLD_SIZE`` (the config is read before outcore joins)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def _accumulation(ds: dict[str, Any], out: dict[str, Any], r: _Reader) -> None:
     """DeepSpeed's batch sizes: ``train_batch_size`` = micro batch x accumulation x ranks.
     Where the file gives the first two and no accumulation, DeepSpeed derives it, and so does
-    this (the ranks from ``WORLD_SIZE``, which torchrun sets); three that disagree DeepSpeed
-    refuses, and so does this. A file with the total and the micro batch alone had trained
-    with no accumulation, a quarter of its batch per update, with one line of warning."""
+    this (``_world_size``); three that disagree DeepSpeed refuses, and so does this. A file
+    with the total and the micro batch alone had trained with no accumulation, a quarter of
+    its batch per update, with one line of warning."""
     given = {k: ds[k] for k in _BATCH if ds.get(k) not in (None, "auto")}
     total, micro = (r.number(k, given[k], int) if k in given else None for k in _BATCH)
-    world, gas = int(os.environ.get("WORLD_SIZE", "1")), out.get("gradient_accumulation_steps")
+    world, gas = _world_size(), out.get("gradient_accumulation_steps")
     if total is not None and micro is not None:
         whole, rest = divmod(total, micro * world * (gas or 1))
         if gas is None and not rest and whole >= 1:
@@ -304,7 +315,8 @@ def translate_and_warn(source: dict[str, Any], stacklevel: int = 2,
     in one warning."""
     data, ignored = translate(source, auto)
     if ignored:
-        warnings.warn("DeepSpeed keys ignored by outcore:\n  " + "\n  ".join(ignored),
+        warnings.warn("DeepSpeed keys ignored by outcore, or read otherwise:\n  "
+                      + "\n  ".join(ignored),
                       stacklevel=stacklevel + 1)
     return data
 
@@ -333,7 +345,7 @@ def _loss_scale(fp16: dict[str, Any], r: _Reader) -> dict[str, Any]:
         elif key == "loss_scale" and value in (0, 0.0):
             continue  # 0 is DeepSpeed's "dynamic", which is what outcore does
         elif key not in names and key != "enabled":
-            _check_spelling(path, key, _FP16_KEYS)
+            _check_spelling(path, key, FP16_KEYS)
             r.ignore(path, key)
     return out
 
@@ -363,7 +375,7 @@ def _optimizer(opt: dict[str, Any], r: _Reader) -> dict[str, Any]:
     for key, value in params.items():
         path = f"optimizer.params.{key}"
         if key not in keys:
-            _check_spelling(path, key, _OPTIMIZER_KEYS)
+            _check_spelling(path, key, OPTIMIZER_KEYS)
             r.ignore(path, key)
         elif not r.is_auto(path, value):
             out[key] = [r.number(path, v) for v in value] if key == "betas" else (
@@ -372,39 +384,6 @@ def _optimizer(opt: dict[str, Any], r: _Reader) -> dict[str, Any]:
         if key not in ("type", "params"):
             r.ignore(f"optimizer.{key}", key)
     return out
-
-
-# the keys DeepSpeed (0.19) knows in these sections, aliases included; it refuses others
-_ZERO_KEYS = frozenset((
-    "allgather_bucket_size", "allgather_partitions", "allgather_sequential", "compute_grad_norm",
-    "contiguous_gradients", "cpu_offload", "cpu_offload_param", "cpu_offload_params",
-    "cpu_offload_use_pin_memory", "elastic_checkpoint", "enable_sanity_checks",
-    "gather_16bit_weights_on_model_save", "ignore_unused_parameters", "leaf_module",
-    "legacy_stage1", "load_from_fp32_weights", "log_trace_cache_warnings", "max_live_parameters",
-    "max_reuse_distance", "memory_efficient_linear", "model_persistence_threshold",
-    "module_granularity_threshold", "offload_optimizer", "offload_param", "overlap_comm",
-    "override_module_apply", "param_persistence_threshold", "parameter_alignment",
-    "pipeline_loading_checkpoint", "prefetch_bucket_size", "reduce_bucket_size", "reduce_scatter",
-    "round_robin_gradients", "save_muon_momentum_buffer_in_memory", "stage",
-    "stage3_allgather_sequential", "stage3_gather_16bit_weights_on_model_save",
-    "stage3_gather_fp16_weights_on_model_save", "stage3_max_live_parameters",
-    "stage3_max_reuse_distance", "stage3_model_persistence_threshold",
-    "stage3_module_granularity_threshold", "stage3_param_persistence_threshold",
-    "stage3_prefetch_bucket_size", "stage3_use_all_reduce_for_fetch_params", "sub_group_size",
-    "use_all_reduce_for_fetch_params", "use_multi_rank_bucket_allreduce", "zenflow",
-    "zero_hpz_partition_size", "zero_quantized_gradients", "zero_quantized_nontrainable_weights",
-    "zero_quantized_weights"
-))
-_FP16_KEYS = frozenset((
-    "enabled", "auto_cast", "loss_scale", "initial_scale_power", "loss_scale_window",
-    "hysteresis", "consecutive_hysteresis", "min_loss_scale", "fp16_master_weights_and_grads"))
-_OPTIMIZER_KEYS = frozenset((  # Adam's, AdamW's and SGD's params in DeepSpeed's files
-    "lr", "betas", "eps", "weight_decay", "adam_w_mode", "amsgrad", "bias_correction",
-    "torch_adam", "fp32_optimizer_states", "momentum", "dampening", "nesterov"))
-_OFFLOAD_KEYS = frozenset((
-    "buffer_count", "buffer_size", "device", "max_in_cpu", "nvme_path", "pin_memory",
-    "cpuadam_cores_perc", "fast_init", "pipeline_read", "pipeline_write", "ratio", "super_offload"
-))
 
 
 def _check_spelling(path: str, key: str, known: frozenset[str]) -> None:
@@ -439,7 +418,7 @@ def _placement(section: dict[str, Any], name: str, out: dict[str, Any], r: _Read
         if other is None or name == "optimizer":
             off["nvme_path"] = folder
     for key in section:
-        _check_spelling(f"{path}.{key}", key, _OFFLOAD_KEYS)
+        _check_spelling(f"{path}.{key}", key, OFFLOAD_KEYS)
         if key not in ("device", "nvme_path", "buffer_count", "buffer_size"):
             r.ignore(f"{path}.{key}", key)
     count, size = (section.get(k, 0) for k in ("buffer_count", "buffer_size"))
@@ -478,7 +457,7 @@ def _zero(z: dict[str, Any], out: dict[str, Any], r: _Reader) -> None:
             else:
                 zero[name] = r.number(path, value, int) * 2
         else:
-            _check_spelling(path, key, _ZERO_KEYS)
+            _check_spelling(path, key, ZERO_KEYS)
             r.ignore(path, key)
     if max(pools) > 0:
         out.setdefault("offload", {})["host_buffer_bytes"] = max(pools)

@@ -33,7 +33,8 @@ def _holds_checkpoints(folder: Path) -> str:
     """What a refusal adds where ``folder`` is a root of checkpoints, not one (DeepSpeed's
     ``load_checkpoint(load_dir, tag)`` habit; ``outcore consolidate`` given the root)."""
     try:
-        inside = sorted(p.name for p in folder.iterdir() if (p / MANIFEST).is_file())
+        inside = sorted((p.name for p in folder.iterdir() if (p / MANIFEST).is_file()),
+                        key=lambda name: (len(name), name))  # step-2 before step-10
     except OSError:
         return ""
     if not inside:

@@ -154,9 +154,10 @@ def _as_groups(given: Any) -> list[dict[str, Any]]:
     if all(isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], torch.Tensor)
            for x in items):
         return [{"params": [p for _, p in items]}]
-    odd = next(x for x in items if not isinstance(x, (dict, torch.Tensor)))
-    raise ConfigError(f"param_groups holds a {type(odd).__name__}: give parameters, or dicts "
-                      "with a 'params' key (torch.optim's forms), not a mix")
+    odd = next((x for x in items if not isinstance(x, (dict, torch.Tensor))), None)
+    what = f"a {type(odd).__name__}" if odd is not None else "dicts and tensors together"
+    raise ConfigError(f"param_groups holds {what}: give parameters, or dicts with a 'params' "
+                      "key (torch.optim's forms), not a mix")
 
 
 def _check_fits(where: str, spec: dict[str, Any], optimizer: Any) -> None:
@@ -171,11 +172,13 @@ def _check_fits(where: str, spec: dict[str, Any], optimizer: Any) -> None:
                           "buffers: they are planned from the config's optimizer.momentum, "
                           "which is 0. Set it above 0 (groups without momentum then say "
                           "momentum=0), or give the adopted SGD a momentum as its default")
-    if optimizer.type in ("adam", "adamw") and decoupled is not None and (
-            bool(decoupled) != (optimizer.type == "adamw")):
-        raise ConfigError(f"{where}: decoupled_weight_decay={decoupled!r}, but this run's "
-                          f"optimizer is {optimizer.type}, whose weight decay every group "
-                          f"takes; set optimizer.type to {'adamw' if decoupled else 'adam'}")
+    decay = spec.get("weight_decay", getattr(optimizer, "weight_decay", 0.0))
+    if optimizer.type in ("adam", "adamw") and decoupled is not None and _number(decay) and (
+            bool(decoupled) != (optimizer.type == "adamw")):  # (no decay: the two agree)
+        raise ConfigError(f"{where}: decoupled_weight_decay={decoupled!r} with weight decay, "
+                          f"but this run's optimizer is {optimizer.type}, which decays every "
+                          f"group {'decoupled' if optimizer.type == 'adamw' else 'as L2'}; set "
+                          f"optimizer.type to {'adamw' if decoupled else 'adam'}")
 
 
 def _warn_near_misses(where: str, spec: dict[str, Any]) -> None:

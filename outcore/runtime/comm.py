@@ -13,6 +13,7 @@ parameters for these collectives is zero/collectives.py's.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -121,7 +122,8 @@ class Comm:
     def _all_reduce(self, t: torch.Tensor, op) -> torch.Tensor:
         return self._collective(t, "all-reduce", lambda wire: dist.all_reduce(wire, op=op))
 
-    def _collective(self, t: torch.Tensor, what: str, run) -> torch.Tensor:
+    def _collective(self, t: torch.Tensor, what: str,
+                    run: Callable[[torch.Tensor], object]) -> torch.Tensor:
         if self.world_size == 1:
             return t
         # NCCL reduces device memory only; the small host flags and norms outcore reduces

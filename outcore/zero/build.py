@@ -32,7 +32,7 @@ def shard_params(module: nn.Module, rt: Runtime, prepare: bool = True) -> list[S
     (``keep_resident``)."""
     fresh = [(n, p) for n, p in module.named_parameters() if managed(p) is None]
     check_alike_across_ranks(fresh, rt)
-    wide = [n for n, p in fresh if p.dtype == torch.float64]
+    wide = [n for n, p in module.named_parameters() if p.dtype == torch.float64]
     if wide:  # trained in fp32 with no word, and back at close() with fp32's precision
         warnings.warn(f"parameter{'s' * (len(wide) > 1)} {', '.join(wide[:3])}"
                       f"{' and more' * (len(wide) > 3)} {'are' if len(wide) > 1 else 'is'} "

@@ -82,7 +82,15 @@ def gathered_parameters(params: Iterable[nn.Parameter] | nn.Module, modify: bool
         if sps and not modify:
             sps[0].rt.write_watch = watch
             watch.begin()
-        yield plist
+        raised = True
+        try:
+            yield plist
+            raised = False
+        finally:  # every rank learns whether a body raised before the exit's collectives
+            if sps and sps[0].rt.world_size > 1 and sps[0].rt.comm.any_failed(raised) and (
+                    not raised):
+                raise ParamAccessError("gathered_parameters: the block raised on another rank "
+                                       "(see its error); nothing was written back on any rank")
         if modify and sps and sps[0].rt.world_size > 1:  # before anything is written back
             _writes_alike(sps, modifier_rank)
         ok = True
@@ -116,7 +124,7 @@ def gathered_parameters(params: Iterable[nn.Parameter] | nn.Module, modify: bool
 
 def _check_rank(rank: int, world: int) -> None:
     """A ``modifier_rank`` that is a rank of this job."""
-    if not isinstance(rank, int) or not 0 <= rank < world:
+    if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < world:
         raise ParamAccessError(f"gathered_parameters: modifier_rank={rank!r} is not a rank of "
                                f"this job (0 to {world - 1})")
 
@@ -134,7 +142,8 @@ def _writes_alike(sps: list[ShardedParam], source: int | None) -> None:
     differ = [sp.label() for sp, alike in zip(sps, same, strict=True) if not alike]
     if differ:
         raise ParamAccessError(
-            f"gathered_parameters(modify=True): the ranks wrote different values into "
+            f"gathered_parameters(modify=True): the ranks wrote different values (compared bit "
+            f"for bit) into "
             f"parameter {differ[0]}{f' (and {len(differ) - 1} more)' if len(differ) > 1 else ''}"
             ": each rank writes back its own slice of what it holds, so the parameter would "
             "keep a piece of each rank's values; nothing was written. Write the same values on "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -71,3 +72,20 @@ def test_report_is_a_png(tmp_path) -> None:
 def test_report_without_steps_still_renders(tmp_path) -> None:
     png = write_report(tmp_path / "missing.jsonl", tmp_path / "report.png")
     assert png.read_bytes()[:8] == _PNG_MAGIC
+
+
+def test_numbers_that_are_not_finite_are_written_as_null(tmp_path) -> None:
+    """A step skipped for an fp16 overflow has an infinite gradient norm, a diverged run a
+    NaN loss: json wrote Infinity and NaN, which strict JSON readers (jq, browsers) refuse.
+    The report still draws the run."""
+    metrics = tmp_path / "metrics.jsonl"
+    with MetricsWriter(metrics) as w:
+        for s in range(1, 6):
+            w.write({**_record(s), "grad_norm": float("inf") if s == 2 else 1.0,
+                     "loss": float("nan") if s == 4 else 5.0 / s})
+    lines = metrics.read_text().splitlines()
+    assert "Infinity" not in lines[1] and "NaN" not in lines[3]
+    records = [json.loads(line, parse_constant=pytest.fail) for line in lines]
+    assert records[1]["grad_norm"] is None and records[3]["loss"] is None
+    assert math.isnan(read_metrics(metrics)[3]["loss"])  # read back as the run had it
+    assert write_report(metrics, tmp_path / "report.png").read_bytes()[:8] == _PNG_MAGIC

@@ -363,3 +363,16 @@ def test_a_misspelt_precision_or_optimizer_key_is_refused(ds: dict, said: str) -
     power 16, weight decay 0); DeepSpeed refuses them."""
     with pytest.raises(ConfigError, match=f"did you mean '{said}'"):
         translate(ds)
+
+
+def test_the_ranks_are_the_joined_groups(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A job launched by mp.spawn sets no WORLD_SIZE: the group it joined says how many."""
+    import torch.distributed as dist
+
+    monkeypatch.setenv("WORLD_SIZE", "2")  # another launcher's, not this group's
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        out, _ = translate({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4})
+    finally:
+        dist.destroy_process_group()
+    assert out["gradient_accumulation_steps"] == 4

@@ -68,6 +68,7 @@ def test_torch_optims_other_forms_are_taken(form: str) -> None:
 
 @pytest.mark.parametrize(("given", "said"), [
     ([], "param_groups is empty"), ("not groups", "holds a str"),
+    ([{"params": []}, nn.Linear(2, 2).weight], "holds dicts and tensors together"),
     (nn.Linear(2, 2).weight, "not a Parameter"), ({"params": []}, "not a dict")])
 def test_what_torch_optim_would_refuse_is_named(given: object, said: str) -> None:
     with pytest.raises(ConfigError, match=said):
@@ -183,8 +184,10 @@ def test_a_subclass_under_another_name_is_refused() -> None:
 
 @pytest.mark.parametrize(("kind", "momentum", "spec", "said"), [
     ("sgd", 0.0, {"momentum": 0.9}, "momentum=0.9, but the run keeps no momentum buffers"),
-    ("adam", 0.0, {"decoupled_weight_decay": True}, "set optimizer.type to adamw"),
-    ("adamw", 0.0, {"decoupled_weight_decay": False}, "set optimizer.type to adam"),
+    ("adam", 0.0, {"decoupled_weight_decay": True, "weight_decay": 0.1},
+     "set optimizer.type to adamw"),
+    ("adamw", 0.0, {"decoupled_weight_decay": False, "weight_decay": 0.1},
+     "set optimizer.type to adam"),
 ])
 def test_group_keys_the_runs_optimizer_does_not_do_are_refused(kind: str, momentum: float,
                                                                spec: dict, said: str) -> None:
@@ -199,6 +202,10 @@ def test_group_keys_the_runs_optimizer_does_not_do_are_refused(kind: str, moment
         check_param_groups(model, [{"params": list(model.parameters()), **spec}], optimizer)
     fits = {"momentum": 0.0} if kind == "sgd" else {"decoupled_weight_decay": kind == "adamw"}
     assert check_param_groups(model, [{"params": list(model.parameters()), **fits}], optimizer)
+    if kind != "sgd":  # with no weight decay Adam and AdamW agree: torch Adam's groups pass
+        no_decay = {**spec, "weight_decay": 0.0}
+        assert check_param_groups(model, [{"params": list(model.parameters()), **no_decay}],
+                                  optimizer)
     if kind == "sgd":  # with momentum in the config, a group's own momentum is taken
         optimizer.momentum = 0.5
         assert check_param_groups(model, [{"params": list(model.parameters()), **spec}],

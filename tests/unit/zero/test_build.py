@@ -102,3 +102,11 @@ def test_a_float64_parameter_is_named_as_trained_in_fp32() -> None:
         engine = outcore.initialize(model, {"dtype": "fp32"})
     engine.close()
     assert model.weight.dtype == torch.float64
+
+
+def test_a_float64_parameter_built_under_init_is_named_too() -> None:
+    with outcore.init({"dtype": "fp32"}):
+        model = torch.nn.Linear(3, 2).double()
+    with pytest.warns(UserWarning, match="parameters weight, bias are float64"):
+        engine = outcore.initialize(model, {"dtype": "fp32"})
+    engine.close()

@@ -253,7 +253,36 @@ def test_writes_on_one_rank_are_refused_or_taken_from_modifier_rank(how: str,
     for said, got in run_world(_write_on_rank_zero, 2, how):
         assert got == ones
         if how == "rank 0 alone":
-            assert said is not None and "the ranks wrote different values into parameter " \
-                "weight" in said and "modifier_rank=0" in said, said
+            assert said is not None and "the ranks wrote different values (compared bit " \
+                "for bit) into parameter weight" in said and "modifier_rank=0" in said, said
         else:
             assert said is None, said
+
+
+def _raise_on_rank_one(kwargs: dict) -> list[Any]:
+    rank = int(os.environ["RANK"])
+    torch.manual_seed(0)
+    model = nn.Linear(8, 16)
+    engine = outcore.initialize(model, {"dtype": "fp32"})
+    said = None
+    try:
+        with engine.gathered_parameters([model.weight], **kwargs):
+            model.weight.data.fill_(1.0)
+            if rank == 1:
+                raise ValueError("the body failed on rank 1")
+    except (ValueError, outcore.ParamAccessError) as e:
+        said = str(e)
+    with engine.gathered_parameters([model.weight]):  # the ranks are still in step
+        ones = int((model.weight.data == 1.0).sum())
+    engine.close()
+    return [said, ones]
+
+
+@pytest.mark.parametrize("kwargs", [{"modify": True}, {"modifier_rank": 0}, {}])
+def test_a_block_that_raises_on_one_rank_writes_nothing_anywhere(kwargs: dict) -> None:
+    """The exit's collectives (the digests, the broadcast, the write check) were joined by
+    the ranks whose block finished only: paired with the other's next call, or a hang."""
+    first, second = run_world(_raise_on_rank_one, 2, kwargs, timeout=120)
+    assert first == ["gathered_parameters: the block raised on another rank (see its error); "
+                     "nothing was written back on any rank", 0], first
+    assert second == ["the body failed on rank 1", 0], second

@@ -15,8 +15,8 @@ Python stack per outermost forward, a few microseconds), and a read refused insi
 wrapper's constructor says what is wrong. A wrapper around another model (a DDP student
 that calls an outcore teacher in its forward) is that model's business and passes. FSDP2's
 ``fully_shard`` after ``initialize`` changes the model's class, which the forward checks.
-``nn.DataParallel`` is not refused: with one
-device per process, which is all outcore runs, it calls the model as it is.
+``nn.DataParallel`` is not refused: with one device per process, which is all outcore runs,
+it calls the model as it is.
 """
 
 from __future__ import annotations

@@ -54,11 +54,10 @@ def read_config_file(path: str | None) -> tuple[dict[str, Any], dict[str, Any]]:
     micro = loaded.get("train_micro_batch_size_per_gpu")
     if isinstance(micro, int) and not isinstance(micro, bool) and micro > 0:
         settings["train"] = {"batch": micro}  # the job is the data loader: --batch's default
-    said = {"train_micro_batch_size_per_gpu": "" if "train" in settings else None,
-            "scheduler": "scheduler: not read by outcore train, which runs --lr-schedule "
-                         "(cosine over --steps by default)"}
-    ignored = [said.get(line.split(":")[0]) or line for line in ignored
-               if said.get(line.split(":")[0]) != ""]
+    taken = "train_micro_batch_size_per_gpu:" if "train" in settings else None
+    ignored = [("scheduler: not read by outcore train, which runs --lr-schedule (cosine over "
+                "--steps by default)") if line.startswith("scheduler:") else line
+               for line in ignored if taken is None or not line.startswith(taken)]
     if ignored:
         warnings.warn("DeepSpeed keys ignored by outcore, or read otherwise:\n  "
                       + "\n  ".join(ignored),

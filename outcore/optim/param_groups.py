@@ -18,6 +18,8 @@ import torch
 from torch import nn
 
 from outcore.errors import ConfigError, user_stacklevel
+from outcore.optim import adafactor
+from outcore.runtime.plan import optimizer_state_kinds
 from outcore.runtime.same_config import digest_of
 
 if TYPE_CHECKING:
@@ -33,8 +35,7 @@ _KEYS_OF_TYPE = {"adam": ("lr", "betas", "eps", "weight_decay"),
                  "sgd": ("lr", "weight_decay", "momentum", "nesterov")}
 
 
-_COMPARED = (*HP_KEYS, "clip_threshold", "decay_rate", "beta1", "scale_parameter",
-             "relative_step", "warmup_init")
+_COMPARED = (*HP_KEYS, *(k for k in adafactor.DEFAULTS if k not in HP_KEYS))
 """What a group sets that an update reads, and so must be alike on every rank: the
 hyper-parameters, and Adafactor's own keys (its runner reads every key of its group)."""
 
@@ -167,7 +168,8 @@ def _check_fits(where: str, spec: dict[str, Any], optimizer: Any) -> None:
     Adam's weight decay is the type's, so a group's ``decoupled_weight_decay`` that says
     otherwise was dropped."""
     momentum, decoupled = spec.get("momentum"), spec.get("decoupled_weight_decay")
-    if optimizer.type == "sgd" and not optimizer.momentum and _number(momentum or 0):
+    planned = optimizer_state_kinds(optimizer.type, optimizer.momentum)
+    if optimizer.type == "sgd" and "momentum_buffer" not in planned and _number(momentum or 0):
         raise ConfigError(f"{where}: momentum={momentum!r}, but the run keeps no momentum "
                           "buffers: they are planned from the config's optimizer.momentum, "
                           "which is 0. Set it above 0 (groups without momentum then say "

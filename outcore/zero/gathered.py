@@ -20,11 +20,11 @@ from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
 import torch
-import xxhash
 from torch import nn
 from torch._C import DisableTorchFunctionSubclass
 
 from outcore.errors import ParamAccessError
+from outcore.zero.build import value_digest
 from outcore.zero.forward_writes import WriteWatch
 from outcore.zero.registry import managed
 from outcore.zero.state import ParamState
@@ -117,9 +117,10 @@ def gathered_parameters(params: Iterable[nn.Parameter] | nn.Module, modify: bool
 # wrote different values kept a piece of each: DeepSpeed's habit of writing on rank 0 alone
 # (``GatheredParameters(p, modifier_rank=0)``, transformers' init and resize under it) left
 # half a tensor new and half old at 2 ranks, with no word. So with ``modify=True`` the ranks
-# compare a digest of each parameter's values (xxh3 over its bytes, copied to the host in
-# pieces where it is on a device) and refuse a difference before anything is written back,
-# naming the parameter; or, given ``modifier_rank``, that rank's values are broadcast first.
+# compare a digest of each parameter's values (build.py's ``value_digest``, the one
+# ``initialize`` compares the ranks' models by) and refuse a difference before anything is
+# written back, naming the parameter; or, given ``modifier_rank``, that rank's values are
+# broadcast first.
 
 
 def _check_rank(rank: int, world: int) -> None:
@@ -138,7 +139,7 @@ def _writes_alike(sps: list[ShardedParam], source: int | None) -> None:
         for t in shown:
             comm.broadcast(t, source)
         return
-    same = comm.alike([_digest(t) for t in shown])
+    same = comm.alike([value_digest(t) for t in shown])
     differ = [sp.label() for sp, alike in zip(sps, same, strict=True) if not alike]
     if differ:
         raise ParamAccessError(
@@ -149,16 +150,6 @@ def _writes_alike(sps: list[ShardedParam], source: int | None) -> None:
             "keep a piece of each rank's values; nothing was written. Write the same values on "
             "every rank, or pass modifier_rank=0 to keep rank 0's (DeepSpeed's "
             "GatheredParameters(..., modifier_rank=0))")
-
-
-def _digest(t: torch.Tensor, piece: int = 16 << 20) -> int:
-    """xxh3 of ``t``'s bytes, read in pieces of ``piece`` elements (a device's through the
-    host); the same values give the same digest on every rank."""
-    h = xxhash.xxh3_64()
-    flat = t.detach().reshape(-1)
-    for i in range(0, flat.numel(), piece):
-        h.update(flat[i:i + piece].cpu().contiguous().view(torch.uint8).numpy().data)
-    return h.intdigest()
 
 
 def _same_on_every_rank(sps: list[ShardedParam], modify: bool) -> None:

@@ -224,23 +224,31 @@ def test_ranks_asking_for_different_parameters_are_refused_together(which: str) 
             assert ("0.bias (32)" if rank == 0 else "2.bias (32)") in got["said"]
 
 
-def _write_on_rank_zero(how: str) -> list[Any]:
-    rank = int(os.environ["RANK"])
+def _fill_ones(kwargs: dict, fills: bool, raises: bool) -> list[Any]:
+    """A 2-rank block that writes ones on the ranks ``fills`` says, and raises where
+    ``raises``; the error said here, and how many of the weight's values are ones after."""
     torch.manual_seed(0)
     model = nn.Linear(8, 16)
     engine = outcore.initialize(model, {"dtype": "fp32"})
     said = None
-    kwargs = {"modifier_rank": 0} if how == "modifier_rank" else {"modify": True}
     try:
         with engine.gathered_parameters([model.weight], **kwargs):
-            if rank == 0 or how == "every rank":
+            if fills:
                 model.weight.data.fill_(1.0)
-    except outcore.ParamAccessError as e:
+            if raises:
+                raise ValueError(f"the body failed on rank {os.environ['RANK']}")
+    except (ValueError, outcore.ParamAccessError) as e:
         said = str(e)
-    with engine.gathered_parameters([model.weight]):
+    with engine.gathered_parameters([model.weight]):  # the ranks are still in step
         ones = int((model.weight.data == 1.0).sum())
     engine.close()
     return [said, ones]
+
+
+def _write_on_rank_zero(how: str) -> list[Any]:
+    kwargs = {"modifier_rank": 0} if how == "modifier_rank" else {"modify": True}
+    rank = int(os.environ["RANK"])
+    return _fill_ones(kwargs, fills=rank == 0 or how == "every rank", raises=False)
 
 
 @pytest.mark.parametrize(("how", "ones"), [("rank 0 alone", 0), ("modifier_rank", 128),
@@ -260,22 +268,7 @@ def test_writes_on_one_rank_are_refused_or_taken_from_modifier_rank(how: str,
 
 
 def _raise_on_rank_one(kwargs: dict) -> list[Any]:
-    rank = int(os.environ["RANK"])
-    torch.manual_seed(0)
-    model = nn.Linear(8, 16)
-    engine = outcore.initialize(model, {"dtype": "fp32"})
-    said = None
-    try:
-        with engine.gathered_parameters([model.weight], **kwargs):
-            model.weight.data.fill_(1.0)
-            if rank == 1:
-                raise ValueError("the body failed on rank 1")
-    except (ValueError, outcore.ParamAccessError) as e:
-        said = str(e)
-    with engine.gathered_parameters([model.weight]):  # the ranks are still in step
-        ones = int((model.weight.data == 1.0).sum())
-    engine.close()
-    return [said, ones]
+    return _fill_ones(kwargs, fills=True, raises=os.environ["RANK"] == "1")
 
 
 @pytest.mark.parametrize("kwargs", [{"modify": True}, {"modifier_rank": 0}, {}])

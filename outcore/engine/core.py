@@ -28,7 +28,7 @@ from torch import nn
 
 from outcore.config import Config, merge_mappings
 from outcore.device.compute_dtype import DtypeChoice
-from outcore.engine import lifetime, stepping
+from outcore.engine import deepspeed_names, lifetime, stepping
 from outcore.engine.torch_optimizer import TorchOptimizer, adopt
 from outcore.errors import (
     ConfigError,
@@ -71,7 +71,7 @@ def initialize(model: nn.Module, cfg: Config | dict | str | None = None,
     return Engine(model, cfg, param_groups, optimizer)
 
 
-class Engine:
+class Engine(deepspeed_names.DeepSpeedNames):
     """A sharded model with its optimizer; call it like the module."""
 
     def __init__(self, module: nn.Module, cfg: Config | dict | str | None = None,
@@ -289,9 +289,8 @@ class Engine:
         drop_grads(self.module)  # e.g. a backward's before initialize
 
     def synchronize(self) -> None:
-        """Wait for every update the last ``step()`` or backward left running (pipeline.py's
-        [Note: the step's tail runs into the next forward]); the engine's own readers never
-        need this, but a timer or a memory measurement around ``step()`` alone does."""
+        """Wait for the updates the last ``step()`` or backward left running (pipeline.py's
+        [Note: the step's tail runs into the next forward]), for a timer around ``step()``."""
         self._check_open()
         self.sharded_optimizer.wait()
 
@@ -403,6 +402,7 @@ class Engine:
         self._check_open()
         self._check_nothing_shown("load_checkpoint()")
         self._reopen_boundary("load_checkpoint()")  # step() would drop the next update
+        deepspeed_names.check_keep_settings(keep_settings)  # not DeepSpeed's tag
         path = Path(path).expanduser()
         self._folders.hold(path.parent, self.rt.comm, self.rt.accel, create=False)
         try:

@@ -46,7 +46,11 @@ def check_client_state(client_state: dict[str, Any]) -> dict[str, Any]:
     """``client_state`` as the manifest stores it (``encode``); a ``ConfigError`` names the
     key or value that cannot be stored."""
     if not isinstance(client_state, dict):
-        raise ConfigError(f"client_state must be a dict, got {type(client_state).__name__}")
+        said = type(client_state).__name__
+        if isinstance(client_state, (str, int)):  # a DeepSpeed script's tag, in its place
+            said = (f"{client_state!r}: DeepSpeed's save_checkpoint(save_dir, tag) is "
+                    "save_checkpoint(os.path.join(save_dir, tag)) here")
+        raise ConfigError(f"client_state must be a dict, got {said}")
     for key in client_state:
         if not isinstance(key, str):
             raise ConfigError(f"client_state key {key!r} is not a string (JSON keys are strings)")

@@ -39,6 +39,7 @@ from outcore.offload.storage import CastShard, StoredShard
 from outcore.offload.tier import Tier
 from outcore.optim import adafactor
 from outcore.optim.hyperparams import HyperParamWatch, frozen
+from outcore.optim.param_groups import check_momentum_kept
 from outcore.optim.pipeline import InFlight, UpdateJob, UpdatePipeline
 from outcore.optim.speculation import (
     ParamState,
@@ -345,6 +346,7 @@ class ShardedOptimizer:
         by_group: dict[int, list[ShardedParam]] = {}
         for sp in sps:
             by_group.setdefault(self._hp_index[id(sp)], []).append(sp)
+        check_momentum_kept(self.param_groups, by_group, self.kind, self.state_kinds)
         return by_group
 
     # -- the pipeline's kernel (pipeline.py's Kernel) ---------------------------------------------
@@ -435,10 +437,9 @@ class ShardedOptimizer:
             return
         grads = [self._fp32_grad(work, i, sl) for i, sl in enumerate(work.params)]
         if self.kind in ("adamw", "adam"):
-            # each slice gets its own copy of the parameter's step count: the kernel
-            # increments it, and a parameter cut in several slices must advance only once.
-            # A fused kernel wants the counts beside the masters (on the GPU, there too):
-            # see staging.py's [Note: step counts cross in one copy].
+            # a copy of its parameter's step count per slice, which the kernel increments (a
+            # parameter cut in several slices advances once), beside the masters for a fused
+            # kernel: staging.py's [Note: step counts cross in one copy]
             steps = step_counts([self.state[sl.sp].step for sl in work.params],
                                 work.master[0].device, self.rt.accel)
             adam(
@@ -451,8 +452,7 @@ class ShardedOptimizer:
         else:
             bufs: list[torch.Tensor] | list[None] = (
                 work.states.get("momentum_buffer") or [None] * len(grads))
-            # torch types the buffers list[Tensor | None], and lists are invariant: a list of
-            # tensors (every momentum buffer there) is refused, though torch takes it
+            # torch types them list[Tensor | None], and lists are invariant (torch takes this)
             sgd(
                 work.master, grads, bufs,  # type: ignore[arg-type]
                 weight_decay=hp["weight_decay"],

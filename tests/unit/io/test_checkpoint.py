@@ -240,6 +240,36 @@ def test_corrupt_or_truncated_file_is_refused(saved, tmp_path: Path, victim: str
         outcore.consolidate(ckpt, tmp_path / "out.safetensors")
 
 
+def _load_refused(cfg: dict, ckpt: str) -> tuple[str, str, bool]:
+    model, eng = _engine(cfg, 1)
+    before = _weights(eng, model)
+    try:
+        eng.load_checkpoint(ckpt)
+    except outcore.StorageError as e:
+        error = (type(e).__name__, str(e))
+    else:
+        raise AssertionError("the load was not refused")
+    unchanged = all(torch.equal(a, b) for a, b in zip(
+        before.values(), _weights(eng, model).values(), strict=True))
+    eng.close()
+    return (*error, unchanged)
+
+
+def test_every_rank_names_a_damaged_rank_file(saved, tmp_path: Path) -> None:
+    """Rank 0, whose own file is sound, said only "failed on rank(s) [1]; see their errors":
+    now each rank raises the damaged rank's kind of error, quoting it (agreement.py's second
+    note), so ``outcore train --resume``'s advice reaches rank 0 as well."""
+    ckpt = shutil.copytree(saved[0], tmp_path / "ckpt")
+    _corrupt(ckpt / "rank00001-of-00002.safetensors", "flip")
+    results = run_world(_load_refused, 2, BASE, str(ckpt))
+    for kind, text, unchanged in results:
+        assert kind == "CorruptCheckpointError", text
+        assert "rank00001-of-00002.safetensors is corrupt" in text
+        assert unchanged  # nothing was half-loaded on either rank
+    assert results[0][1].startswith(f"checking checkpoint {ckpt} failed on rank 1: checkpoint "
+                                    "file")
+
+
 def test_model_mismatch_names_the_parameters(saved) -> None:
     model, eng = _engine(BASE, 1, cls=Renamed)
     with pytest.raises(outcore.ConfigError, match=r"\['gate2\.weight', 'gate2\.bias'\].*"

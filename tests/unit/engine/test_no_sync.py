@@ -79,3 +79,44 @@ def test_the_backward_after_no_sync_ends_the_accumulation_whatever_the_config(
             engine.backward(loss)
     assert engine.step()
     _closed_equal(engine, model, plain)
+
+
+def _ddp_loop(nvme: str) -> dict[str, torch.Tensor]:
+    """A DDP script's accumulation at 2 ranks, each on its half of every batch."""
+    model = _model()
+    engine = outcore.initialize(model, {
+        "dtype": "fp32", "optimizer": {"type": "sgd", "lr": 0.1, "momentum": 0.9},
+        "offload": {"optimizer": "nvme" if nvme else "none", "nvme_path": nvme or "."}})
+    rank, world = engine.rank, engine.world_size
+    for i, (x, y) in enumerate(_batches()):
+        part = slice(rank * 4 // world, (rank + 1) * 4 // world)
+        loss = nn.functional.mse_loss(engine(x[part]), y[part].to(engine.device)) / 3
+        if i % 3 != 2:
+            with engine.no_sync():
+                engine.backward(loss)
+        else:
+            engine.backward(loss)
+            assert engine.step()
+    engine.close()
+    return {n: p.detach().cpu() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("optimizer", ["none", "nvme"])
+def test_no_sync_at_two_ranks_equals_one_process_on_the_whole_batch(
+        tmp_path: Path, optimizer: str) -> None:
+    """Where no_sync matters: the gradients of three micro-batches, summed on each rank and
+    averaged over the ranks once, equal one process's on the whole batches."""
+    from tests.distributed import run_world
+
+    plain = _model()
+    opt = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
+    for i, (x, y) in enumerate(_batches()):
+        (nn.functional.mse_loss(plain(x), y) / 3).backward()
+        if i % 3 == 2:
+            opt.step()
+            opt.zero_grad()
+    nvme = str(tmp_path) if optimizer == "nvme" else ""
+    for weights in run_world(_ddp_loop, 2, nvme):
+        for name, p in plain.named_parameters():
+            torch.testing.assert_close(torch.as_tensor(weights[name]), p.detach(), rtol=1e-5,
+                                       atol=1e-6)

@@ -250,7 +250,9 @@ class Hooks:
             return
         refuse_untraceable(self)  # traced.py's note: before the frame, and outside suspended()
         with self.mode.suspended():
-            groups = self.module_groups[module]
+            # none for a module swapped in after initialize with these hooks copied onto it
+            # (prepare_qat, fuse_modules): what it touches is fetched on access, as PyTorch runs
+            groups = self.module_groups.get(module, [])
             # a submodule called on its own (after a forward left without its post hooks too)
             outer = not self._in_backward and (not self.frames or abandoned.drop(self))
             if self._in_backward:  # a recomputation: see [Note: frozen groups in backward]

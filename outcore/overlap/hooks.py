@@ -64,7 +64,7 @@ from outcore.zero.group import GatherGroup, PendingReduce
 from outcore.zero.load_agreement import agree_on_load
 from outcore.zero.registry import owner
 from outcore.zero.state import GroupState
-from outcore.zero.surface import refuse_replacing_load
+from outcore.zero.surface import REDUCES, refuse_replacing_load
 
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
@@ -151,7 +151,6 @@ class Hooks:
                 self._handles.append(m.register_forward_hook(self._post_forward, always_call=True))
         for g in groups:
             for sp in g.trainable:
-                # torch leaves this method unannotated
                 self._handles.append(
                     sp.param.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
                         self._make_grad_hook(sp))
@@ -383,6 +382,7 @@ class Hooks:
                     if g.holds == 0:
                         hooks.schedule.done(g)
 
+        setattr(hook, REDUCES, True)  # surface.py's [Note: hooks on a gradient run before ...]
         return hook
 
     def _plain_backward(self) -> bool:

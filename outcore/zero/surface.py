@@ -146,6 +146,8 @@ def dispatch(func: Any, args: Args, kwargs: Kwargs) -> Any:
         out = access.raw(func, args, kwargs)
         if out is None and func == GRAD_GET:  # method-wrappers: compare, not `is`
             _notice_grad_read(args[0])
+        elif func is _POST_ACCUMULATE:
+            _reduction_last(args[0])
         return out
     refuse_new_parameter(func, args)  # only a detach is looked at further
     refuse_replacing_conversion(func, args)  # only while torch.__future__ asks for it
@@ -160,6 +162,27 @@ def dispatch(func: Any, args: Args, kwargs: Kwargs) -> Any:
 
 
 _MODULE_PY = os.path.join("torch", "nn", "modules", "module.py")
+_POST_ACCUMULATE = torch.Tensor.register_post_accumulate_grad_hook
+REDUCES = "_outcore_reduces"
+"""The attribute that marks the engine's own post-accumulate hook on a parameter."""
+
+
+def _reduction_last(param: torch.Tensor) -> None:
+    """A post-accumulate hook registered on a parameter after ``initialize`` runs before the
+    engine's own, as one registered before it does.
+
+    [Note: hooks on a gradient run before its reduction]
+    The engine's hook on each trainable parameter (overlap/hooks.py) reduces its group's
+    gradients once the last of them arrives, and frees them. torch runs a parameter's
+    post-accumulate hooks in the order they were registered, so a hook of the user's
+    registered after ``initialize`` (a gradient logger; torch's optimizer-in-backward recipe)
+    ran after that reduction: it saw ``p.grad`` for some parameters and None for the last one
+    of each group, without a word, where one registered before ``initialize`` saw them all. So
+    each registration moves the engine's hook back to the end."""
+    hooks: dict[int, Any] = access.raw(getattr, (param, "_post_accumulate_grad_hooks"), {}) or {}
+    for key, fn in list(hooks.items()):
+        if getattr(fn, REDUCES, False):  # torch's C++ side walks the dict's insertion order,
+            hooks[key] = hooks.pop(key)  # which OrderedDict.move_to_end does not change
 
 
 def _notice_grad_read(param: torch.Tensor) -> None:

@@ -152,3 +152,46 @@ def test_fsdps_sharded_grad_scaler_is_refused_too(tmp_path: Path) -> None:
     with pytest.raises(outcore.OutcoreError, match=r"torch\.amp\.GradScaler cannot unscale"):
         scaler.step(engine.optimizer)
     engine.close()
+
+
+def _hooked_grads(tmp: Path, offload: str, when: str) -> dict[str, torch.Tensor]:
+    """Each parameter's ``p.grad`` as a post-accumulate hook registered ``when`` ("before" or
+    "after" ``initialize``, or "torch": no engine) sees it in one backward."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+    seen: dict[str, torch.Tensor] = {}
+
+    def register() -> None:
+        for name, p in model.named_parameters():
+            p.register_post_accumulate_grad_hook(
+                lambda t, name=name: seen.__setitem__(name, t.grad.detach().clone().cpu()))
+
+    if when in ("before", "torch"):
+        register()
+    engine = None if when == "torch" else outcore.initialize(model, {
+        "dtype": "fp32", "offload": {"params": offload, "optimizer": offload,
+                                     "nvme_path": str(tmp)}})
+    if when == "after":
+        register()
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(0))
+    if engine is None:
+        model(x).pow(2).mean().backward()
+    else:
+        engine.backward(engine(x.to(engine.device)).pow(2).mean())
+        engine.close()
+    return seen
+
+
+@pytest.mark.parametrize("offload", ["none", "nvme"])
+def test_a_post_accumulate_hook_registered_after_initialize_sees_every_gradient(
+        tmp_path: Path, offload: str) -> None:
+    """It ran after the engine's own hook, which reduces a module's gradients once the last
+    arrives, and saw None for that last one (each Linear's weight), silently; one registered
+    before ``initialize`` saw them all (surface.py's [Note: hooks on a gradient run before
+    its reduction])."""
+    want = _hooked_grads(tmp_path, offload, "torch")
+    for when in ("before", "after"):
+        got = _hooked_grads(tmp_path, offload, when)
+        assert got.keys() == want.keys(), (when, got.keys())
+        for name, grad in want.items():
+            torch.testing.assert_close(got[name], grad, msg=f"{when}: {name}")

@@ -195,3 +195,15 @@ def test_a_post_accumulate_hook_registered_after_initialize_sees_every_gradient(
         assert got.keys() == want.keys(), (when, got.keys())
         for name, grad in want.items():
             torch.testing.assert_close(got[name], grad, msg=f"{when}: {name}")
+
+
+def test_a_post_accumulate_hook_at_two_ranks_sees_each_ranks_gradient(tmp_path: Path) -> None:
+    """At more ranks the hook sees the rank's own gradient, before the average over ranks:
+    each rank runs the same batch here, so that is torch's."""
+    from tests.distributed import run_world
+
+    want = _hooked_grads(tmp_path, "none", "torch")
+    for got in run_world(_hooked_grads, 2, tmp_path, "none", "after"):
+        assert got.keys() == want.keys()
+        for name, grad in want.items():
+            torch.testing.assert_close(torch.as_tensor(got[name]), grad, msg=name)

@@ -17,7 +17,9 @@ use (more than one rank, or parameters kept on NVMe, or in host memory for a GPU
   would be an empty placeholder by then. ``vmap`` alone keeps no state across the forward
   and runs as usual.
 Both are refused when the forward begins, before anything is fetched, naming the ways out:
-a plain copy of the model, or a configuration whose parameters stay in place.
+a plain copy of the model, or a configuration whose parameters stay in place. So is a forward
+inside ``torch.autograd.graph.disable_saved_tensors_hooks`` (a library's guard), which
+raised the guard's own message, saying nothing of why outcore needs the hooks.
 """
 
 from __future__ import annotations
@@ -45,7 +47,8 @@ def refuse_untraceable(hooks: Hooks) -> None:
         return
     tracing = torch._C._get_tracing_state() is not None
     transform = _differentiating()
-    if not tracing and transform is None:  # every training step: two C calls
+    unhooked = not torch._C._autograd._saved_tensors_hooks_is_enabled()  # type: ignore[attr-defined]
+    if not tracing and transform is None and not unhooked:  # every training step: 3 C calls
         return
     if not hooks.schedule.movable:
         if transform is not None and hooks.rt.plan.defers_updates:
@@ -59,6 +62,13 @@ def refuse_untraceable(hooks: Hooks) -> None:
             "the traced module would keep the parameters themselves and run without "
             f"outcore's fetches; {_COPY}. torch.export.export(model, ...) works on the "
             "model at one rank")
+    if transform is None:  # torch.autograd.graph.disable_saved_tensors_hooks(message)
+        raise ParamAccessError(
+            f"a forward inside torch.autograd.graph.disable_saved_tensors_hooks, of a model "
+            f"whose parameters outcore gathers per use ({where}): outcore's backward fetches a "
+            "released parameter again through saved-tensor hooks. Run the forward outside "
+            "that block, or where the parameters stay in place (one rank, offload.params "
+            "'none', or 'cpu' on a CPU device)")
     raise ParamAccessError(
         f"torch.func.{transform} over a model whose parameters outcore gathers per use "
         f"({where}): autograd inside torch's transforms cannot fetch a released parameter "

@@ -155,6 +155,29 @@ def test_func_grad_works_in_place_and_is_refused_where_parameters_move(
     engine.close()
 
 
+@pytest.mark.parametrize("offload", TIERS)
+def test_a_forward_with_saved_tensor_hooks_disabled(tmp_path: Path, offload: str) -> None:
+    """A library's ``disable_saved_tensors_hooks`` guard around the forward: where parameters
+    move, outcore's backward needs those hooks, and the refusal says so (torch raised the
+    guard's own message); in place the forward runs as PyTorch's."""
+    model = _net()
+    engine = outcore.initialize(model, _cfg(offload, str(tmp_path)))
+    x = _X.to(engine.device)
+    guard = torch.autograd.graph.disable_saved_tensors_hooks("no hooks in my library")
+    if engine.schedule.movable:
+        with guard, pytest.raises(ParamAccessError,
+                                  match=r"disable_saved_tensors_hooks.*Run the forward outside"):
+            engine(x)
+        assert engine.schedule_stats()["fetches"] == 0, "refused before anything was fetched"
+    else:
+        with guard:
+            out = engine(x)
+        torch.testing.assert_close(out.detach().cpu(), _net()(_X).detach(), rtol=1e-5,
+                                   atol=1e-6)
+    torch.testing.assert_close(_losses(engine, 2), _plain_losses(2)[1], rtol=1e-5, atol=1e-6)
+    engine.close()
+
+
 def test_a_read_that_fails_part_way_leaves_the_model_working(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A disk read refused in the middle of a group's fetch (an I/O error), with the group

@@ -249,6 +249,24 @@ def refuse_meta_move(func: Any, args: Args, kwargs: Kwargs) -> None:
         "engine.close() (or build on the meta device under outcore.init). No parameter was moved")
 
 
+def layout_only(func: Any, args: Args, kwargs: Kwargs) -> bool:
+    """Whether ``func`` is ``model.to(memory_format=...)``'s call on a sharded parameter (torch's
+    ``Module._apply``) that changes nothing but the memory layout: outcore keeps its
+    parameters' layout (the forward computes with contiguous full tensors gathered from
+    flat shards), so the parameter itself is the answer and the values stay. At more ranks
+    the conversion was refused as a read from one rank, naming ``gathered_parameters``."""
+    if func is not TO or len(args) < 1 or registry.managed(args[0]) is None:
+        return False
+    try:
+        device, dtype, _, fmt = torch._C._nn._parse_to(*args[1:], **kwargs)
+    except (TypeError, RuntimeError):
+        return False  # torch's own call will say what is wrong
+    obj = args[0]
+    return (fmt not in (None, torch.preserve_format) and dtype in (None, obj.dtype)
+            and (device is None or (device.type == obj.device.type and device.index in (
+                None, obj.device.index))) and called_from(_MODULE_APPLY))
+
+
 def refuse_replacing_conversion(func: Any, args: Args) -> None:
     """Refuse a module conversion (``model.half()``, ``.to(...)``, ``.cpu()``) of a sharded
     parameter while torch's ``torch.__future__`` flags make conversions replace parameters.

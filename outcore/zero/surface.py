@@ -78,6 +78,7 @@ from outcore.zero.calls import (
     Kwargs,
     is_live,
     kind_of,
+    layout_only,
     refuse_grad_assignment,
     refuse_grad_of_gathered,
     refuse_meta_move,
@@ -152,6 +153,8 @@ def dispatch(func: Any, args: Args, kwargs: Kwargs) -> Any:
     refuse_new_parameter(func, args)  # only a detach is looked at further
     refuse_replacing_conversion(func, args)  # only while torch.__future__ asks for it
     refuse_meta_move(func, args, kwargs)  # only a module's .to() looks further
+    if layout_only(func, args, kwargs):  # model.to(memory_format=...): the layout is outcore's
+        return args[0]
     refuse_grad_of_gathered(func, args, kwargs)  # only torch.autograd.grad looks further
     touched = access.touched(args, kwargs)
     if not touched:

@@ -200,3 +200,44 @@ def test_share_memory_is_refused_as_the_call_the_user_made(tmp_path: Path) -> No
                                                "change the storage"):
         model.weight.share_memory_()  # the tensor's own call keeps its own words
     engine.close()
+
+
+def _conv_losses(nvme: str, convert: bool) -> list[float]:
+    """A conv net trained 3 steps, ``model.to(memory_format=torch.channels_last)`` after
+    ``initialize`` (``convert``), inputs in channels_last either way; each rank on the same
+    batch, so any world size trains as one process."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 6, 3, padding=1), nn.ReLU(), nn.Conv2d(6, 4, 3),
+                          nn.Flatten(), nn.Linear(4 * 6 * 6, 2))
+    place = "nvme" if nvme else "none"
+    engine = outcore.initialize(model, {
+        "dtype": "fp32", "optimizer": {"type": "adamw", "lr": 1e-2},
+        "offload": {"params": place, "optimizer": place, "nvme_path": nvme or "."}})
+    if convert:
+        assert model.to(memory_format=torch.channels_last) is model
+    losses = []
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(4, 3, 8, 8, generator=g).contiguous(memory_format=torch.channels_last)
+        loss = engine(x.to(engine.device)).pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    engine.close()
+    return losses
+
+
+@pytest.mark.parametrize(("world", "offload"), [(1, "none"), (1, "nvme"), (2, "none")])
+def test_a_memory_format_conversion_keeps_the_values(tmp_path: Path, world: int,
+                                                     offload: str) -> None:
+    """The layout is outcore's (it computes with full tensors gathered from flat shards), so
+    ``model.to(memory_format=...)`` changes nothing and training is the same; at more ranks
+    it was refused as a read of one rank's values, naming gathered_parameters."""
+    from tests.distributed import run_world
+
+    nvme = str(tmp_path) if offload == "nvme" else ""
+    want = _conv_losses(nvme, convert=False)
+    got = ([_conv_losses(nvme, True)] if world == 1
+           else run_world(_conv_losses, world, nvme, True))
+    for losses in got:
+        assert losses == pytest.approx(want, rel=1e-6, abs=1e-7)

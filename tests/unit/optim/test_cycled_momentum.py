@@ -51,11 +51,11 @@ def test_cycled_momentum_without_buffers_is_refused_before_any_update(
     x, y = _batches()[0]
     with pytest.raises(outcore.ConfigError,
                        match=r"param group 0: momentum=0\.9 at this step.*cycle_momentum=False"):
-        engine.backward(nn.functional.mse_loss(engine(x), y))
+        engine.backward(nn.functional.mse_loss(engine(x), y.to(engine.device)))
         engine.step()
     engine.close()
     for p, b in zip(model.parameters(), before, strict=True):
-        assert torch.equal(p.detach(), b)
+        assert torch.equal(p.detach().cpu(), b.cpu())
 
 
 @pytest.mark.parametrize("where", ["none", "nvme"])
@@ -72,9 +72,9 @@ def test_cycled_momentum_with_buffers_trains_as_torch(tmp_path: Path, where: str
     engine = outcore.initialize(model, _cfg(tmp_path, where, 0.9))
     sched = _cyclic(engine.optimizer)
     for x, y in _batches():
-        engine.backward(nn.functional.mse_loss(engine(x), y))
+        engine.backward(nn.functional.mse_loss(engine(x), y.to(engine.device)))
         engine.step()
         sched.step()
     engine.close()
     for a, b in zip(model.parameters(), plain.parameters(), strict=True):
-        torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(a.detach().cpu(), b.detach(), rtol=1e-5, atol=1e-6)

@@ -60,7 +60,7 @@ def _qat_losses(nvme: str, after: bool = True) -> list[float]:
     losses = []
     for x, y in _batches():
         part = slice(rank * 4 // world, (rank + 1) * 4 // world)
-        loss = nn.functional.mse_loss(model(x[part]), y[part])
+        loss = nn.functional.mse_loss(model(x[part]), y[part].to(engine.device))
         engine.backward(loss)
         engine.step()
         mean = loss.detach().clone()
@@ -97,6 +97,7 @@ def test_prepare_qat_after_initialize_at_two_ranks_as_before_it() -> None:
     assert got[0] == pytest.approx(want[0], rel=1e-6, abs=1e-7)
 
 
+@pytest.mark.cpu_only("quantize_dynamic's kernels are CPU-only")
 def test_fused_and_dynamically_quantized_modules_run_as_torch() -> None:
     """``fuse_modules`` (train mode: the fused module wraps the conv and the norm outcore
     grouped) and ``quantize_dynamic(inplace=True)`` (new modules with their own weights)."""
@@ -111,7 +112,7 @@ def test_fused_and_dynamically_quantized_modules_run_as_torch() -> None:
     model = net()
     engine = outcore.initialize(model, {"dtype": "fp32"})
     tq.fuse_modules_qat(model, [["0", "1", "2"]], inplace=True)
-    torch.testing.assert_close(model(x), plain(x))
+    torch.testing.assert_close(model(x).cpu(), plain(x))
     engine.close()
 
     plain, model = net().eval(), net().eval()

@@ -30,15 +30,20 @@ class Handle(Protocol):
 
 
 class NamedFailure:
-    """Turns a collective's failure into one clear error naming the likely cause."""
+    """Turns a collective's failure into one clear error naming the likely cause, and runs
+    the collective past torch function modes: outcore's collectives move its own data, and a
+    mode that sees them (``torch.export``'s, tracing a forward inside ``gathered_parameters``)
+    recorded one into its graph and waited there for ranks that never join."""
 
     def __init__(self, comm: Comm, what: str) -> None:
         self.comm, self.what = comm, what
+        self._plain = torch._C.DisableTorchFunction()
 
     def __enter__(self) -> None:
-        return None
+        self._plain.__enter__()
 
     def __exit__(self, kind, err, tb) -> None:
+        self._plain.__exit__(kind, err, tb)
         if err is not None:
             self.comm.failed = True
         if err is not None and isinstance(err, RuntimeError) and not isinstance(err, CommError):

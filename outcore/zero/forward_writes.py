@@ -30,6 +30,7 @@ watched ones were sorted out once instead of at every start).
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
@@ -39,6 +40,7 @@ from torch._C import DisableTorchFunctionSubclass
 
 from outcore.errors import ParamAccessError
 from outcore.zero.state import USER_OWNED
+from outcore.zero.untraced import tracer_active, untraced
 
 if TYPE_CHECKING:
     from outcore.zero.param import ShardedParam
@@ -144,7 +146,10 @@ class WriteWatch:
         if comm.world_size == 1:
             return written
         ended = (_ENDS[where], int(torch.is_grad_enabled() and where == "forward"))
-        wrote, *same = comm.alike([int(bool(written)), *ended])
+        # a forward torch.export traces (inside gathered_parameters at more ranks) agrees on
+        # real numbers: outside the tracer, as the fetches run (untraced.py's note)
+        with untraced() if tracer_active() else contextlib.nullcontext():
+            wrote, *same = comm.alike([int(bool(written)), *ended])
         if not all(same):
             raise ParamAccessError(
                 f"the ranks are out of step: this rank (rank {comm.rank}) ended "

@@ -89,9 +89,14 @@ def refuse_wrapper_call(root: nn.Module) -> None:
                           f"outcore.initialize: {ADVICE}")
 
 
-def wrapper_hint() -> str:
-    """What a refusal says in addition where DDP or FSDP made the refused call."""
-    return f" (here DDP or FSDP made the call: {ADVICE})" if in_wrapper() else ""
+def wrapped_read(label: str) -> str | None:
+    """Why a read of parameter ``label`` is refused where DDP or FSDP made it (their
+    constructors read every parameter, to broadcast or flatten it): said first, since the
+    advice for a read of the user's own (gather it) does not apply; None elsewhere."""
+    if not in_wrapper():
+        return None
+    return (f"DDP or FSDP around a model outcore holds read parameter {label} (wrapping it in "
+            f"DistributedDataParallel, or accelerate's prepare(model) at more ranks): {ADVICE}")
 
 
 _DCP = (os.path.join("torch", "distributed", "checkpoint", "state_dict.py"),)

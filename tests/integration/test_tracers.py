@@ -220,6 +220,28 @@ def _two_ranks(swap: str) -> dict[str, Any]:
     return {"refusals": refusals, "traced": traced.tolist(), "losses": losses}
 
 
+def _export_inside_gathered(swap: str) -> list[float]:
+    """After a step, torch.export inside gathered_parameters at 2 ranks: the forward's own
+    collectives ran under export's modes, which crashed on a data-dependent guard or waited
+    in a recorded all-gather for ranks that never joined."""
+    model = _net()
+    engine = outcore.initialize(model, _cfg("none", swap))
+    x = _X.to(engine.device)
+    _losses(engine, 1)
+    with engine.gathered_parameters():
+        program = torch.export.export(model, (x,))
+        got, want = program.module()(x), model(x)
+    torch.testing.assert_close(got, want)
+    out = got.detach().cpu().flatten().tolist()
+    engine.close()
+    return out
+
+
+def test_at_two_ranks_export_inside_gathered_parameters_works(tmp_path: Path) -> None:
+    first, second = run_world(_export_inside_gathered, 2, str(tmp_path), timeout=120)
+    assert first == second
+
+
 def test_at_two_ranks_jit_trace_and_func_grad_are_refused_on_every_rank(
         tmp_path: Path) -> None:
     want = _plain_after(0)(_X)

@@ -111,10 +111,12 @@ def _wrap_after(swap: str) -> str:
 
 def test_ddps_read_at_more_ranks_names_the_wrap(tmp_path: Path) -> None:
     """DDP's constructor reads each parameter outside the forward: the refusal named
-    gathered_parameters, which is not the way out."""
+    gathered_parameters, which is not the way out, and then the wrap; it now says the wrap
+    alone."""
     for said in run_world(_wrap_after, 2, str(tmp_path)):
-        assert "outside the forward at world size 2" in said, said
-        assert "(here DDP or FSDP made the call: outcore already runs" in said, said
+        assert said.startswith("DDP or FSDP around a model outcore holds read parameter "), said
+        assert "outcore already runs the data parallelism" in said, said
+        assert "gathered_parameters" not in said, said
 
 
 def test_dcps_optimizer_state_before_the_first_step_names_the_way(

@@ -25,6 +25,7 @@ from outcore.io.manifest import latest_checkpoint
 from outcore.io.pretrained import load_pretrained
 from outcore.memory.activations import checkpoint_activations, offload_activations
 from outcore.memory.tiling import TiledLinear, tile_linears
+from outcore.optim.deepspeed_schedule import deepspeed_scheduler
 from outcore.sizing import placement as _placement  # noqa: F401 - answers Config.auto
 from outcore.zero.gathered import gathered_parameters
 from outcore.zero.init import init
@@ -49,6 +50,7 @@ __all__ = [
     "TiledLinear",
     "checkpoint_activations",
     "consolidate",
+    "deepspeed_scheduler",
     "gathered_parameters",
     "init",
     "initialize",

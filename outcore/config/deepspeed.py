@@ -81,8 +81,9 @@ _IGNORED = {
     "consecutive_hysteresis": "fp16 halves the scale on every overflow",
     "torch_adam": "outcore always runs torch's own kernels",
     "fused": "outcore picks torch's fused kernel where the device has one",
-    "scheduler": "the learning-rate schedule belongs to the training loop: any "
-                 "torch.optim.lr_scheduler works on engine.optimizer",
+    "scheduler": "a loop of your own builds it with outcore.deepspeed_scheduler("
+                 "engine.optimizer, config) and steps it when engine.step() returns True "
+                 "(OutcoreTrainer reads it itself)",
     "amp": "precision comes from the bf16 / fp16 sections or outcore's dtype",
 }
 # keys whose "auto" the Trainer fills (transformers' DeepSpeed integration does the same)

@@ -50,9 +50,10 @@ ELSEWHERE: dict[str, str] = {
                          "for an fp16 overflow)"),
     "skipped_steps": ("engine.step() returns False for a step skipped for an fp16 overflow; "
                       "count those in your loop"),
-    "lr_scheduler": ("outcore runs no scheduler of its own outside OutcoreTrainer: build a "
-                     "torch.optim.lr_scheduler on engine.optimizer and call its step() after "
-                     "engine.step()"),
+    "lr_scheduler": ("outcore.deepspeed_scheduler(engine.optimizer, ds_config) builds the "
+                     "config's scheduler section (or any torch.optim.lr_scheduler on "
+                     "engine.optimizer); call its step() when engine.step() returns True, "
+                     "once per update, as DeepSpeed's engine steps its own"),
     "set_gradient_accumulation_boundary": (
         "with engine.no_sync(): engine.backward(loss) accumulates; the backward after the "
         "block ends the accumulation, as under DDP"),
@@ -60,6 +61,13 @@ ELSEWHERE: dict[str, str] = {
         "engine.is_accumulation_boundary (a property) says whether the last backward ended an "
         "accumulation, so that step() updates; DeepSpeed's answers for the micro-batch in "
         "progress, before its backward too"),
+    "fp16_enabled": ("engine.dtype == torch.float16 (the compute dtype; the engine casts "
+                     "floating inputs to it)"),
+    "bfloat16_enabled": ("engine.dtype == torch.bfloat16 (the compute dtype; the engine casts "
+                         "floating inputs to it)"),
+    "dp_world_size": "engine.world_size",
+    "gradient_clipping": "engine.cfg.gradient_clipping",
+    "config": "engine.cfg, outcore's Config (a DeepSpeed file's keys translated)",
     "destroy": "engine.close()",
     "empty_partition_cache": ("nothing: a layer's full weights exist only while it runs, "
                               "and are released after"),

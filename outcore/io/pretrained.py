@@ -26,6 +26,7 @@ from safetensors import safe_open
 from torch import nn
 
 from outcore.errors import ConfigError
+from outcore.io.publish import MANIFEST
 from outcore.io.safetensors_stream import read_flat_range
 from outcore.zero.deferred import few_names, folder_tensors
 from outcore.zero.folder_names import folder_names
@@ -45,7 +46,12 @@ def load_pretrained(model: nn.Module, path: str | os.PathLike[str]) -> None:
     any of their names. Every rank must call this (collective only in that each rank reads
     its own slices; no communication is needed).
     """
-    where = weight_files(Path(path).expanduser())
+    folder = Path(path).expanduser()
+    if (folder / MANIFEST).is_file():  # a checkpoint's files hold slices and optimizer state
+        raise ConfigError(f"{path} is an outcore checkpoint (it holds {MANIFEST}): load it "
+                          f"with engine.load_checkpoint({str(path)!r}), or write its weights "
+                          f"with outcore.consolidate({str(path)!r}, out) and load those")
+    where = weight_files(folder)
     params: list[tuple[list[str], nn.Parameter]] = []
     by_id: dict[int, int] = {}
     for name, p in model.named_parameters(remove_duplicate=False):

@@ -87,6 +87,26 @@ def test_name_and_shape_mismatches_are_clear_errors(tmp_path: Path) -> None:
         outcore.load_pretrained(model, tmp_path / "nope")
 
 
+def test_an_outcore_checkpoint_is_named_with_the_ways_to_load_it(tmp_path: Path) -> None:
+    """A DeepSpeed user's load_checkpoint(..., load_module_only=True) habit: the checkpoint
+    folder given to load_pretrained was refused as weights that do not match the model
+    (its optimizer-state names unexpected); it is named, then consolidated and loaded."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    engine = outcore.initialize(model, {"dtype": "fp32"})
+    engine.save_checkpoint(tmp_path / "ckpt")
+    want = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
+    engine.close()
+    fresh = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    with pytest.raises(outcore.ConfigError, match=r"is an outcore checkpoint.*"
+                                                  r"engine\.load_checkpoint.*outcore\.consolidate"):
+        outcore.load_pretrained(fresh, tmp_path / "ckpt")
+    outcore.consolidate(tmp_path / "ckpt", tmp_path / "weights")
+    outcore.load_pretrained(fresh, tmp_path / "weights")
+    for name, p in fresh.named_parameters():
+        assert torch.equal(p.detach(), want[name]), name
+
+
 def test_one_flat_range_reader_for_weights_and_checkpoints(tmp_path: Path) -> None:
     """``read_flat_range`` (safetensors_stream.py) reads any element range of a flattened
     tensor: one N-d tensor in one file (pretrained weights, read by rows) or a flat tensor cut

@@ -290,7 +290,7 @@ class Engine(deepspeed_names.DeepSpeedNames):
 
     def synchronize(self) -> None:
         """Wait for the updates the last ``step()`` or backward left running (pipeline.py's
-        [Note: the step's tail runs into the next forward]), for a timer around ``step()``."""
+        [Note: the step's tail runs into the next forward]): only a timer around it needs it."""
         self._check_open()
         self.sharded_optimizer.wait()
 

@@ -96,7 +96,10 @@ class DeepSpeedNames:
         return 3
 
     def __getattr__(self, name: str) -> Any:
-        # only reached for a name the engine does not have
+        # reached for a name the engine does not have, and for a property of the engine's
+        # that raised AttributeError: run it again, so its own error is what is seen
+        if isinstance(getattr(type(self), name, None), property):
+            return object.__getattribute__(self, name)
         hint = ELSEWHERE.get(name)
         if hint is None:
             raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'",

@@ -3,29 +3,30 @@
 [Note: the recipe's schedule]
 Under transformers' DeepSpeed integration a config with a ``scheduler`` section replaces the
 Trainer's ``lr_scheduler_type``: DeepSpeed builds WarmupLR, WarmupDecayLR or WarmupCosineLR,
-its ``"auto"`` values (and the keys left out) filled from ``TrainingArguments``: the warm-up
-from 0 to ``learning_rate`` over ``get_warmup_steps``, the total from the run's step count.
-A recipe carried over to outcore expects the same schedule: the curves are
-optim/deepspeed_schedule.py's, with those values. A number that the section states and the
-Trainer states otherwise (the warm-up or total steps) is refused, as transformers refuses it.
+its ``"auto"`` values filled from ``TrainingArguments`` (the warm-up from 0 to
+``learning_rate`` over ``get_warmup_steps``, the total from the run's step count), the keys
+left out taking DeepSpeed's defaults. A recipe carried over to outcore expects the same
+schedule: the curves are optim/deepspeed_schedule.py's, with those values. A number that the
+section states and the Trainer states otherwise (the peak, the warm-up or total steps) is
+refused, as transformers refuses it.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from outcore.config.deepspeed import number
 from outcore.errors import ConfigError
-from outcore.optim.deepspeed_schedule import MISSING, REQUIRED, SUPPORTED, build
+from outcore.optim.deepspeed_schedule import MISSING, REQUIRED, SUPPORTED, DeepSpeedLR, build
 
 __all__ = ["SUPPORTED", "deepspeed_scheduler"]
 
 
 def deepspeed_scheduler(spec: dict[str, Any], optimizer: torch.optim.Optimizer, args: Any,
-                        num_training_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
-    """The LambdaLR equivalent of DeepSpeed's scheduler ``spec``, "auto" from ``args``."""
+                        num_training_steps: int) -> DeepSpeedLR:
+    """DeepSpeed's scheduler ``spec`` over ``optimizer``, "auto" from ``args``."""
     if spec.get("type") not in SUPPORTED:
         raise ConfigError(f"DeepSpeed config scheduler.type: {spec.get('type')!r} is not "
                           f"supported under OutcoreTrainer; use one of {', '.join(SUPPORTED)}, "
@@ -33,14 +34,19 @@ def deepspeed_scheduler(spec: dict[str, Any], optimizer: torch.optim.Optimizer, 
     theirs = {"warmup_num_steps": (max(1, args.get_warmup_steps(num_training_steps)),
                                    "warmup_steps"),
               "total_num_steps": (num_training_steps, "number of training steps"),
-              "warmup_max_lr": (float(args.learning_rate), None)}
+              "warmup_max_lr": (float(args.learning_rate), "learning_rate")}
 
     def fill(key: str, given: Any, default: Any) -> float | None:
-        """The section's number, else the Trainer's value (else DeepSpeed's default); a
-        number that differs from the Trainer's is refused."""
+        """"auto": the Trainer's value; left out: DeepSpeed's default (transformers fills
+        only "auto"); a number that differs from the Trainer's is refused."""
         auto, name = theirs.get(key, (None, None))
-        if given is MISSING or given == "auto":
-            return auto if auto is not None else (None if default is REQUIRED else default)
+        if given is MISSING and default is REQUIRED:
+            raise ConfigError(f"DeepSpeed config scheduler.params.{key} is needed (DeepSpeed "
+                              "has no default for it); \"auto\" takes the Trainer's")
+        if given is MISSING:
+            return cast("float | None", default)
+        if given == "auto":
+            return auto if auto is not None else cast("float | None", default)
         mine = float(number(f"scheduler.params.{key}", given))
         if name is not None and mine != auto:
             raise ConfigError(f"DeepSpeed config scheduler.params.{key}={given!r} and the "

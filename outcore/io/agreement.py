@@ -62,9 +62,9 @@ def _errors(rt: Any, err: Exception | None) -> dict[int, tuple[type[Exception], 
     table = torch.zeros(rt.world_size, 2 + _SAID, dtype=torch.int32)
     if err is not None:
         kind = next((i for i, k in reversed(list(enumerate(_KINDS))) if isinstance(err, k)), 0)
-        text = str(err).encode()[:_SAID]
+        text = (str(err) or type(err).__name__).encode()[:_SAID]
         table[rt.rank, 0], table[rt.rank, 1] = kind + 1, len(text)
-        table[rt.rank, 2 : 2 + len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+        table[rt.rank, 2 : 2 + len(text)] = torch.tensor(list(text), dtype=torch.int32)
     dev = rt.accel.to_device(table)
     rt.comm.all_reduce_sum(dev)
     table = dev.cpu()

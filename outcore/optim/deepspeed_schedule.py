@@ -4,17 +4,19 @@
 DeepSpeed builds WarmupLR, WarmupDecayLR or WarmupCosineLR from a config's ``scheduler``
 section and steps it after each applied update (not after a step skipped for an fp16
 overflow). A script or a recipe carried over to outcore expects the same rates, so the same
-three curves are built here as a torch ``LambdaLR`` over the engine's optimizer, one factor
-per param group, with DeepSpeed 0.19's formulas: a logarithmic (default) or linear warm-up
-from ``warmup_min_lr`` to ``warmup_max_lr``, then constant (WarmupLR), linear decay back to
-``warmup_min_lr`` at ``total_num_steps`` (WarmupDecayLR), or a cosine from each group's own
-rate down to ``cos_min_ratio`` of it, staying there after the end (WarmupCosineLR). The
-update each rate reaches is DeepSpeed's too: its first two updates both run at the curve's
-first value (its scheduler sets it when made, and its first ``step()`` counts iteration 0
-again; checked against its classes in its engine's order). A key the section leaves out takes
-DeepSpeed's default (WarmupLR's peak: each group's own rate); ``"auto"`` takes a value only
-``OutcoreTrainer`` can fill (hf/schedule.py), so outside it ``"auto"`` is refused by name.
-Other DeepSpeed schedulers are refused by name.
+three curves are built here as a torch scheduler over the engine's optimizer that sets each
+param group's rate as DeepSpeed's does, with DeepSpeed 0.19's formulas: a logarithmic
+(default; any ``warmup_type`` but "linear") or linear warm-up from ``warmup_min_lr`` to
+``warmup_max_lr``, then constant (WarmupLR), linear decay back to ``warmup_min_lr`` at
+``total_num_steps`` (WarmupDecayLR), or a cosine from each group's own rate down to
+``cos_min_ratio`` of it, staying there after the end (WarmupCosineLR). The update each rate
+reaches is DeepSpeed's too: its first update runs at the rate its scheduler sets when made
+(the curve's first value; 0 for WarmupCosineLR), its second at the curve's first value, as
+its first ``step()`` counts iteration 0 (checked against its classes in its engine's
+order). A key the section leaves out takes DeepSpeed's default (WarmupLR's peak: each
+group's own rate), as under transformers' integration, which fills only ``"auto"``; outside
+``OutcoreTrainer`` nothing can fill ``"auto"``, so it is refused by name. Other DeepSpeed
+schedulers are refused by name.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ Fill = Callable[[str, Any, Any], "float | None"]
 
 def deepspeed_scheduler(optimizer: torch.optim.Optimizer,
                         config: str | os.PathLike[str] | Mapping[str, Any],
-                        ) -> torch.optim.lr_scheduler.LambdaLR:
+                        ) -> DeepSpeedLR:
     """DeepSpeed's scheduler from ``config`` (a DeepSpeed config file or dict) over
     ``optimizer`` (``engine.optimizer``), for a loop of your own: call its ``step()`` when
     ``engine.step()`` returns True, as DeepSpeed's engine steps its own (see the note)."""
@@ -70,9 +72,9 @@ def outside(key: str, given: Any, default: Any) -> float | None:
 
 
 def build(spec: Mapping[str, Any], optimizer: torch.optim.Optimizer,
-          fill: Fill) -> torch.optim.lr_scheduler.LambdaLR:
-    """The LambdaLR equivalent of DeepSpeed's scheduler ``spec`` (see the note); ``fill``
-    gives each key's value (``outside``, or the Trainer's in hf/schedule.py)."""
+          fill: Fill) -> DeepSpeedLR:
+    """DeepSpeed's scheduler ``spec`` over ``optimizer`` (see the note); ``fill`` gives each
+    key's value (``outside``, or the Trainer's in hf/schedule.py)."""
     kind = spec.get("type")
     if kind not in SUPPORTED:
         raise ConfigError(f"DeepSpeed config scheduler.type: {kind!r} is not supported; use "
@@ -86,9 +88,11 @@ def build(spec: Mapping[str, Any], optimizer: torch.optim.Optimizer,
         return got
 
     warmup = max(2, int(value("warmup_num_steps", 1000)))
-    log_warmup = params.get("warmup_type", "log") == "log"
+    log_warmup = params.get("warmup_type", "log") != "linear"  # DeepSpeed: any other is log
     total = int(value("total_num_steps", REQUIRED)) if kind != "WarmupLR" else 0
-    groups = [float(g["lr"]) for g in optimizer.param_groups]
+    # each group's rate before any schedule: a scheduler made after a resume (or after
+    # another scheduler) finds the rate of the step it stopped at in "lr"
+    own = [float(g.get("initial_lr", g["lr"])) for g in optimizer.param_groups]
 
     def gamma(step: int) -> float:
         """The warm-up's share of the way at iteration ``step`` (1 once warmed up)."""
@@ -101,12 +105,14 @@ def build(spec: Mapping[str, Any], optimizer: torch.optim.Optimizer,
         start, floor = value("warmup_min_ratio", 0.0), value("cos_min_ratio", 0.0001)
 
         def ratio(step: int) -> float:
+            if step < 0:  # DeepSpeed's ratio before its first step
+                return 0.0
             if step < warmup:
                 return start + gamma(step) * (1 - start)
             progress = min(1.0, (step - warmup + 1) / max(1, total - warmup))
             return max(0.0, floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
 
-        rates = [_scaled(ratio, g) for g in groups]
+        rates = [_scaled(ratio, lr) for lr in own]
     else:
         low = value("warmup_min_lr", 0.0)
         # WarmupLR without a peak warms each group up to its own rate, as DeepSpeed's does
@@ -114,22 +120,46 @@ def build(spec: Mapping[str, Any], optimizer: torch.optim.Optimizer,
                     None if kind == "WarmupLR" else 0.001)
 
         def rate(step: int, high: float) -> float:
-            if step < warmup or kind == "WarmupLR":
-                return low + (high - low) * gamma(step)
+            if step < warmup or kind == "WarmupLR":  # before its first step: the lowest
+                return low + (high - low) * gamma(max(0, step))
             return low + (high - low) * max(0.0, (total - step) / max(1.0, total - warmup))
 
-        rates = [functools.partial(rate, high=g if peak is None else peak) for g in groups]
-    # DeepSpeed's engine runs its first two updates at the curve's first value: its scheduler
-    # sets it when made, and its first step() counts iteration 0 again
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, [
-        _factor(r, g) for r, g in zip(rates, groups, strict=True)])
+        rates = [functools.partial(rate, high=lr if peak is None else peak) for lr in own]
+    return DeepSpeedLR(optimizer, rates)
+
+
+class DeepSpeedLR(torch.optim.lr_scheduler.LRScheduler):
+    """Each group's rate as DeepSpeed's scheduler sets it: absolute rates, not factors of the
+    group's own (a group made at rate 0 still warms up to the peak), one update late (see the
+    note: DeepSpeed's engine runs its first update at the rate before its scheduler's first
+    step, its second at the curve's first value)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer,
+                 rates: list[Callable[[int], float]]) -> None:
+        self.rates = rates
+        super().__init__(optimizer)
+
+    def get_lr(self) -> list[float]:  # type: ignore[override]  # torch's says list[float | Tensor]
+        return [rate(self.last_epoch - 1) for rate in self.rates]
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's, without the rates (functions: made again from the config, as LambdaLR
+        leaves out its lambdas), so that it pickles and goes into a checkpoint's client
+        state."""
+        return {k: v for k, v in super().state_dict().items() if k != "rates"}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's, and each group's rate set for the step restored: made after
+        ``load_checkpoint``, the scheduler set its first rate over the one the checkpoint
+        restored, and torch's own load leaves that until the next ``step()``, so the first
+        update after the resume ran at the warm-up's start."""
+        super().load_state_dict(state_dict)
+        rates = self.get_lr()
+        for group, lr in zip(self.optimizer.param_groups, rates, strict=True):
+            group["lr"] = lr
+        self._last_lr = list(rates)
 
 
 def _scaled(ratio: Callable[[int], float], lr: float) -> Callable[[int], float]:
+    """WarmupCosineLR's rate of a group whose own rate is ``lr``: a ratio of it."""
     return lambda step: lr * ratio(step)
-
-
-def _factor(rate: Callable[[int], float], lr: float) -> Callable[[int], float]:
-    """LambdaLR's factor of a group whose rate was ``lr`` when made: DeepSpeed's rate one
-    update late (see the note); a group made at rate 0 stays there."""
-    return lambda step: rate(max(0, step - 1)) / lr if lr else 0.0

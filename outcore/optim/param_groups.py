@@ -230,17 +230,18 @@ def check_group_numbers(where: str, group: dict[str, Any]) -> None:
             raise ConfigError(f"{where}: betas={betas!r} is not two numbers in [0, 1)")
 
 
-def check_momentum_kept(groups: list[dict[str, Any]], indices: Iterable[int], kind: str,
+def check_momentum_kept(groups: list[dict[str, Any]], kind: str,
                         kinds: tuple[str, ...]) -> None:
     """A group's SGD momentum set after ``initialize`` where the run keeps no momentum
     buffers (``_check_fits`` refuses one given at ``initialize``): a scheduler that cycles
     it (``CyclicLR``, ``OneCycleLR``) or an edit of the group. torch's SGD then keeps a
     momentum buffer; the update here would restart it every step and train as plain SGD
-    without a word, so the step is refused before any update, with the ways out."""
+    without a word, so the round's first update (in backward, with the state on NVMe) is
+    refused, every group checked, before any is applied."""
     if kind != "sgd" or "momentum_buffer" in kinds:
         return
-    for i in indices:
-        momentum = groups[i].get("momentum", 0)
+    for i, group in enumerate(groups):
+        momentum = group.get("momentum", 0)
         if _number(momentum):
             raise ConfigError(
                 f"param group {i}: momentum={momentum!r} at this step, but the run keeps no "

@@ -96,3 +96,19 @@ def test_a_deepspeed_tag_in_save_or_load_checkpoint_is_named(tmp_path: Path) -> 
         assert torch.equal(p.detach().cpu(), b.cpu())
     assert engine.load_checkpoint(root / "step1", keep_settings=False) == {}
     engine.close()
+
+
+def test_a_property_that_fails_inside_keeps_its_own_error(tmp_path: Path) -> None:
+    """Python retries a property that raised AttributeError through __getattr__: the error
+    then named the property as missing, not what it was missing."""
+    class Probe(outcore.Engine):
+        @property
+        def broken(self) -> object:
+            return self._not_there  # type: ignore[attr-defined]
+
+    engine = _engine(tmp_path)
+    engine.__class__ = Probe
+    with pytest.raises(AttributeError, match="'_not_there'"):
+        engine.broken  # noqa: B018 - the read is the test
+    engine.__class__ = outcore.Engine
+    engine.close()

@@ -270,6 +270,27 @@ def test_every_rank_names_a_damaged_rank_file(saved, tmp_path: Path) -> None:
                                     "file")
 
 
+def _agree_on_a_bare_error(cfg: dict) -> tuple[str, str]:
+    from outcore.io.agreement import agree
+
+    model, eng = _engine(cfg, 1)
+    try:
+        agree(eng.rt, OSError() if eng.rank == 1 else None, "reading")
+    except OSError as e:
+        said = (type(e).__name__, str(e))
+    eng.rt.comm.barrier()  # both ranks are still in step
+    eng.close()
+    return said
+
+
+def test_a_failed_rank_with_no_message_still_agrees() -> None:
+    """An error whose text is empty (an OSError() the load path passes on) made the failed
+    rank skip the second collective, and the others waited for it until the timeout."""
+    results = run_world(_agree_on_a_bare_error, 2, BASE)
+    assert results[1] == ("OSError", "")
+    assert results[0] == ("StorageError", "reading failed on rank 1: OSError")
+
+
 def test_model_mismatch_names_the_parameters(saved) -> None:
     model, eng = _engine(BASE, 1, cls=Renamed)
     with pytest.raises(outcore.ConfigError, match=r"\['gate2\.weight', 'gate2\.bias'\].*"

@@ -78,3 +78,22 @@ def test_cycled_momentum_with_buffers_trains_as_torch(tmp_path: Path, where: str
     engine.close()
     for a, b in zip(model.parameters(), plain.parameters(), strict=True):
         torch.testing.assert_close(a.detach().cpu(), b.detach(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("where", ["none", "nvme"])
+def test_momentum_set_on_one_group_is_refused_before_any_group_updates(
+        tmp_path: Path, where: str) -> None:
+    """With the state on NVMe updates start in backward, group by group: the refusal came
+    when the edited group's turn came, after the others had been updated."""
+    model = _model()
+    groups = [{"params": list(model[0].parameters())}, {"params": list(model[2].parameters())}]
+    engine = outcore.initialize(model, _cfg(tmp_path, where, 0.0), param_groups=groups)
+    engine.param_groups[0]["momentum"] = 0.5  # the first layer: the last updated in backward
+    before = [p.detach().cpu().clone() for p in model.parameters()]
+    x, y = _batches()[0]
+    with pytest.raises(outcore.ConfigError, match=r"param group 0: momentum=0\.5"):
+        engine.backward(nn.functional.mse_loss(engine(x), y.to(engine.device)))
+        engine.step()
+    engine.close()
+    for p, b in zip(model.parameters(), before, strict=True):
+        assert torch.equal(p.detach().cpu(), b)

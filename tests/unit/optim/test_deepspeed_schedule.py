@@ -94,3 +94,72 @@ def test_a_deepspeed_loop_steps_it_on_each_update(tmp_path: Path) -> None:
             sched.step()
     engine.close()
     assert used == pytest.approx([row[0] for row in DEEPSPEED["WarmupLR"][:6]], rel=1e-5)
+
+
+# lr of each group at updates 1..6, from DeepSpeed 0.19.8 with the groups' rates given
+EDGES = {
+    "cosine from a ratio above 0: the first update at 0": (
+        [1e-3, 1e-4], {"type": "WarmupCosineLR", "params": {
+            "total_num_steps": 5, "warmup_num_steps": 3, "warmup_min_ratio": 0.1}},
+        [[0.0, 0.0], [1e-4, 1e-5], [6.678368e-4, 6.678368e-5], [1e-3, 1e-4],
+         [5.0005e-4, 5.0005e-5], [1e-7, 1e-8]]),
+    "a group made at rate 0 still warms up to the peak": (
+        [1e-3, 0.0], {"type": "WarmupDecayLR", "params": {
+            "total_num_steps": 5, "warmup_num_steps": 3, "warmup_max_lr": 2e-3,
+            "warmup_type": "linear"}},
+        [[0.0, 0.0], [0.0, 0.0], [6.666667e-4] * 2, [1.333333e-3] * 2, [2e-3] * 2,
+         [1e-3] * 2]),
+    "a warm-up type DeepSpeed does not know is log": (
+        [1e-3, 1e-4], {"type": "WarmupLR", "params": {"warmup_num_steps": 3,
+                                                       "warmup_type": "Linear"}},
+        [[0.0, 0.0], [0.0, 0.0], [6.309298e-4, 6.309298e-5]] + [[1e-3, 1e-4]] * 3),
+}
+
+
+@pytest.mark.parametrize("case", list(EDGES))
+def test_deepspeeds_edges(case: str) -> None:
+    lrs, section, want = EDGES[case]
+    opt = torch.optim.SGD([{"params": [nn.Parameter(torch.zeros(1))], "lr": lr}
+                           for lr in lrs], lr=1e-3)
+    sched = outcore.deepspeed_scheduler(opt, {"scheduler": section})
+    used = []
+    for _ in range(6):
+        used.append([g["lr"] for g in opt.param_groups])
+        opt.step()
+        sched.step()
+    for got, row in zip(used, want, strict=True):
+        assert got == pytest.approx(row, rel=1e-5, abs=1e-12)
+
+
+def test_a_scheduler_made_after_a_resume_keeps_deepspeeds_rates() -> None:
+    """Made after load_checkpoint (which restores the rate of the step it stopped at, and the
+    group's initial_lr), then given its saved state: the rates go on as without the stop (its
+    base was the resumed rate, and its first update ran at the warm-up's start); its state
+    pickles (it goes into a checkpoint's client state)."""
+    import io
+
+    section = {"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 6}}}
+    opt = _sgd()
+    sched = outcore.deepspeed_scheduler(opt, section)
+    want = []
+    for step in range(8):
+        if step == 4:
+            saved = {"groups": [dict(g, params=[]) for g in opt.param_groups],
+                     "sched": sched.state_dict()}
+            buffer = io.BytesIO()
+            torch.save(saved["sched"], buffer)
+        want.append([g["lr"] for g in opt.param_groups])
+        opt.step()
+        sched.step()
+    resumed = _sgd()
+    for group, old in zip(resumed.param_groups, saved["groups"], strict=True):
+        group.update({k: v for k, v in old.items() if k != "params"})  # as a load restores
+    again = outcore.deepspeed_scheduler(resumed, section)
+    buffer.seek(0)
+    again.load_state_dict(torch.load(buffer))
+    got = []
+    for _ in range(4):
+        got.append([g["lr"] for g in resumed.param_groups])
+        resumed.step()
+        again.step()
+    assert sum(got, []) == pytest.approx(sum(want[4:], []), rel=1e-9)

@@ -144,9 +144,8 @@ class Engine(deepspeed_names.DeepSpeedNames):
         self.sharded_optimizer = ShardedOptimizer(self._optimizer_groups(param_groups),
                                                   cfg.optimizer, self.rt)
         self.optimizer = TorchOptimizer(self)  # torch's contract: torch_optimizer.py's note
-        # weakly: the runtime is reachable from the process-wide registry (registry.py), and a
-        # strong path to the optimizer (whose groups hold the parameters) would keep the model
-        # and its swap files alive after the user dropped both
+        # weakly: the registry (registry.py) reaches the runtime, and a strong path to the
+        # optimizer would keep the model and its swap files alive after the user dropped both
         wait = weakref.WeakMethod(self.sharded_optimizer.wait)
         self.rt.await_updates = lambda: (w := wait()) is not None and w()
         take = weakref.WeakMethod(self.sharded_optimizer.take_back_tentative)
@@ -287,6 +286,7 @@ class Engine(deepspeed_names.DeepSpeedNames):
         self.sharded_optimizer.zero_grad(keep=self.sharded_optimizer.pending_jobs)
         self.micro_steps, self._at_boundary = 0, False
         drop_grads(self.module)  # e.g. a backward's before initialize
+        self.hooks.forget_partial()  # hooks.py's [Note: another engine's backward reaches ...]
 
     def synchronize(self) -> None:
         """Wait for the updates the last ``step()`` or backward left running (pipeline.py's

@@ -14,9 +14,9 @@ wrapper on the instance.
 PyTorch applies only the innermost active ``saved_tensors_hooks`` pair to a saved tensor. In a
 training step three pairs are stacked, outermost first:
 
-1. The engine's pair (hooks.py ``_pack/_unpack``), around the whole forward: a saved tensor
-   that is (a view of) a parameter's storage is kept as its parameter, so backward re-fetches
-   a released group.
+1. The engine's pair (saved.py's ``pack``, hooks.py's ``_unpack``), around the whole
+   forward: a saved tensor that is (a view of) a parameter's storage is kept as its
+   parameter, so backward re-fetches a released group.
 2. Ours, around the ``torch.utils.checkpoint.checkpoint`` call of one block only. Checkpoint
    saves the block's tensor inputs (``_CheckpointFrame.save_inputs``) *before* it enters its
    own pair, so exactly those inputs, and nothing else, are packed by us: to host or NVMe.

@@ -44,7 +44,7 @@ import threading
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, NoReturn, Protocol, TypeVar, final
+from typing import TYPE_CHECKING, NoReturn, Protocol, TypeVar
 
 import torch
 from torch import nn
@@ -53,7 +53,7 @@ from outcore.overlap import abandoned
 from outcore.overlap.abandoned import OuterCall
 from outcore.overlap.compiled import uncompiled
 from outcore.overlap.plain_backward import refuse_plain_backward
-from outcore.overlap.saved import Kept
+from outcore.overlap.saved import Kept, SavedParam, pack
 from outcore.overlap.tied_rows import TiedRows
 from outcore.overlap.traced import refuse_untraceable
 from outcore.overlap.unfrozen import refuse_unfrozen
@@ -62,7 +62,6 @@ from outcore.zero.access_mode import ParamAccessMode
 from outcore.zero.forward_writes import WriteWatch
 from outcore.zero.group import GatherGroup, PendingReduce
 from outcore.zero.load_agreement import agree_on_load
-from outcore.zero.registry import owner
 from outcore.zero.state import GroupState
 from outcore.zero.surface import REDUCES, refuse_replacing_load
 
@@ -151,6 +150,7 @@ class Hooks:
                 self._handles.append(m.register_forward_hook(self._post_forward, always_call=True))
         for g in groups:
             for sp in g.trainable:
+                # torch leaves this method unannotated
                 self._handles.append(
                     sp.param.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
                         self._make_grad_hook(sp))
@@ -210,7 +210,7 @@ class Hooks:
             finally:
                 self._end_frame()
             return
-        saved = torch.autograd.graph.saved_tensors_hooks(_pack, self._unpack)
+        saved = torch.autograd.graph.saved_tensors_hooks(pack, self._unpack)
         try:
             with self.mode, saved:
                 yield
@@ -311,10 +311,10 @@ class Hooks:
                 self.schedule.done(g)
 
     # -- backward ------------------------------------------------------------------------------
-    def _unpack(self, saved: Kept | _SavedParam) -> torch.Tensor:
+    def _unpack(self, saved: Kept | SavedParam) -> torch.Tensor:
         if type(saved) is Kept:
             return saved.get()
-        assert type(saved) is _SavedParam
+        assert type(saved) is SavedParam
         g = saved.sp.group
         if g is None:
             return saved.tensor
@@ -412,10 +412,19 @@ class Hooks:
         return sum(self._unseen.values())
 
     def _reduce(self, g: GatherGroup) -> None:
-        """Start ``g``'s reduction; keep at most two in flight while backward goes on."""
+        """Start ``g``'s reduction; keep at most two in flight while backward goes on.
+
+        [Note: another engine's backward reaches this model]
+        A GAN's generator step backpropagates through the discriminator, whose gradient hooks
+        then run in another engine's backward: its own never ends to finish what they start.
+        Reductions left in flight were finished in its next backward, after its
+        ``zero_grad()``, so at more ranks the gradients it should have dropped went into its
+        next step (a GAN's losses 0.5 off PyTorch's). So outside this engine's backward a
+        reduction is finished at once, and ``zero_grad()`` drops the result (or the next step
+        adds it, as PyTorch accumulates)."""
         pending = g.reduce_grads()
-        if pending is None:
-            self._reduced(g)
+        if pending is None or not self._in_backward:
+            self._reduced(g if pending is None else pending.finish())
             return
         self.pending.append(pending)
         while len(self.pending) > 2:
@@ -468,6 +477,11 @@ class Hooks:
         self._frozen_held, self._pinned, self._recomputing = [], set(), {}
         self.schedule.end_iteration()
 
+    def forget_partial(self) -> None:
+        """``zero_grad()``: a group another engine's backward reached in part starts over."""
+        for g in self.groups:
+            g.forget_grads_seen()
+
     def finish_backward(self) -> None:
         """Reduce what autograd left partial (params without grads), finish every reduction
         in flight, and release everything fetched for this iteration."""
@@ -484,17 +498,3 @@ class Hooks:
 
 _engine_backwards = 0  # backwards of any engine running now, for _plain_backward
 
-
-@final
-class _SavedParam:
-    """A tensor autograd saved that is (a view of) a parameter's full storage."""
-
-    __slots__ = ("tensor", "sp")
-
-    def __init__(self, tensor: torch.Tensor, sp: ShardedParam) -> None:
-        self.tensor, self.sp = tensor, sp
-
-
-def _pack(t: torch.Tensor) -> Kept | _SavedParam:
-    sp = owner(t)
-    return Kept(t) if sp is None else _SavedParam(t, sp)  # saved.py's note

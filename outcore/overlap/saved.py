@@ -13,9 +13,14 @@ training on gradients computed from the changed values.
 
 from __future__ import annotations
 
-from typing import final
+from typing import TYPE_CHECKING, final
 
 import torch
+
+from outcore.zero.registry import owner
+
+if TYPE_CHECKING:
+    from outcore.zero.param import ShardedParam
 
 
 @final
@@ -45,3 +50,19 @@ def check_unchanged(t: torch.Tensor, version: int) -> None:
             f"inplace operation: a {t.dtype} tensor of shape {list(t.shape)} saved for "
             f"backward is at version {t._version}; expected version {version} instead. Hint: "
             "clone it before changing it in place")
+
+
+@final
+class SavedParam:
+    """A tensor autograd saved that is (a view of) a parameter's full storage."""
+
+    __slots__ = ("tensor", "sp")
+
+    def __init__(self, tensor: torch.Tensor, sp: ShardedParam) -> None:
+        self.tensor, self.sp = tensor, sp
+
+
+def pack(t: torch.Tensor) -> Kept | SavedParam:
+    """What a saved-tensor hook keeps of ``t`` (see the note)."""
+    sp = owner(t)
+    return Kept(t) if sp is None else SavedParam(t, sp)

@@ -34,7 +34,7 @@ from outcore.zero.calls import (
     storage_refusal,
 )
 from outcore.zero.state import HAS_VALUES, USER_OWNED, ParamState
-from outcore.zero.wrappers import wrapped_read
+from outcore.zero.wrappers import unengined_read, wrapped_read
 
 if TYPE_CHECKING:
     from outcore.zero.param import ShardedParam
@@ -292,7 +292,7 @@ def check_readable(sp: ShardedParam) -> None:
     if sp.state is ParamState.DROPPED:
         raise ParamAccessError(dropped_message(sp))
     if not readable(sp):
-        raise ParamAccessError(wrapped_read(sp.label()) or (
+        raise ParamAccessError(wrapped_read(sp.label()) or unengined_read(sp) or (
             f"reading parameter {sp.label()} outside the forward at world size "
             f"{sp.rt.world_size}: its values are spread over the ranks, and gathering them is "
             "a collective every rank must join; read it inside `with "

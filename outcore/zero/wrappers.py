@@ -24,10 +24,14 @@ from __future__ import annotations
 import os
 import sys
 from types import FrameType
+from typing import TYPE_CHECKING
 
 from torch import nn
 
 from outcore.errors import ConfigError
+
+if TYPE_CHECKING:
+    from outcore.zero.param import ShardedParam
 
 _WRAPPERS = ("DistributedDataParallel", "FullyShardedDataParallel", "FSDPModule")
 # where each one's own code lives, to find it on the stack
@@ -111,3 +115,17 @@ def dcp_hint() -> str:
             "state exists once engine.step() has run; call it after the first step, or save "
             "and resume with engine.save_checkpoint / engine.load_checkpoint)"
             if in_wrapper(_DCP) else "")
+
+
+def unengined_read(sp: ShardedParam) -> str | None:
+    """Why a read of ``sp`` outside the engine's forward is refused where no engine holds its
+    model yet (built under ``outcore.init``, not passed to ``outcore.initialize``): its
+    forward at more ranks was refused as a read to make inside ``gathered_parameters``, of
+    an engine there is none of. None where an engine holds it."""
+    if sp.rt.engine is not None or sp.rt.world_size == 1:
+        return None
+    return (f"parameter {sp.label()} belongs to a model built under outcore.init that no "
+            "engine holds yet: at more ranks its layers are gathered by the engine's hooks, "
+            "so pass the model to outcore.initialize before calling it (a frozen model, such "
+            "as a teacher, too: its engine trains nothing), or read it inside "
+            "outcore.gathered_parameters(model)")

@@ -206,3 +206,23 @@ def test_a_rank_with_another_rng_state_is_refused_by_name(two_ranks: list) -> No
 
 def test_every_rank_refuses_when_rng_states_differ(two_ranks: list) -> None:
     assert [got["different_rng"] == "built" for got in two_ranks] == [False, False]
+
+
+def _teacher_without_engine() -> str:
+    torch.manual_seed(0)
+    with outcore.init({"dtype": "fp32"}):
+        teacher = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    try:
+        with torch.no_grad():
+            teacher(torch.randn(2, 4))
+    except outcore.ParamAccessError as e:
+        return str(e)
+    return "ran"
+
+
+def test_a_model_no_engine_holds_says_to_initialize_it_at_two_ranks() -> None:
+    """A teacher built under outcore.init and called without outcore.initialize: at more ranks
+    its forward was refused as a read to make inside gathered_parameters of an engine there
+    was none of."""
+    for said in run_world(_teacher_without_engine, 2):
+        assert "no engine holds yet" in said and "outcore.initialize" in said, said

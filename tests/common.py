@@ -147,6 +147,15 @@ def square_loss_steps(engine, x: torch.Tensor, steps: int) -> list[float]:
     return losses
 
 
+def ranks_mean(loss: torch.Tensor, world: int) -> float:
+    """The mean over the ranks of each rank's ``loss`` (a collective at more ranks): the loss
+    of the global batch, where each rank's is the mean over its part."""
+    mean = loss.detach().float().clone()
+    if world > 1:
+        dist.all_reduce(mean)
+    return mean.item() / world
+
+
 def train_steps(engine, steps: range) -> list[float]:
     """Optimizer steps ``steps``; returns the global mean loss of each."""
     losses = []
@@ -155,10 +164,7 @@ def train_steps(engine, steps: range) -> list[float]:
         loss = engine(x, y, step % 2 == 0)
         engine.backward(loss)
         engine.step()
-        mean = loss.detach().float().clone()
-        if engine.world_size > 1:
-            dist.all_reduce(mean)
-        losses.append(mean.item() / engine.world_size)
+        losses.append(ranks_mean(loss, engine.world_size))
     return losses
 
 

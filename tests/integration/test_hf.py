@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import outcore
+from tests.common import ranks_mean
 from tests.distributed import run_world
 
 transformers = pytest.importorskip("transformers")
@@ -36,8 +37,6 @@ def build(name: str) -> torch.nn.Module:
 
 
 def _train(name: str, steps: int) -> dict:
-    import torch.distributed as dist
-
     cfg = outcore.Config(dtype="fp32", optimizer={"lr": 1e-3, "eps": 1e-6},
                          zero={"persistence_threshold_bytes": 0})
     torch.manual_seed(0)
@@ -57,10 +56,7 @@ def _train(name: str, steps: int) -> dict:
                       labels=ids[2 * rank : 2 * rank + 2]).loss
         engine.backward(loss)
         engine.step()
-        mean = loss.detach().clone()
-        if world > 1:
-            dist.all_reduce(mean)
-        losses.append(mean.item() / world)
+        losses.append(ranks_mean(loss, world))
         # the reference sees each rank's half separately, as HF's loss is a per-batch mean
         opt.zero_grad()
         parts = [ref(input_ids=ids[2 * r : 2 * r + 2], labels=ids[2 * r : 2 * r + 2]).loss

@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from tests.common import ADAMW, BASE, BATCH, DIM, SEQ, VOCAB, Block, Quirky  # noqa: F401
+from tests.common import ADAMW, BASE, BATCH, DIM, SEQ, VOCAB, Block, Quirky, ranks_mean  # noqa: F401
 from tests.common import max_rel as _max_rel
 from tests.common import param_groups as _param_groups
 from tests.distributed import run_world
@@ -21,8 +21,6 @@ from tests.distributed import run_world
 
 def _train(cfg_dict: dict, steps: int, use_groups: bool) -> dict:
     """Train outcore and a plain reference side by side on this rank; return both."""
-    import torch.distributed as dist
-
     import outcore
 
     cfg = outcore.Config.from_dict(cfg_dict)
@@ -54,10 +52,7 @@ def _train(cfg_dict: dict, steps: int, use_groups: bool) -> dict:
             mine = slice(rank * BATCH, (rank + 1) * BATCH)
             loss = engine(idx[mine], tgt[mine], use_optional)
             engine.backward(loss)
-            mean = loss.detach().float().clone()
-            if world > 1:
-                dist.all_reduce(mean)
-            losses.append(mean.item() / world)
+            losses.append(ranks_mean(loss, world))
             ref_loss = ref(idx, tgt, use_optional)
             (ref_loss / gas).backward()
             ref_losses.append(ref_loss.item())

@@ -15,6 +15,7 @@ import torch.ao.quantization as tq
 from torch import nn
 
 import outcore
+from tests.common import ranks_mean
 from tests.distributed import run_world
 
 
@@ -44,8 +45,6 @@ def _qat_losses(nvme: str, after: bool = True) -> list[float]:
     """QAT prepared after ``initialize`` (or before: ``after=False``; ``nvme``: the state's
     folder, or "" for memory), each rank on its part of every batch; each step's loss as the
     ranks' mean."""
-    import torch.distributed as dist
-
     torch.manual_seed(0)
     model = _QatNet()
     place = "nvme" if nvme else "none"
@@ -63,10 +62,7 @@ def _qat_losses(nvme: str, after: bool = True) -> list[float]:
         loss = nn.functional.mse_loss(model(x[part]), y[part].to(engine.device))
         engine.backward(loss)
         engine.step()
-        mean = loss.detach().clone()
-        if world > 1:
-            dist.all_reduce(mean)
-        losses.append(mean.item() / world)
+        losses.append(ranks_mean(loss, world))
     engine.close()
     return losses
 

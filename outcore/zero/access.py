@@ -330,9 +330,7 @@ def _same_object(func: Any, t: Touch, args: Args, kwargs: Kwargs) -> torch.Tenso
         dtype = None
     else:
         return None
-    same_device = device is None or (device.type == obj.device.type and (
-        device.index is None or device.index == obj.device.index))
-    return obj if same_device and dtype in (None, obj.dtype) else None
+    return obj if calls.already_on(obj, device) and dtype in (None, obj.dtype) else None
 
 
 def _view(func: Any, args: Args, kwargs: Kwargs, t: Touch) -> object:

@@ -263,8 +263,14 @@ def layout_only(func: Any, args: Args, kwargs: Kwargs) -> bool:
         return False  # torch's own call will say what is wrong
     obj = args[0]
     return (fmt not in (None, torch.preserve_format) and dtype in (None, obj.dtype)
-            and (device is None or (device.type == obj.device.type and device.index in (
-                None, obj.device.index))) and called_from(_MODULE_APPLY))
+            and already_on(obj, device) and called_from(_MODULE_APPLY))
+
+
+def already_on(t: torch.Tensor, device: torch.device | None) -> bool:
+    """Whether a move of ``t`` to ``device`` (None: none asked; no index: the current one)
+    would leave it where it is."""
+    return device is None or (device.type == t.device.type
+                              and device.index in (None, t.device.index))
 
 
 def refuse_replacing_conversion(func: Any, args: Args) -> None:

@@ -1,5 +1,6 @@
-"""Data-parallel wrappers around a model outcore shards, refused by name; and what torch's
-distributed checkpoint tools meet.
+"""Refusals that say who made the refused call: data-parallel wrappers around a model outcore
+shards (refused by name), torch's distributed checkpoint tools, and a model built under
+``outcore.init`` that no engine holds yet.
 
 [Note: no DDP or FSDP around an outcore model]
 outcore is the model's data parallelism: each rank holds a shard, and the engine reduces

@@ -13,7 +13,7 @@ from typing import Any
 from outcore.app import blocks
 from outcore.app.models import is_hf_folder
 from outcore.config import Config, read_mapping
-from outcore.config.deepspeed import is_deepspeed, names_precision, translate
+from outcore.config.deepspeed import is_deepspeed, names_precision, translate, warn_ignored
 from outcore.errors import ConfigError, CorruptCheckpointError
 from outcore.io.manifest import latest_checkpoint, read_manifest
 from outcore.io.publish import MANIFEST
@@ -58,10 +58,7 @@ def read_config_file(path: str | None) -> tuple[dict[str, Any], dict[str, Any]]:
     ignored = [("scheduler: not read by outcore train, which runs --lr-schedule (cosine over "
                 "--steps by default)") if line.startswith("scheduler:") else line
                for line in ignored if taken is None or not line.startswith(taken)]
-    if ignored:
-        warnings.warn("DeepSpeed keys ignored by outcore, or read otherwise:\n  "
-                      + "\n  ".join(ignored),
-                      stacklevel=2)
+    warn_ignored(ignored, stacklevel=2)
     if not names_precision(loaded) and "dtype" in settings:
         defaults["dtype"] = settings.pop("dtype")  # fp32 (or auto) by default, not by the file
     return settings, defaults

@@ -315,11 +315,15 @@ def translate_and_warn(source: dict[str, Any], stacklevel: int = 2,
     """``translate``'s outcore keys; the DeepSpeed keys it ignores, with the reason for each,
     in one warning."""
     data, ignored = translate(source, auto)
+    warn_ignored(ignored, stacklevel + 1)
+    return data
+
+
+def warn_ignored(ignored: list[str], stacklevel: int = 2) -> None:
+    """One warning listing the DeepSpeed keys ``translate`` ignored or read otherwise."""
     if ignored:
         warnings.warn("DeepSpeed keys ignored by outcore, or read otherwise:\n  "
-                      + "\n  ".join(ignored),
-                      stacklevel=stacklevel + 1)
-    return data
+                      + "\n  ".join(ignored), stacklevel=stacklevel + 1)
 
 
 def nvme_named(out: dict[str, Any]) -> dict[str, Any]:

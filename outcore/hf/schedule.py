@@ -17,9 +17,8 @@ from typing import Any, cast
 
 import torch
 
-from outcore.config.deepspeed import number
 from outcore.errors import ConfigError
-from outcore.optim.deepspeed_schedule import MISSING, REQUIRED, SUPPORTED, DeepSpeedLR, build
+from outcore.optim.deepspeed_schedule import MISSING, SUPPORTED, DeepSpeedLR, build, outside
 
 __all__ = ["SUPPORTED", "deepspeed_scheduler"]
 
@@ -34,21 +33,18 @@ def deepspeed_scheduler(spec: dict[str, Any], optimizer: torch.optim.Optimizer, 
     theirs = {"warmup_num_steps": (max(1, args.get_warmup_steps(num_training_steps)),
                                    "warmup_steps"),
               "total_num_steps": (num_training_steps, "number of training steps"),
-              "warmup_max_lr": (float(args.learning_rate), "learning_rate")}
+              # the peak is compared with learning_rate when the Trainer is made (hf/args.py)
+              "warmup_max_lr": (float(args.learning_rate), None)}
 
     def fill(key: str, given: Any, default: Any) -> float | None:
-        """"auto": the Trainer's value; left out: DeepSpeed's default (transformers fills
-        only "auto"); a number that differs from the Trainer's is refused."""
+        """"auto": the Trainer's value; else as outside it (optim/deepspeed_schedule.py's
+        ``outside``: left out, DeepSpeed's default, as transformers fills only "auto"); a
+        number that differs from the Trainer's is refused."""
         auto, name = theirs.get(key, (None, None))
-        if given is MISSING and default is REQUIRED:
-            raise ConfigError(f"DeepSpeed config scheduler.params.{key} is needed (DeepSpeed "
-                              "has no default for it); \"auto\" takes the Trainer's")
-        if given is MISSING:
-            return cast("float | None", default)
         if given == "auto":
             return auto if auto is not None else cast("float | None", default)
-        mine = float(number(f"scheduler.params.{key}", given))
-        if name is not None and mine != auto:
+        mine = outside(key, given, default)
+        if given is not MISSING and name is not None and mine != auto:
             raise ConfigError(f"DeepSpeed config scheduler.params.{key}={given!r} and the "
                               f"Trainer's {name}={auto!r} differ; set one of them (\"auto\" "
                               "takes the Trainer's), as transformers' DeepSpeed integration "

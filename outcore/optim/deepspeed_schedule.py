@@ -58,11 +58,13 @@ def deepspeed_scheduler(optimizer: torch.optim.Optimizer,
 
 
 def outside(key: str, given: Any, default: Any) -> float | None:
-    """A key's value outside ``OutcoreTrainer``: the section's number, else DeepSpeed's
-    default; "auto" has nothing to take its value from."""
+    """A key's value outside ``OutcoreTrainer`` (and a number's or a left-out key's under
+    it): the section's number, else DeepSpeed's default; "auto" has nothing to take its
+    value from here."""
     path = f"DeepSpeed config scheduler.params.{key}"
     if given is MISSING and default is REQUIRED:
-        raise ConfigError(f"{path} is needed (DeepSpeed has no default for it)")
+        raise ConfigError(f"{path} is needed (DeepSpeed has no default for it; under "
+                          "OutcoreTrainer, \"auto\" takes the Trainer's)")
     if given is MISSING:
         return cast("float | None", default)
     if given == "auto":

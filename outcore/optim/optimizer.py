@@ -346,7 +346,7 @@ class ShardedOptimizer:
         by_group: dict[int, list[ShardedParam]] = {}
         for sp in sps:
             by_group.setdefault(self._hp_index[id(sp)], []).append(sp)
-        check_momentum_kept(self.param_groups, self.kind, self.state_kinds)
+        check_momentum_kept(self.param_groups, self.kind, self.state_kinds)  # every job's way
         return by_group
 
     # -- the pipeline's kernel (pipeline.py's Kernel) ---------------------------------------------

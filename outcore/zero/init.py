@@ -180,4 +180,3 @@ def _check_same_rng(rt: Runtime) -> None:
             "ranks entered outcore.init with different torch RNG states; call "
             "torch.manual_seed(seed) with the same seed on every rank before building the model"
         )
-

@@ -7,8 +7,8 @@ the training dtype in its parameter tier (host memory or NVMe) and nothing else:
 master (``ShardedParam.prepare_for_training`` drops it), no gradient (autograd never makes
 one, and no gradient hook is registered), no optimizer state (only trainable parameters are
 in the optimizer). In backward a frozen layer between the loss and an adapter is fetched for
-its input gradient and released as soon as backward has moved past it (hooks.py's [Note:
-frozen groups in backward]). So the base costs 2 bytes per parameter where a full fine-tune
+its input gradient and released as soon as backward has moved past it (backward_holds.py's
+[Note: frozen groups in backward]). So the base costs 2 bytes per parameter where a full fine-tune
 costs 2 + 4 + 4 + 8 (training dtype, master, gradient, AdamW moments), and only the adapters
 pay the latter. Built under ``outcore.init(cfg, frozen=True)`` the base never has the fp32
 master even briefly (param.py's [Note: a parameter born frozen]).

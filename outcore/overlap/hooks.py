@@ -15,32 +15,13 @@
 After backward, a per-parameter post-accumulate-grad hook reduces a group's gradients as soon
 as all of them are final, and the group is released.
 
-[Note: frozen groups in backward]
-A group with no trainable parameter gets no gradient hook, yet backward may fetch it (a
-frozen layer between the loss and a trainable one: its weight is needed for the input's
-gradient). Such a group is released once backward has moved on: when a *later* autograd
-node unpacks a saved parameter on the same thread. Nodes on one thread run one after
-another, and a node unpacks everything it saved before it computes, so by then no node is
-still reading the group; if a later node needs it again, the unpack fetches it again (the
-schedule keeps it instead when its trace says so). Without this, fine-tuning a mostly frozen
-model would hold every frozen layer gathered until backward ends.
-
-A group a recomputation (activation checkpointing) fetched during backward is different:
-checkpoint keeps raw views of its weights, which no unpack of ours would see, so it stays
-("pinned") while that block's backward runs. It is released when the next recomputation
-begins: a forward hook in backward under another autograd node than the one whose unpack
-started the recomputation before (a recomputation runs whole inside that one unpack).
-Autograd runs a block's nodes only once every node that needs its output's gradient has run,
-so the block recomputed before is done, and its saved views are gone with its nodes. Holding
-every pinned group until backward ends instead kept a LoRA run's whole frozen base gathered:
-for a 30B model, more memory than the host has (measured: bench/results, 'LoRA at 13B and
-30B').
+Backward's release of groups no gradient hook releases (frozen ones, and those a
+recomputation fetched) is backward_holds.py's [Note: frozen groups in backward].
 """
 
 from __future__ import annotations
 
 import contextlib
-import threading
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -51,6 +32,7 @@ from torch import nn
 
 from outcore.overlap import abandoned
 from outcore.overlap.abandoned import OuterCall
+from outcore.overlap.backward_holds import BackwardHolds
 from outcore.overlap.compiled import uncompiled
 from outcore.overlap.plain_backward import refuse_plain_backward
 from outcore.overlap.saved import Kept, SavedParam, pack
@@ -121,12 +103,11 @@ class Hooks:
         # called with each group whose gradients for this backward are reduced (or None)
         self._on_reduced: Callable[[GatherGroup], None] | None = None
         self.mode = ParamAccessMode(self._on_access)
-        # see [Note: frozen groups in backward]: (group, node that last unpacked it, thread)
-        self._frozen_held: list[tuple[GatherGroup, object, int | None]] = []
+        # backward_holds.py's [Note: frozen groups in backward]
+        self.holds = BackwardHolds(groups, schedule.done)
         # unfrozen.py's [Note: a parameter unfrozen after initialize]: made without its state
         self._born_frozen = [sp for g in groups for sp in g.params
                              if not any(sp is t for t in g.trainable)]
-        self._pinned: set[int] = set()  # groups a recomputation fetched in this backward
         # [Note: a tied weight's gradient waits unseen]: per group run by several modules, its
         # gradient bytes, reserved in each backward until its gradients arrive
         self._tied = {g.index: g.full_bytes for g in groups if g.trainable and sum(
@@ -136,8 +117,6 @@ class Hooks:
         rt.drop_abandoned = lambda: (h := me()) is not None and abandoned.drop(h)  # (nor rt's)
         self.tied_rows = TiedRows(module_groups.keys(), set(self._tied),
                                   lambda: (h := me()) is not None and h._in_backward)
-        # per thread, the autograd node whose unpack recomputes now (see the note)
-        self._recomputing: dict[int, object] = {}
         self._handles: list[RemovableHandle] = []
         for m, gs in module_groups.items():
             # a load that would replace sharded parameters: refused (surface.py); at more
@@ -254,13 +233,8 @@ class Hooks:
             groups = self.module_groups.get(module, [])
             # a submodule called on its own (after a forward left without its post hooks too)
             outer = not self._in_backward and (not self.frames or abandoned.drop(self))
-            if self._in_backward:  # a recomputation: see [Note: frozen groups in backward]
-                node = torch._C._current_autograd_node()
-                mark = self._recomputing.get(threading.get_ident())
-                if node is not mark:  # a new one begins: the one before is done
-                    self._release_pinned(keep=groups)
-                    self._recomputing[threading.get_ident()] = node
-                self._pinned.update(g.index for g in groups)
+            if self._in_backward:  # a recomputation (backward_holds.py's note)
+                self.holds.recompute(groups)
             # push the frame and hold its groups before anything that may raise: the
             # post-forward hook (which always runs) pops this frame and unholds them
             self.frames.append(list(groups))
@@ -294,8 +268,8 @@ class Hooks:
         if not self.frames and not self._in_backward:
             return  # a forward left by a KeyboardInterrupt: abandoned.py's note
         g = sp.group
-        if g is not None and self._in_backward:  # a recomputation reads it: see the note
-            self._pinned.add(g.index)
+        if g is not None and self._in_backward:  # a recomputation reads it
+            self.holds.pin(g)
         if g is not None and g.awaits_update:  # a zero-copy group, shown while the step's
             g.await_update()  # tail writes it (group.py's refresh_after_step), read directly
         if g is None or g.state is GroupState.UNSHARDED:
@@ -318,46 +292,15 @@ class Hooks:
         g = saved.sp.group
         if g is None:
             return saved.tensor
-        frozen = not g.trainable and not g.persistent and g.index not in self._pinned
-        # which node and thread unpack only matters while frozen groups are involved; the
-        # common case (every group trainable) skips both calls
-        node = thread = None
-        if frozen or self._frozen_held:
-            node, thread = torch._C._current_autograd_node(), threading.get_ident()
+        frozen = self.holds.frozen(g)
         with self.mode.suspended():
-            if self._frozen_held:
-                self._release_frozen(node, thread, g)
+            record = self.holds.unpacking(g, frozen)  # backward_holds.py's note
             # a group kept from forward is already there, but its first use in backward
             # still goes through the schedule: it advances the trace and starts prefetches
             if g.state is not GroupState.UNSHARDED or g.index in self.schedule.ahead:
                 self.schedule.need([g], on_demand=True)
-        if frozen:
-            held = [h for h in self._frozen_held if h[0] is not g]
-            self._frozen_held = [*held, (g, node, thread)]
+        record()
         return saved.tensor
-
-    def _release_frozen(self, node: object, thread: int | None, unpacking: GatherGroup) -> None:
-        """Release frozen groups that earlier nodes of this thread unpacked (see the note),
-        except ``unpacking``, which the current node is about to use again."""
-        still = []
-        for g, used_by, on in self._frozen_held:
-            if g.index in self._pinned:
-                continue  # a recomputation's: stays until backward ends
-            if g is unpacking or used_by is node or on != thread or g.holds > 0:
-                still.append((g, used_by, on))
-            else:
-                self.schedule.done(g)
-        self._frozen_held = still
-
-    def _release_pinned(self, keep: list[GatherGroup]) -> None:
-        """Release the frozen groups the previous recomputation fetched (see the note)."""
-        for index in self._pinned:
-            g = self.groups[index]
-            if g in keep or g.trainable or g.persistent or g.holds > 0:
-                continue
-            if g.state is not GroupState.SHARDED:
-                self.schedule.done(g)
-        self._pinned = set()
 
     def _make_grad_hook(self, sp: ShardedParam) -> Callable[[torch.Tensor], None]:
         """The parameter's post-accumulate-grad hook. It holds these hooks weakly: torch keeps
@@ -437,11 +380,11 @@ class Hooks:
     @contextlib.contextmanager
     def backward(self, on_reduced: Callable[[GatherGroup], None] | None = None,
                  before_abort: Callable[[], None] | None = None) -> Iterator[None]:
-        """Active around ``loss.backward()``: fetches become recomputations' (see [Note:
-        frozen groups in backward]), ``on_reduced(group)`` is called as each group's gradients
-        are reduced, and on exit every reduction is finished (``finish_backward``). If the
-        body or the finish raises, ``before_abort`` runs, then the partial backward is
-        dropped (``abort_backward``), and the error goes on."""
+        """Active around ``loss.backward()``: fetches become recomputations'
+        (backward_holds.py's [Note: frozen groups in backward]), ``on_reduced(group)`` is
+        called as each group's gradients are reduced, and on exit every reduction is finished
+        (``finish_backward``). If the body or the finish raises, ``before_abort`` runs, then
+        the partial backward is dropped (``abort_backward``), and the error goes on."""
         global _engine_backwards
         refuse_unfrozen(self._born_frozen)  # unfrozen.py's note
         self._in_backward, self._on_reduced = True, on_reduced
@@ -474,7 +417,7 @@ class Hooks:
         for g in self.groups:
             g.forget_grads_seen()
         self.tied_rows.clear()
-        self._frozen_held, self._pinned, self._recomputing = [], set(), {}
+        self.holds.clear()
         self.schedule.end_iteration()
 
     def forget_partial(self) -> None:
@@ -492,7 +435,7 @@ class Hooks:
                 self._reduce(g)
         while self.pending:
             self._reduced(self.pending.popleft().finish())
-        self._frozen_held, self._pinned, self._recomputing = [], set(), {}
+        self.holds.clear()
         self.schedule.end_iteration(carry=True)
 
 

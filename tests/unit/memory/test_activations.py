@@ -237,8 +237,8 @@ def _lora_run(folder: Path, swap: Path, checkpointed: bool) -> tuple[list[float]
 
 def test_a_frozen_base_recomputed_in_backward_is_released_block_by_block(tmp_path: Path) -> None:
     """Frozen layers a recomputation gathers in backward go once that block's backward is done
-    (hooks.py's [Note: frozen groups in backward]), not when backward ends; and the adapters
-    train exactly as without checkpointing."""
+    (backward_holds.py's [Note: frozen groups in backward]), not when backward ends; and the
+    adapters train exactly as without checkpointing."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     folder = tmp_path / "base"

@@ -243,7 +243,7 @@ class _MostlyFrozen(nn.Module):
 
 
 def test_frozen_groups_are_released_during_backward(tmp_path: Path) -> None:
-    """hooks.py's [Note: frozen groups in backward]: a frozen layer fetched by backward is
+    """backward_holds.py's [Note: frozen groups in backward]: a frozen layer fetched by backward is
     released once backward moved past it, not held until backward ends; losses unchanged."""
     layer = 256 * 256 * 4 + 256 * 4
     x = torch.randn(32, 64, generator=torch.Generator().manual_seed(3))

@@ -38,7 +38,7 @@ from outcore.errors import (
     StorageError,
 )
 from outcore.guard.lock import HeldFolders
-from outcore.io import checkpoint
+from outcore.io import checkpoint, restore
 from outcore.offload.storage import Tier
 from outcore.optim import adafactor
 from outcore.optim import param_groups as pgroups
@@ -406,7 +406,7 @@ class Engine(deepspeed_names.DeepSpeedNames):
         path = Path(path).expanduser()
         self._folders.hold(path.parent, self.rt.comm, self.rt.accel, create=False)
         try:
-            return checkpoint.load(self, path, keep_settings)
+            return restore.load(self, path, keep_settings)
         finally:  # loading wrote every shard through the I/O pool
             self.rt.release_idle_io_buffers()
 

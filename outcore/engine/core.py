@@ -369,16 +369,7 @@ class Engine(deepspeed_names.DeepSpeedNames):
         self._check_nothing_shown("save_checkpoint()")
         self._reopen_boundary("save_checkpoint()")  # half this step's updates would be saved
         path, client_state = Path(path).expanduser(), client_state or {}  # ~ as a shell reads
-        try:  # a mistake here creates no folder, and is refused on every rank together
-            checkpoint.check_client_state(client_state)
-            copied, error = checkpoint.check_files(files), None
-        except ConfigError as e:
-            copied, error = {}, e
-        if self.rt.comm.any_failed(error is not None) and error is None:
-            error = ConfigError("save_checkpoint() was refused on another rank (its error says "
-                                "why: client_state or files); this rank saved nothing either")
-        if error is not None:
-            raise error
+        copied = checkpoint.check_save_arguments(self.rt.comm, client_state, files)
         self._folders.hold(path.parent, self.rt.comm, self.rt.accel, create=True)
         try:
             return checkpoint.save(self, path, client_state, replace_folder=replace_folder,
@@ -420,25 +411,7 @@ class Engine(deepspeed_names.DeepSpeedNames):
         fits in half the memory this process may still use. An update that the last
         ``step()`` left running and that failed is raised here, after the clean-up, so a run
         ending right after its step still hears of it."""
-        if self._closed is not None:
-            return
-        self._closed = "this outcore Engine was closed"
-        error: BaseException | None = None
-        try:
-            self.sharded_optimizer.wait()
-        except BaseException as e:  # noqa: BLE001 - raised below, once everything is closed
-            error = e
-        try:
-            lifetime.detach(self)
-            lifetime.hand_back(self, keep_values)
-        except BaseException as e:  # noqa: BLE001 - as above
-            error = error or e
-        finally:
-            self.rt.close()
-            self.rt.engine = None
-            self._folders.release_all()
-        if error is not None:
-            raise error
+        lifetime.close(self, keep_values)
 
     @property
     def closed(self) -> bool:

@@ -159,6 +159,32 @@ def abandon(module: nn.Module, rt: Runtime) -> None:
         log.debug("outcore: values dropped while undoing a failed build: %s", error)
 
 
+def close(engine: Engine, keep_values: bool | None) -> None:
+    """``engine.close()``: wait for the updates the last step left running, detach, hand the
+    values back (see the note), then close the runtime (its swap files) and let go of the
+    checkpoint roots, whatever failed before. The first failure is raised once all that is
+    done; a second call does nothing."""
+    if engine._closed is not None:
+        return
+    engine._closed = "this outcore Engine was closed"
+    error: BaseException | None = None
+    try:
+        engine.sharded_optimizer.wait()
+    except BaseException as e:  # noqa: BLE001 - raised below, once everything is closed
+        error = e
+    try:
+        detach(engine)
+        hand_back(engine, keep_values)
+    except BaseException as e:  # noqa: BLE001 - as above
+        error = error or e
+    finally:
+        engine.rt.close()
+        engine.rt.engine = None
+        engine._folders.release_all()
+    if error is not None:
+        raise error
+
+
 def hand_back(engine: Engine, keep_values: bool | None) -> None:
     """Give each parameter its values back (or drop them): see the note."""
     sps = [sp for sp in engine.params if sp.alive and sp.state is ParamState.SHARDED]

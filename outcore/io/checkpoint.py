@@ -82,6 +82,24 @@ def save(engine: Any, path: Path, client_state: dict[str, Any], *,
     return _save(engine, path, client_state, replace_folder, files or {})
 
 
+def check_save_arguments(comm: Any, client_state: dict[str, Any],
+                         files: Mapping[str, str | bytes | os.PathLike] | None) -> dict[str, Path]:
+    """``save_checkpoint``'s client state and ``files`` checked before any folder is made; a
+    mistake is refused on every rank together (``comm.any_failed``), so no rank goes on to
+    wait in the save's collectives. Returns ``check_files``' table."""
+    try:
+        check_client_state(client_state)
+        copied, error = check_files(files), None
+    except ConfigError as e:
+        copied, error = {}, e
+    if comm.any_failed(error is not None) and error is None:
+        error = ConfigError("save_checkpoint() was refused on another rank (its error says "
+                            "why: client_state or files); this rank saved nothing either")
+    if error is not None:
+        raise error
+    return copied
+
+
 def check_files(files: Mapping[str, str | bytes | os.PathLike] | None) -> dict[str, Path]:
     """``save_checkpoint(files=)``: plain file names, none a checkpoint's own, to the files
     to copy (whether those exist is checked by the rank that copies, rank 0). A path may be

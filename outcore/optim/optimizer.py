@@ -53,6 +53,7 @@ from outcore.optim.staging import (
     ALIGN_ELEMS,
     ShardSlice,
     StagingSlot,
+    cut_subgroups,
     fp32_grad,
     global_norm,
     step_counts,
@@ -392,23 +393,7 @@ class ShardedOptimizer:
             if sps:
                 yield [ShardSlice(sp, 0, sp.shard_numel) for sp in sps]
             return
-        limit = self._subgroup_elems
-        chunk: list[ShardSlice] = []
-        room = limit
-        for sp in sps:
-            lo = 0
-            while lo < sp.shard_numel:
-                hi = min(sp.shard_numel, lo + room)
-                chunk.append(ShardSlice(sp, lo, hi))
-                room -= hi - lo
-                lo = hi
-                if room < ALIGN_ELEMS:
-                    yield chunk
-                    chunk, room = [], limit
-                else:  # keep the next slice of any parameter aligned
-                    room -= room % ALIGN_ELEMS
-        if chunk:
-            yield chunk
+        yield from cut_subgroups(sps, self._subgroup_elems)
 
     def stage_in(self, work: InFlight, slot: StagingSlot | None) -> None:
         """Start reading a sub-group; each slice gets an aligned place in ``slot``'s buffers

@@ -4,6 +4,7 @@ host memory that the update pipeline (pipeline.py) reads them into and writes th
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -103,3 +104,25 @@ def global_norm(grads: list[torch.Tensor], dropped_sq: float, comm: Comm) -> flo
         norms = torch._foreach_norm(same, 2, dtype=torch.float32)  # some may be bf16
         local += torch.stack(norms).double().pow(2).sum().cpu()
     return math.sqrt(float(comm.all_reduce_sum(local)))
+
+
+def cut_subgroups(sps: list[ShardedParam], limit: int) -> Iterator[list[ShardSlice]]:
+    """``sps``' shards cut, in order, into sub-groups of at most ``limit`` elements (a
+    staging slot's), a large shard over several; each slice starts ``ALIGN_ELEMS``-aligned
+    in its slot, so a sub-group ends once less than that is left."""
+    chunk: list[ShardSlice] = []
+    room = limit
+    for sp in sps:
+        lo = 0
+        while lo < sp.shard_numel:
+            hi = min(sp.shard_numel, lo + room)
+            chunk.append(ShardSlice(sp, lo, hi))
+            room -= hi - lo
+            lo = hi
+            if room < ALIGN_ELEMS:
+                yield chunk
+                chunk, room = [], limit
+            else:  # keep the next slice of any parameter aligned
+                room -= room % ALIGN_ELEMS
+    if chunk:
+        yield chunk

@@ -60,9 +60,10 @@ class TiedRows:
                  in_backward: Callable[[], bool]) -> None:
         self.modules: dict[nn.Module, ShardedParam] = {}
         for m in modules:
-            sp = managed(getattr(m, "weight", None))
-            if (type(m) is nn.Embedding and sp is not None and sp.group is not None
-                    and sp.group.index in tied):
+            if type(m) is not nn.Embedding:  # (and a parametrized weight is not computed)
+                continue
+            sp = managed(m._parameters.get("weight"))
+            if sp is not None and sp.group is not None and sp.group.index in tied:
                 self.modules[m] = sp
         self._in_backward = in_backward
         self._kept: dict[ShardedParam, list[tuple[torch.Tensor, torch.Tensor]]] = {}

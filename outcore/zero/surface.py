@@ -71,6 +71,7 @@ from outcore.errors import (
 from outcore.runtime.phase import Phase
 from outcore.zero import access, registry
 from outcore.zero.calls import (
+    DATA_SET,
     DETACH,
     GRAD_GET,
     Args,
@@ -96,6 +97,26 @@ class ShardedParameter(nn.Parameter):
     def __torch_function__(cls, func: Any, types: Iterable[type], args: Args = (),
                            kwargs: Kwargs | None = None) -> Any:
         return dispatch(func, args, kwargs or {})
+
+    def set_(self, source: Any = None, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """``p.set_(t)``, as ``p.data = t``: ``t``'s values go to the shards.
+
+        [Note: set_ writes the values]
+        torch's ``Tensor.set_`` never reaches ``__torch_function__``, so without this method it
+        rebound the placeholder's storage unseen: the next forward used ``t`` and the step
+        updated the shards, or the update was lost. ``register_parametrization`` calls it with
+        its ``right_inverse`` (``orthogonal`` always does), so such a parametrization applied
+        after ``initialize`` trained other weights than PyTorch's. A tensor of the parameter's
+        shape and dtype is written as ``p.data = t`` writes it; any other form (a storage, a
+        new shape) would change the parameter's storage, and is refused as ``resize_`` is."""
+        if torch.is_grad_enabled() and self.requires_grad:  # torch's own rule for a leaf
+            raise RuntimeError("a leaf Variable that requires grad is being used in an in-place "
+                               "operation.")
+        if isinstance(source, torch.Tensor) and not args and not kwargs:
+            dispatch(DATA_SET, (self, source), {})
+            return self
+        given = () if source is None else (source,)
+        return cast(torch.Tensor, dispatch(torch.Tensor.set_, (self, *given, *args), kwargs))
 
     def __reduce_ex__(self, proto: SupportsIndex) -> tuple[Any, ...]:
         """Pickled (``torch.save(model)``) as a plain parameter holding its values."""

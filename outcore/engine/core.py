@@ -200,7 +200,7 @@ class Engine(deepspeed_names.DeepSpeedNames):
         return self.module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor, *, scale_for_accumulation: bool = True,
-                 boundary: bool | None = None) -> None:
+                 boundary: bool | None = None, retain_graph: bool = False) -> None:
         """Backpropagate ``loss`` (see the note on loss conventions) and reduce gradients.
 
         ``scale_for_accumulation=False``: the caller already divided the loss for gradient
@@ -208,6 +208,8 @@ class Engine(deepspeed_names.DeepSpeedNames):
         batch), so the engine does not divide it again. ``boundary``: whether this backward
         ends the accumulation, for a loop whose last accumulation is shorter (the end of an
         epoch); by default every ``gradient_accumulation_steps``-th backward does.
+        ``retain_graph``: as torch's, for a second backward through the same graph (two losses
+        of one forward: the first takes ``boundary=False``, so their gradients add up).
         """
         self._check_open()
         self._check_nothing_shown("engine.backward()")
@@ -226,7 +228,7 @@ class Engine(deepspeed_names.DeepSpeedNames):
         # (speculation.py's note): those are taken back with their gradients; everything else
         # of this backward is dropped, so a retry of the step sees a consistent engine.
         with self.hooks.backward(on_reduced, before_abort=self.sharded_optimizer.abandon_backward):
-            scaled.backward()
+            scaled.backward(retain_graph=retain_graph)
         self.micro_steps, self._at_boundary = self.micro_steps + 1, boundary
         if boundary and self.rt.plan.overlaps_optimizer:  # optim/hyperparams.py's note
             self.sharded_optimizer.hyperparams.backward_ended(self.param_groups)

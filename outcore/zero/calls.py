@@ -227,6 +227,27 @@ def refuse_grad_of_gathered(func: Any, args: Args, kwargs: Kwargs) -> None:
                 "(it reaches the optimizer), or with respect to activations")
 
 
+def refuse_backward_into_params(func: Any, kwargs: Kwargs) -> None:
+    """Refuse ``loss.backward(inputs=[p])`` for a sharded parameter ``p``. It never reached the
+    engine's backward: with ``p`` on NVMe or in a 16-bit compute dtype the forward used a copy,
+    so ``p`` got no gradient and the step trained nothing, without a word. Where ``p`` is the
+    tensor the model computes with, the engine's gradient hook refused it as a plain
+    ``loss.backward()``; at more ranks the inputs were refused as a read. Gradients with
+    respect to activations (``inputs=[x]``) stay PyTorch's."""
+    if func is not torch.autograd.backward:
+        return
+    inputs = kwargs.get("inputs") or ()
+    for t in (inputs if isinstance(inputs, (list, tuple)) else (inputs,)):
+        sp = registry.managed(t) if isinstance(t, torch.Tensor) else None
+        if sp is not None:
+            raise ParamAccessError(
+                f"backward(inputs=[...]) with parameter {sp.label()} among the inputs: outcore "
+                "trains a model through engine.backward(loss), which computes the gradients of "
+                "every trainable parameter and hands them to its optimizer; to train only some, "
+                "set requires_grad=False on the others. Gradients with respect to activations "
+                "(inputs that are not parameters) work as in PyTorch")
+
+
 def refuse_meta_move(func: Any, args: Args, kwargs: Kwargs) -> None:
     """Refuse ``model.to("meta")`` of a sharded parameter: torch's ``Module._apply`` cannot
     give a CPU tensor meta data in place, so it puts a new ``nn.Parameter`` without values in

@@ -80,6 +80,7 @@ from outcore.zero.calls import (
     is_live,
     kind_of,
     layout_only,
+    refuse_backward_into_params,
     refuse_grad_assignment,
     refuse_grad_of_gathered,
     refuse_meta_move,
@@ -177,6 +178,7 @@ def dispatch(func: Any, args: Args, kwargs: Kwargs) -> Any:
     if layout_only(func, args, kwargs):  # model.to(memory_format=...): the layout is outcore's
         return args[0]
     refuse_grad_of_gathered(func, args, kwargs)  # only torch.autograd.grad looks further
+    refuse_backward_into_params(func, kwargs)  # only torch.autograd.backward looks further
     touched = access.touched(args, kwargs)
     if not touched:
         return access.raw(func, args, kwargs)

@@ -278,14 +278,17 @@ class Engine(deepspeed_names.DeepSpeedNames):
         """Backwards inside accumulate, as under DDP's ``no_sync`` (stepping.py's)."""
         return stepping.no_sync(self)
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the gradients accumulated since the last step, and any ``p.grad`` (torch's
-        ``optimizer.zero_grad()``); the accumulation starts over. Refused after a boundary
+        ``optimizer.zero_grad()``); the accumulation starts over. ``set_to_none=False``: as
+        torch's, a parameter that got a gradient before and gets none in a step is still
+        updated, with a zero one (optim/zero_filled.py's note). Refused after a boundary
         backward that already applied updates (optimizer.py's [Note: updating during
         backward]); tentative ones are taken back (speculation.py's [Note: a speculative step])."""
         self._check_open()
         self._reopen_boundary("zero_grad()")
         self.sharded_optimizer.zero_grad(keep=self.sharded_optimizer.pending_jobs)
+        self.sharded_optimizer.zero_filled.zero_grad(set_to_none)
         self.micro_steps, self._at_boundary = 0, False
         drop_grads(self.module)  # e.g. a backward's before initialize
         self.hooks.forget_partial()  # hooks.py's [Note: another engine's backward reaches ...]

@@ -92,7 +92,7 @@ class TorchOptimizer(torch.optim.Optimizer):
         """``engine.zero_grad()``: drop the gradients accumulated since the last step (the
         engine's shards). Refused between a boundary backward that already applied the updates
         (optimizer.py's [Note: updating during backward]) and ``step()``."""
-        self._engine.zero_grad()
+        self._engine.zero_grad(set_to_none)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Adopts the engine's group dicts while torch's constructor runs; refused after.

@@ -58,6 +58,7 @@ from outcore.optim.staging import (
     global_norm,
     step_counts,
 )
+from outcore.optim.zero_filled import ZeroFilledGrads
 from outcore.runtime import Runtime
 from outcore.zero.param import ShardedParam
 
@@ -126,6 +127,7 @@ class ShardedOptimizer:
         self._tentative = False  # some update of this round is tentative
         self._round = 0  # optimizer steps taken; see ParamState.round
         self.hyperparams = HyperParamWatch()  # hyperparams.py's note
+        self.zero_filled = ZeroFilledGrads()  # zero_filled.py's note
         self.stats = {"updates_during_backward": 0, "updates_at_step": 0, "updates_after_step": 0,
                       "tentative_kept": 0, "tentative_redone": 0, "tentative_dropped": 0}
 
@@ -257,6 +259,8 @@ class ShardedOptimizer:
         (staging.py's [Note: the gradient an update reads]). Submitted updates are waited for,
         unless ``defer``: the unfinished ones are returned in the next forward's order."""
         self.rt.sample_working_set()  # gradients not yet consumed are alive now
+        self.zero_filled.fill(self.params, lambda sp: self.state[sp].round == self._round,
+                              self.rt.grad_device)
         rest = [sp for sp in self.params if sp.has_grad and self.state[sp].round != self._round]
         if self.adafactor is not None:  # never submitted during backward (the plan)
             for sp in rest if grad_scale != 1.0 else ():

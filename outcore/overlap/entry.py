@@ -78,7 +78,7 @@ class EntryHooks:
     def __init__(self, modules: list[nn.Module], is_inside: Callable[[], bool],
                  context: Callable[[], contextlib.AbstractContextManager[object]],
                  synced_generate: bool, cast: Callable[[Inputs], Inputs] | None = None,
-                 on_zero_grad: Callable[[], None] | None = None, rt: Any = None) -> None:
+                 on_zero_grad: Callable[[bool], None] | None = None, rt: Any = None) -> None:
         """``cast``: applied to the positional and keyword inputs of a call that opens the
         context (moved to the compute device, floating ones cast to the compute dtype).
         ``on_zero_grad``: called by the root's ``zero_grad()`` (gradients live in the engine's
@@ -140,12 +140,12 @@ class EntryHooks:
         module.generate = generate  # type: ignore[assignment]
         self._patched.append(module)
 
-    def _patch_zero_grad(self, module: nn.Module, on_zero_grad: Callable[[], None]) -> None:
+    def _patch_zero_grad(self, module: nn.Module, on_zero_grad: Callable[[bool], None]) -> None:
         root = weakref.ref(module)
 
         def zero_grad(this: nn.Module, set_to_none: bool = True) -> None:
             if this is root():  # not a deep copy of the model, which has no engine
-                on_zero_grad()  # first: the engine's shards, then every p.grad (drop_grads)
+                on_zero_grad(set_to_none)  # first: the engine's shards, then every p.grad
                 if set_to_none and type(this).zero_grad is nn.Module.zero_grad:
                     return None  # torch's would walk the parameters again, to no effect
             # the class's own (which may reset more: a user's probe found it never called)

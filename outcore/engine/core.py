@@ -226,8 +226,9 @@ class Engine(deepspeed_names.DeepSpeedNames):
         # [Note: a failed boundary backward] Updates already started on the worker are allowed
         # to finish (they used final gradients) and stay applied, unless they are tentative
         # (speculation.py's note): those are taken back with their gradients; everything else
-        # of this backward is dropped, so a retry of the step sees a consistent engine.
-        with self.hooks.backward(on_reduced, before_abort=self.sharded_optimizer.abandon_backward):
+        # of this backward is dropped, so a retry of the step sees a consistent engine; a
+        # warning names the updates that stay (stepping.py's abandon_backward).
+        with self.hooks.backward(on_reduced, before_abort=lambda: stepping.abandon_backward(self)):
             scaled.backward(retain_graph=retain_graph)
         self.micro_steps, self._at_boundary = self.micro_steps + 1, boundary
         if boundary and self.rt.plan.overlaps_optimizer:  # optim/hyperparams.py's note

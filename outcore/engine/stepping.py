@@ -16,12 +16,14 @@ one that does not call through still gets it, after the wrapper returns.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
+from outcore.errors import user_stacklevel
 from outcore.optim.pipeline import UpdatePipeline
 from outcore.profiling import STEP, record_function
 
@@ -142,3 +144,29 @@ def _apply(engine: Engine) -> None:
         g.refresh_after_step(updates.get(g.index))
     engine.schedule.start_next_iteration()
     engine.global_steps += 1
+
+
+def abandon_backward(engine: Engine) -> None:
+    """A boundary backward raised (a Ctrl-C, a bad batch): its tentative updates are taken
+    back, and the updates the optimizer already applied during it stay.
+
+    [Note: a failed backward's applied updates]
+    With the optimizer state on NVMe the optimizer updates each layer during backward, as
+    soon as its gradient is final, and writes it to disk: such an update cannot be taken
+    back. After an interrupted backward those layers have been trained on this batch and the
+    others have not, where PyTorch's interrupted backward changes no weight. Running the same
+    batch again completes the step exactly as an uninterrupted one (an updated layer is not
+    updated twice in one step); skipping the batch leaves those layers trained on it. That
+    used to happen without a word, so it warns, naming them."""
+    sharded = engine.sharded_optimizer
+    sharded.abandon_backward()
+    applied = sharded.applied_this_round
+    if applied and engine.rank == 0:
+        names = ", ".join(sp.label() for sp in applied[:4]) + (", ..." if len(applied) > 4 else "")
+        warnings.warn(
+            f"outcore: this backward failed after the optimizer had already updated "
+            f"{len(applied)} of {len(sharded.state)} parameters ({names}) with its gradients "
+            "(with the optimizer state on NVMe, updates run during backward and are written "
+            "as they finish). Running the same batch again completes this step exactly (those "
+            "parameters are not updated twice); skipping it leaves them trained on this batch. "
+            "To undo them, load the last checkpoint.", stacklevel=user_stacklevel())

@@ -294,8 +294,12 @@ class ShardedOptimizer:
     def updated_this_round(self) -> bool:
         """Whether an update of this round (since the last ``step()``) was applied for good
         (a tentative one can still be taken back)."""
-        return any(state.round == self._round and not state.tentative
-                   for state in self.state.values())
+        return bool(self.applied_this_round)
+
+    @property
+    def applied_this_round(self) -> list[ShardedParam]:
+        """The parameters whose update of this round was applied for good."""
+        return [sp for sp, st in self.state.items() if st.round == self._round and not st.tentative]
 
     @property
     def pending_jobs(self) -> list[UpdateJob]:

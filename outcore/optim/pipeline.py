@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import queue
 import threading
+import time
 import weakref
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future
@@ -180,6 +181,28 @@ def _end_at_exit(jobs: JobQueue, worker: threading.Thread) -> None:
     worker.join(_EXIT_WAIT_S)
 
 
+def _start(worker: threading.Thread, jobs: JobQueue) -> None:
+    """``worker.start()``; if that raises, no worker is left running.
+
+    [Note: a Ctrl-C while the worker starts]
+    ``Thread.start`` launches the thread, then waits for it to run; a ``KeyboardInterrupt``
+    in that wait left a thread the pipeline had recorded but ``join`` refused ("cannot join
+    thread before it is started"), raised from the backward's clean-up instead of the
+    interrupt, and the next step waited forever for updates no worker would make. So the
+    pipeline records a worker only once it runs; one launched but interrupted is ended here
+    (it meets the end of its queue first), and the interrupt goes on."""
+    try:
+        worker.start()
+    except BaseException:
+        jobs.jobs.put(None)  # what it meets first, once it runs
+        for _ in range(200):  # launched, it runs within moments; otherwise it never will
+            if worker.is_alive():
+                worker.join(_EXIT_WAIT_S)
+                break
+            time.sleep(0.005)
+        raise
+
+
 def settle(work: InFlight | None, error: BaseException | None = None) -> None:
     """Wait for what ``work`` still moves, then report it (and ``error``) to its job."""
     if work is None:
@@ -240,11 +263,12 @@ class UpdatePipeline:
         if self.broken is not None:
             raise RuntimeError("the optimizer's update thread failed") from self.broken
         if self._worker is None:
-            self._queue = JobQueue(self._kernel)
-            self._worker = threading.Thread(target=self._serve, args=(self._queue,),
-                                            name="outcore-optim", daemon=True)
-            self._worker.start()
-            self._at_exit = weakref.finalize(self, _end_at_exit, self._queue, self._worker)
+            queue = JobQueue(self._kernel)
+            worker = threading.Thread(target=self._serve, args=(queue,), name="outcore-optim",
+                                      daemon=True)
+            _start(worker, queue)
+            self._queue, self._worker = queue, worker
+            self._at_exit = weakref.finalize(self, _end_at_exit, queue, worker)
         held, limit = sum(n for _, n in self._submitted), self.pending_grad_limit
         kept: list[tuple[UpdateJob, int]] = []
         for older, n in self._submitted:

@@ -177,7 +177,11 @@ def try_lock(folder: Path, what: str, world_size: int = 1) -> FolderLock | Holde
                           "a second run from using it at the same time", stacklevel=3)
             return None
         if fd is not None:
-            _write_holder(fd, what, world_size)
+            # the lock is the descriptor's: a full disk refusing the note of who holds it
+            # (ENOSPC) must not leave it held and unrecorded, which refused this process's
+            # own retry as "another run"; another run's refusal then names no holder
+            with contextlib.suppress(OSError):
+                _write_holder(fd, what, world_size)
             _TABLE.held[path] = (fd, 1)
             return FolderLock(path.parent, path)
     return read_holder(path.parent)

@@ -213,3 +213,26 @@ def test_runs_sharing_an_nvme_path_keep_to_their_own_swap(tmp_path: Path, corpus
     os.close(swap)  # that run ends; the next sweep takes its swap (and the old empty folder)
     os.utime(starting, (time.time() - 3600, time.time() - 3600))
     assert sorted(remove_stale_swap(nvme)) == [starting, hidden]
+
+
+def test_a_lock_whose_holder_note_cannot_be_written_still_serves_its_process(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a full filesystem the note of who holds a checkpoint root failed after the lock was
+    taken: the descriptor stayed locked and unrecorded, so this engine's next save, once
+    space was freed, was refused as "in use by another run" (a probe on a full tmpfs)."""
+    from outcore.guard import lock
+
+    def full(*_: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(lock, "_write_holder", full)
+    engine = outcore.initialize(torch.nn.Linear(4, 4), {"dtype": "fp32"})
+    engine.save_checkpoint(tmp_path / "ck" / "step-1")
+    monkeypatch.undo()
+    engine.save_checkpoint(tmp_path / "ck" / "step-2")  # was FolderInUseError
+    engine.close()
+    fd = os.open(tmp_path / "ck" / LOCK_NAME, os.O_RDWR | os.O_CREAT)
+    try:  # nothing of this process holds it any more
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    finally:
+        os.close(fd)

@@ -101,6 +101,8 @@ class Engine(deepspeed_names.DeepSpeedNames):
         self.cfg = self.rt.cfg  # dtype resolved for the device (compute_dtype.py's note)
         self.adopted_optimizer = optimizer
         try:
+            if own_runtime:  # (a model built under outcore.init has its shards already)
+                lifetime.check_swap_space(self.rt, total, trainable)
             self._build(module, self.cfg, groups)
             self.rt.begin_training(fraction)
             if optimizer is not None:  # its state goes to the shards, and its methods call

@@ -20,6 +20,9 @@ shards stay.
 from __future__ import annotations
 
 import logging
+import os
+import shutil
+import zlib
 from typing import TYPE_CHECKING
 
 import torch
@@ -27,10 +30,12 @@ from torch import nn
 
 from outcore.config import Config
 from outcore.engine.torch_optimizer import step_aside
-from outcore.errors import ConfigError, ParamAccessError
+from outcore.errors import ConfigError, ParamAccessError, StorageError
 from outcore.guard.memory import available_memory
+from outcore.offload.tier import Tier
 from outcore.runtime import Runtime
 from outcore.runtime.bootstrap import ranks_on_this_host
+from outcore.sizing import placement
 from outcore.units import format_bytes
 from outcore.zero.access import dropped_message
 from outcore.zero.registry import managed
@@ -109,6 +114,44 @@ def runtime_for(module: nn.Module, cfg: Config,
         raise
     rt.close()
     return new, False
+
+
+def check_swap_space(rt: Runtime, total: int, trainable: int) -> None:
+    """Refuse a build whose model states do not fit the NVMe swap's disk, on every rank.
+
+    [Note: the swap's space is checked before the build, on every rank]
+    The swap file grows a piece at a time as shards are made. A disk too small for them failed
+    in the middle of the build, naming the piece (a few MiB) and the run's folder, already
+    removed; at more ranks the failed rank left the build while the others waited in its
+    collectives, and gloo aborted them (SIGABRT, their swap files left). So the bytes this
+    rank's states need there (``placement.state_bytes``, the price ``Config.auto`` uses) are
+    compared with the free space of ``offload.nvme_path`` first (times the ranks on this host
+    where every rank names the same path: they share its disk), and the ranks agree before
+    any collective of the build: a refusal on one is a ``StorageError`` on all."""
+    if Tier.NVME not in (rt.param_tier, rt.state_tier):
+        return  # the same on every rank: their configs agree (runtime/same_config.py)
+    path = rt.cfg.offload.nvme_path
+    assert path is not None  # guaranteed by Config validation
+    need = placement.state_bytes(total, rt.world_size, rt.cfg, rt.device.type,
+                                 rt.cfg.offload.params, rt.cfg.offload.optimizer,
+                                 trainable)[Tier.NVME.value]
+    shared = rt.comm.alike([zlib.crc32(os.fsencode(os.path.realpath(path)))])[0]
+    ranks = ranks_on_this_host() if shared and rt.world_size > 1 else 1
+    free = shutil.disk_usage(path).free
+    error = None if need * ranks <= free else StorageError(
+        f"not enough free space for the NVMe swap in {path}"
+        + (f" on rank {rt.rank}" if rt.world_size > 1 else "")
+        + f": the model states kept there need {format_bytes(need * ranks)}"
+        + (f" ({format_bytes(need)} for each of the {ranks} ranks on this host)"
+           if ranks > 1 else "")
+        + f", and {format_bytes(free)} is free; free space, point offload.nvme_path at a "
+        "larger disk, or keep more in memory (offload.params: cpu)")
+    if rt.comm.any_failed(error is not None) and error is None:
+        error = StorageError("initialize() was refused on another rank: its NVMe swap does not "
+                             "fit on its disk (its error says where); this rank built nothing "
+                             "either")
+    if error is not None:
+        raise error
 
 
 def detach(engine: Engine) -> None:

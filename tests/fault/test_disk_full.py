@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import outcore
+from tests.distributed import run_world
 
 
 def _model() -> torch.nn.Module:
@@ -18,7 +19,8 @@ def _model() -> torch.nn.Module:
 
 def test_swap_that_does_not_fit_is_a_clear_error_and_leaves_nothing(small_fs: Path) -> None:
     (small_fs / "keep.txt").write_text("someone else's file")
-    # 2.1M parameters x 16 bytes = 34 MB of states on NVMe, plus what ext4 keeps: too much
+    # 2.1M parameters x 14 bytes (fp32 master and moments; the bf16 copies are cast from the
+    # masters, stored nowhere) = 29.4 MB of states on NVMe, plus what ext4 keeps: too much
     # once most of the 48 MiB is taken by a filler file
     with open(small_fs / "filler", "wb") as f:
         f.write(b"\0" * (30 << 20))
@@ -26,8 +28,35 @@ def test_swap_that_does_not_fit_is_a_clear_error_and_leaves_nothing(small_fs: Pa
                                                 "nvme_path": str(small_fs)})
     with pytest.raises(outcore.StorageError) as err:
         outcore.initialize(_model(), cfg)
-    assert str(small_fs) in str(err.value) and "bytes" in str(err.value)
+    # the whole need, not the piece the swap file grew by when it failed (a few MiB)
+    assert f"in {small_fs}: the model states kept there need 29.4 MB" in str(err.value)
     assert sorted(os.listdir(small_fs)) == ["filler", "keep.txt", "lost+found"]
+
+
+def _one_rank_short(big: str, small: str) -> str:
+    """Each rank its own swap disk (as on several nodes); rank 1's is too small."""
+    rank = int(os.environ["RANK"])
+    cfg = {"dtype": "bf16", "offload": {"params": "nvme", "optimizer": "nvme",
+                                        "nvme_path": small if rank == 1 else big}}
+    try:
+        outcore.initialize(_model(), cfg)
+    except outcore.StorageError as e:
+        return str(e)
+    return "built"
+
+
+def test_one_ranks_swap_disk_too_small_is_refused_on_every_rank(small_fs: Path,
+                                                                 tmp_path: Path) -> None:
+    """The short rank left the build while the other waited in its collectives: gloo
+    aborted that one (SIGABRT), its swap file left behind."""
+    with open(small_fs / "filler", "wb") as f:
+        f.write(b"\0" * (30 << 20))
+    big = tmp_path / "big"
+    big.mkdir()
+    first, second = run_world(_one_rank_short, 2, str(big), str(small_fs))
+    assert "refused on another rank" in first
+    assert f"{small_fs} on rank 1: the model states kept there need" in second
+    assert os.listdir(big) == [] and sorted(os.listdir(small_fs)) == ["filler", "lost+found"]
 
 
 def test_checkpoint_folder_filling_up_keeps_the_previous_checkpoint(small_fs: Path) -> None:
@@ -52,3 +81,22 @@ def test_checkpoint_folder_filling_up_keeps_the_previous_checkpoint(small_fs: Pa
         for p, q in zip(engine.module.parameters(), saved, strict=True):
             assert torch.equal(p.data, q)
     engine.close()
+
+
+def _sharing(path: str) -> str:
+    os.environ["LOCAL_WORLD_SIZE"] = "2"  # as torchrun sets it: both ranks on this host
+    try:
+        outcore.initialize(_model(), {"dtype": "bf16", "offload": {
+            "params": "nvme", "optimizer": "nvme", "nvme_path": path}})
+    except outcore.StorageError as e:
+        return str(e)
+    return "built"
+
+
+def test_ranks_sharing_a_swap_disk_are_checked_together(small_fs: Path) -> None:
+    """Each rank's half (14.7 MB) fits the free 18 MB; both together do not."""
+    with open(small_fs / "filler", "wb") as f:
+        f.write(b"\0" * (30 << 20))
+    for message in run_world(_sharing, 2, str(small_fs)):
+        assert "need 29.4 MB (14.7 MB for each of the 2 ranks on this host)" in message
+    assert sorted(os.listdir(small_fs)) == ["filler", "lost+found"]

@@ -41,6 +41,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, NoReturn
 
+from outcore.app.arg_types import count, positive, probe_size, size
 from outcore.app.models import preset_shape
 from outcore.errors import ConfigError, DataError, OutcoreError, StorageError
 from outcore.guard.preemption import (
@@ -52,7 +53,7 @@ from outcore.guard.preemption import (
 from outcore.sizing import efficiency as eff
 from outcore.sizing import estimate as est
 from outcore.sizing.frozen_base import FrozenBaseEstimate, frozen_base
-from outcore.units import format_bytes, format_count, parse_count, parse_size
+from outcore.units import format_bytes, format_count
 
 __all__ = ["build_parser", "main"]
 
@@ -66,41 +67,6 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
-
-
-def _size(text: str) -> int:
-    """argparse type for sizes with units; argparse shows an ArgumentTypeError's own text."""
-    try:
-        return parse_size(text)
-    except ConfigError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _probe_size(text: str) -> int:
-    """At least 64 MiB: a smaller round times the disk's latency and cache, not its rate
-    (``--size 1`` measured one 4 KiB page at 0.01 GB/s, which ``estimate`` then trusted)."""
-    value = _size(text)
-    if value < 64 * 2**20:
-        raise argparse.ArgumentTypeError(f"size {text!r} is under 64MiB, too small to measure "
-                                         "a disk's rate")
-    return value
-
-
-def _count(text: str) -> int:
-    try:
-        return parse_count(text)
-    except ConfigError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 1")
-    return value
 
 
 def _import_part(module: str, what: str) -> ModuleType:
@@ -144,7 +110,7 @@ def build_parser(with_train_options: bool = False) -> _Parser:
     probe = sub.add_parser("probe", help="measure this machine's disk, memory and matmul rates",
                            description="Measure disk read/write, host copy and matmul rates.")
     probe.add_argument("--path", default=".", help="folder on the disk to measure (default: .)")
-    probe.add_argument("--size", type=_probe_size,
+    probe.add_argument("--size", type=probe_size,
                        help="at most this many bytes per disk round, e.g. 1GB (default 512MiB; "
                        "sized by time below that; at least 64MiB)")
     probe.add_argument("--json", action="store_true", help="print JSON")
@@ -166,34 +132,34 @@ def build_parser(with_train_options: bool = False) -> _Parser:
 def _add_estimate(p: argparse.ArgumentParser) -> None:
     m = p.add_argument_group("model (one of --model, --params, --layers/--hidden)")
     m.add_argument("--model", help="preset name, config.json, or Hugging Face model folder")
-    m.add_argument("--params", type=_count, help="parameter count, e.g. 1.3B (GPT shape assumed)")
-    m.add_argument("--layers", type=_positive)
-    m.add_argument("--hidden", type=_positive)
-    m.add_argument("--heads", type=_positive, help="default: hidden / 128")
-    m.add_argument("--vocab", type=_positive, help="default: 50257")
-    m.add_argument("--ffn", type=_positive, help="MLP width, default: 4 x hidden")
+    m.add_argument("--params", type=count, help="parameter count, e.g. 1.3B (GPT shape assumed)")
+    m.add_argument("--layers", type=positive)
+    m.add_argument("--hidden", type=positive)
+    m.add_argument("--heads", type=positive, help="default: hidden / 128")
+    m.add_argument("--vocab", type=positive, help="default: 50257")
+    m.add_argument("--ffn", type=positive, help="MLP width, default: 4 x hidden")
     w = p.add_argument_group("workload")
-    w.add_argument("--batch", type=_positive, default=1, help="sequences per device (default 1)")
-    w.add_argument("--seq", type=_positive, help="sequence length (default: the model's, or 1024)")
-    w.add_argument("--gpus", "--devices", dest="gpus", type=_positive, default=1,
+    w.add_argument("--batch", type=positive, default=1, help="sequences per device (default 1)")
+    w.add_argument("--seq", type=positive, help="sequence length (default: the model's, or 1024)")
+    w.add_argument("--gpus", "--devices", dest="gpus", type=positive, default=1,
                    help="devices in all (default 1)")
-    w.add_argument("--nodes", type=_positive, default=1,
+    w.add_argument("--nodes", type=positive, default=1,
                    help="machines the devices are spread over (default 1)")
     w.add_argument("--fp32-grads", action="store_true",
                    help="count an fp32 gradient copy: 20 bytes/param, the paper's accounting")
     w.add_argument("--no-checkpointing", action="store_true", help="keep all activations")
-    w.add_argument("--tiles", type=_positive, default=1, help="memory-centric tiling factor")
-    w.add_argument("--trainable", type=_count, metavar="N",
+    w.add_argument("--tiles", type=positive, default=1, help="memory-centric tiling factor")
+    w.add_argument("--trainable", type=count, metavar="N",
                    help="LoRA: N trainable adapter parameters over the frozen --model, its "
                         "base read in place from its files (e.g. 13.1M)")
     h = p.add_argument_group("largest model (--max-model; any of the sizes implies it)")
     h.add_argument("--max-model", action="store_true", help="largest model per strategy")
-    h.add_argument("--gpu-memory", type=_size, help="memory per device, e.g. 32GB")
-    h.add_argument("--host-memory", type=_size, help="host memory per node (default 0)")
-    h.add_argument("--nvme", type=_size, help="NVMe capacity per node (default 0)")
+    h.add_argument("--gpu-memory", type=size, help="memory per device, e.g. 32GB")
+    h.add_argument("--host-memory", type=size, help="host memory per node (default 0)")
+    h.add_argument("--nvme", type=size, help="NVMe capacity per node (default 0)")
     e = p.add_argument_group("efficiency")
     e.add_argument("--probe", metavar="FILE.json", help="output of 'outcore probe --json'")
-    e.add_argument("--tokens-per-step", type=_positive, help="per device (default batch x seq)")
+    e.add_argument("--tokens-per-step", type=positive, help="per device (default batch x seq)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(run=_run_estimate)
 

@@ -9,8 +9,10 @@ is a bug in outcore or torch and keeps its traceback.
 
 from __future__ import annotations
 
+import errno
 import importlib.util
 import os
+import resource
 import sys
 
 import torch
@@ -86,3 +88,42 @@ def user_stacklevel() -> int:
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_SKIPPED):
         frame, level = frame.f_back, level + 1
     return level
+
+
+_LIMITS = {errno.EFBIG: ("RLIMIT_FSIZE", "the file-size limit (ulimit -f)"),
+           errno.EMFILE: ("RLIMIT_NOFILE", "the open-file limit (ulimit -n)"),
+           errno.ENOMEM: ("RLIMIT_AS", "the address-space limit (ulimit -v)")}
+
+
+def limit_hint(e: BaseException) -> str:
+    """For an error a process limit may have caused (a file too large, too many open files,
+    no memory): the limit and its value, as ``"; the ... limit (ulimit -f) is 9.8 MiB"``;
+    else ``""``.
+    A full disk and a process limit read alike in ``strerror`` alone; this tells them apart."""
+    code = errno.ENOMEM if isinstance(e, MemoryError) else getattr(e, "errno", None)
+    if code not in _LIMITS:
+        return ""
+    name, what = _LIMITS[code]
+    soft = resource.getrlimit(getattr(resource, name))[0]
+    if soft == resource.RLIM_INFINITY:
+        return ""
+    value = str(soft) if code == errno.EMFILE else (
+        f"{soft / 2**30:.2f} GiB" if soft >= 2**30 else f"{soft / 2**20:.1f} MiB")
+    return f"; {what} is {value}"
+
+
+def out_of_memory(e: BaseException) -> str | None:
+    """The one line the CLI prints for memory that ran out (a ``MemoryError``, an ``OSError``
+    ENOMEM from a mapping, torch's allocator refusing), naming the limit that refused it;
+    None for any other error, which keeps its traceback."""
+    text = " ".join(str(e).split())
+    if isinstance(e, torch.OutOfMemoryError):
+        return (f"out of device memory: {text.split('. ')[0]}; use a smaller batch, or "
+                "offload more (offload.params / offload.optimizer: cpu or nvme)")
+    if not (isinstance(e, MemoryError) or (isinstance(e, OSError) and e.errno == errno.ENOMEM)
+            or (isinstance(e, RuntimeError) and "can't allocate memory" in text)):
+        return None
+    hint = limit_hint(MemoryError())
+    return (f"out of memory: {text or type(e).__name__}{hint or '; the host ran out'}; "
+            + ("raise the limit, or " if hint else "")
+            + "use a smaller batch or offload.host_buffer_bytes")

@@ -14,7 +14,8 @@ and applies the error policy.
 * ``ConfigError`` or ``DataError`` raised while a subcommand runs (a bad config key, a missing
   data file): also exit 2 and one line; they are the same kind of mistake, found later.
 * ``StorageError`` and every other ``OutcoreError`` (disk full, corrupt checkpoint, a part of
-  outcore missing from this build): exit 1 and one line.
+  outcore missing from this build): exit 1 and one line; so is memory that ran out (the
+  limit named: ``errors.out_of_memory``).
 * A closed pipe on stdout (``outcore estimate ... | head``): exit 141, the shell's code for
   SIGPIPE, and nothing printed.
 * Ctrl-C: exit 130, the shell's code for SIGINT. During ``outcore train`` the first Ctrl-C
@@ -43,7 +44,7 @@ from typing import Any, NoReturn
 
 from outcore.app.arg_types import count, positive, probe_size, size
 from outcore.app.models import preset_shape
-from outcore.errors import ConfigError, DataError, OutcoreError, StorageError
+from outcore.errors import ConfigError, DataError, OutcoreError, StorageError, out_of_memory
 from outcore.guard.preemption import (
     EXIT_PREEMPTED,
     Terminated,
@@ -439,6 +440,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except OutcoreError as e:
         print(_one_line(prog, e), file=sys.stderr)
+        return 1
+    except (MemoryError, OSError, RuntimeError) as e:  # memory ran out: one line, else a bug
+        if (text := out_of_memory(e)) is None:
+            raise
+        print(f"{prog}: error: {text}", file=sys.stderr)
         return 1
     except Terminated as e:  # SIGTERM before (or after) the loop: cleaned up as Ctrl-C is
         print(f"{prog}: stopped by {e}; nothing more was saved", file=sys.stderr)

@@ -33,6 +33,7 @@ the file to W for nothing.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -44,7 +45,7 @@ from typing import Any
 
 import torch
 
-from outcore.errors import ConfigError, OutcoreError, StorageError, user_stacklevel
+from outcore.errors import ConfigError, OutcoreError, StorageError, limit_hint, user_stacklevel
 from outcore.io import base_record
 from outcore.io import safetensors_stream as sts
 from outcore.io.agreement import agree
@@ -66,6 +67,7 @@ from outcore.io.publish import (
 )
 from outcore.io.safetensors_stream import CHECKSUM, FileInfo, StreamWriter, TensorSpec
 from outcore.offload.storage import load_now
+from outcore.units import format_bytes
 
 RNG_CPU, RNG_CUDA = "__rng__::torch_cpu", "__rng__::torch_cuda"
 OPTIM = "__optimizer__::"  # replicated optimizer state (rank 0's file)
@@ -294,8 +296,12 @@ def _manifest(engine: Any, client_state: dict[str, Any], files: dict[str, dict],
 
 
 def _storage_error(e: Exception, path: Path) -> Exception:
+    """An ``OSError`` of the save as a ``StorageError`` naming ``path`` and what ran out: the
+    disk's free bytes where it is full, else the process limit that refused it (a file-size
+    or open-file limit also reads "File too large", "Too many open files")."""
     if isinstance(e, OSError) and not isinstance(e, StorageError):
-        free = shutil.disk_usage(path.parent).free if path.parent.exists() else -1
-        return StorageError(f"writing checkpoint {path} failed: {e.strerror or e} "
-                            f"({free} bytes free on that filesystem)")
+        why = limit_hint(e)
+        if e.errno in (errno.ENOSPC, errno.EDQUOT) and path.parent.exists():
+            why = f" ({format_bytes(shutil.disk_usage(path.parent).free)} free on that filesystem)"
+        return StorageError(f"writing checkpoint {path} failed: {e.strerror or e}{why}")
     return e

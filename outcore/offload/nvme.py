@@ -44,7 +44,7 @@ from typing import NamedTuple
 
 import torch
 
-from outcore.errors import StorageError
+from outcore.errors import StorageError, limit_hint
 from outcore.offload.aio import AioEngine, IOFuture, transfer
 from outcore.offload.buffers import ALIGN, BufferPool, aligned_empty, is_aligned, round_up
 
@@ -450,7 +450,8 @@ class NvmeStore:
                     f"{new_size - old} more bytes ({_gib(new_size - old)})"
                 ) from e
             if e.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
-                raise StorageError(f"cannot grow the swap file {self.path}: {e.strerror}") from e
+                raise StorageError(f"cannot grow the swap file {self.path}: {e.strerror}"
+                                   f"{limit_hint(e)}") from e
             os.ftruncate(self._fd, new_size)  # filesystem without fallocate: sparse file
         self._free.give(old, new_size - old)
         self.file_bytes = new_size

@@ -425,6 +425,17 @@ class Engine(deepspeed_names.DeepSpeedNames):
     def closed(self) -> bool:
         return self._closed is not None
 
+    def __repr__(self) -> str:
+        """What a notebook shows for ``engine``: the model, where its states are, and whether
+        the engine can still be used (and if not, why)."""
+        off = self.cfg.offload
+        state = "open" if self._closed is None else self._closed.removeprefix(
+            "this outcore Engine ").split(" (")[0].split(";")[0]
+        return (f"<outcore Engine of {type(self.module).__name__}: {len(self.params)} "
+                f"parameters, rank {self.rank} of {self.world_size}, {self.dtype_choice.name}, "
+                f"offload params={off.params} optimizer={off.optimizer}, "
+                f"{self.global_steps} steps; {state}>")
+
     def __enter__(self) -> Engine:
         return self
 

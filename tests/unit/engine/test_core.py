@@ -254,3 +254,15 @@ def test_step_between_accumulation_boundaries_is_a_no_op() -> None:
         results.append(engine.step())
     assert results == [False, False, True]
     engine.close()
+
+
+def test_repr_names_the_model_the_placement_and_whether_the_engine_is_usable() -> None:
+    """A notebook showed ``<outcore.engine.core.Engine object at 0x...>`` in every state."""
+    model = nn.Sequential(nn.Linear(4, 4))
+    first = outcore.initialize(model, {"dtype": "fp32"})
+    assert repr(first) == ("<outcore Engine of Sequential: 2 parameters, rank 0 of 1, fp32, "
+                           "offload params=none optimizer=none, 0 steps; open>")
+    second = outcore.initialize(model, {"dtype": "fp32"})
+    assert repr(first).endswith("; handed its model to a newer engine>")
+    second.close()
+    assert repr(second).endswith("; was closed>")

@@ -32,22 +32,22 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from outcore.app import blocks, models
+from outcore.app import blocks, models, saves
 from outcore.app import data as datamod
 from outcore.app import job as jobs
 from outcore.app import lora as loramod
 from outcore.app.evaluate import EVAL_BATCHES, held_out_loss
 from outcore.app.job import JOB_DEFAULTS, LR_SCHEDULES
 from outcore.app.job import job_settings as _job_settings
+from outcore.app.ranks import global_mean, say
 from outcore.app.report import MetricsWriter, read_metrics, write_report
 from outcore.config import Config, merge_mappings
 from outcore.engine import initialize
 from outcore.errors import CommError, ConfigError
 from outcore.guard.lock import lock_run_folder
-from outcore.guard.preemption import EXIT_PREEMPTED, Preemption, preemption, with_hangup
+from outcore.guard.preemption import Preemption, preemption, with_hangup
 from outcore.io.manifest import latest_checkpoint, read_client_state
 from outcore.offload.nvme import MADE_MARK, remove_if_left_empty
 from outcore.offload.storage import Tier
@@ -218,21 +218,6 @@ def _activations_line(checkpointed: int, offloaded: int, place: str) -> str:
     return f"\n  activations: {'; '.join(parts)}" if parts else ""
 
 
-def _say(text: str) -> None:
-    """Print on rank 0 only; before the process group exists, torchrun's RANK tells."""
-    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
-    if rank == 0:
-        print(text, file=sys.stderr, flush=True)
-
-
-def _global_mean(engine: Any, value: float) -> float:
-    """The mean of ``value`` over ranks (each rank's loss, for the log)."""
-    if engine.world_size == 1:
-        return value
-    t = torch.tensor([value], dtype=torch.float64)
-    return float(engine.rt.comm.all_reduce_sum(t)) / engine.world_size
-
-
 def run(args: argparse.Namespace) -> int:
     """Train as ``args`` say; returns the exit code. User mistakes raise ConfigError/DataError."""
 
@@ -254,7 +239,7 @@ def run(args: argparse.Namespace) -> int:
         changed += jobs.check_resume(latest, client, job["model"], job["steps"], job["batch"])
         loramod.check_resume(lora, latest)
     for line in changed:
-        _say(f"--resume: {line}")
+        say(f"--resume: {line}")
     n_params, max_seq, vocab = _describe_model(job["model"])
     seq = job["seq"] or min(256, max_seq)
     if seq > max_seq:
@@ -267,12 +252,12 @@ def run(args: argparse.Namespace) -> int:
         "dtype": cfg.dtype,
         "data": str(Path(job["data"]).resolve()) if job["data"] else None}
     for line in jobs.drifted(client, record["effective"], changed) if latest is not None else []:
-        _say(f"--resume: {line}")
+        say(f"--resume: {line}")
     jobs.warn_unused_nvme_path(args, cfg, job)
     caution = check_fits(cfg, n_params, int(os.environ.get("WORLD_SIZE", "1")),  # before the build
                          trainable=trainable)
     if caution:
-        _say(caution)
+        say(caution)
     # a second run on OUT stops here (guard/lock.py's [Note: two runs, one folder]); whatever
     # ends the run below, the folder is given back, and removed if this run made it and a
     # failure left it empty
@@ -308,7 +293,7 @@ def _run_holding_out(args: argparse.Namespace, job: dict[str, Any], cfg: Config,
         raise ConfigError(f"--out {out} holds the checkpoints of an earlier run (latest: "
                           f"{latest.name}); add --resume to continue it, or give another --out")
     if args.resume and latest is None:
-        _say(f"--resume: no complete checkpoint in {ckpt_root}; starting from step 0 with "
+        say(f"--resume: no complete checkpoint in {ckpt_root}; starting from step 0 with "
              f"this command's settings (model {job['model']}, data {job['data'] or 'default'}):"
              " a run's own are recorded in its checkpoints only")
 
@@ -323,7 +308,7 @@ def _run_holding_out(args: argparse.Namespace, job: dict[str, Any], cfg: Config,
     # from the folder's own files when it lives on NVMe (zero/deferred.py, offload/file_shard.py)
     weights = job["model"] if is_hf and models.hf_has_weights(job["model"]) else None
     if weights is not None:
-        _say(f"fine-tuning: {'reading' if lora is not None else 'loading'} the weights in "
+        say(f"fine-tuning: {'reading' if lora is not None else 'loading'} the weights in "
              f"{job['model']}")
     building = init(cfg, frozen=lora is not None, weights=weights)
     with building:
@@ -358,7 +343,7 @@ def _run_holding_out(args: argparse.Namespace, job: dict[str, Any], cfg: Config,
                  "lora": lora.client_state() if lora is not None else None}
 
         src = job["data"] or "the Python standard library's source"
-        _say(f"outcore train: {job['model']} ({format_count(n_params)} params), {world} rank(s), "
+        say(f"outcore train: {job['model']} ({format_count(n_params)} params), {world} rank(s), "
              f"dtype {engine.dtype_choice}, offload params={cfg.offload.params} "
              f"optimizer={cfg.offload.optimizer}\n  data: {src} ({format_count(len(tokens))} "
              f"tokens: {tokenized_by}), "
@@ -384,7 +369,7 @@ def _run_holding_out(args: argparse.Namespace, job: dict[str, Any], cfg: Config,
             _finish(out, job, n_params, start, lines)
         engine.close(keep_values=False)  # the checkpoints hold the model: no hand-back
     if stopped_at is not None:
-        return _stopped(stop, stopped_at, ckpt_root)
+        return saves.stopped(stop, stopped_at, ckpt_root)
     return 0
 
 
@@ -405,7 +390,7 @@ def _loop(engine: Any, sampler: datamod.BatchSampler, job: dict[str, Any], seq: 
         for step in range(start + 1, steps + 1):
             if stop.stop_requested(engine):  # every rank, at the same step boundary
                 if step - 1 > start and (step - 1) % job["save_every"]:
-                    _save(engine, sampler, job, step - 1, state, bar)
+                    saves.save(engine, sampler, job, step - 1, state, bar)
                 return step - 1
             lr = _lr_at(step, steps, peak_lr, job["lr_schedule"])
             for group in engine.param_groups:
@@ -420,7 +405,7 @@ def _loop(engine: Any, sampler: datamod.BatchSampler, job: dict[str, Any], seq: 
                 engine.backward(loss)
                 total += float(loss.detach().float())
             engine.step()
-            loss_value = _global_mean(engine, total / accum)
+            loss_value = global_mean(engine, total / accum)
             dt = time.perf_counter() - t0
             state["elapsed"] += dt
             mem = engine.memory_report()
@@ -436,48 +421,10 @@ def _loop(engine: Any, sampler: datamod.BatchSampler, job: dict[str, Any], seq: 
                 refresh=False)
             bar.update(1)
             if step % job["save_every"] == 0 or step == steps:
-                _save(engine, sampler, job, step, state, bar)
+                saves.save(engine, sampler, job, step, state, bar)
     finally:
         bar.close()
     return None
-
-
-def _stopped(stop: Preemption, step: int, ckpt_root: Path) -> int:
-    """Say where a stopped run can go on from (rank 0) and return its exit code."""
-    name = stop.signal.name if stop.signal else "a signal"
-    what = "preempted" if stop.exit_code == EXIT_PREEMPTED else "interrupted"
-    latest = latest_checkpoint(ckpt_root)
-    _say(f"outcore train: {what} ({name}) after step {step}; checkpoint: "
-         f"{latest or 'none yet'}; run the same command with --resume to continue")
-    return stop.exit_code
-
-
-def _save(engine: Any, sampler: datamod.BatchSampler, job: dict[str, Any], step: int,
-          state: dict[str, Any], bar: Any = None) -> None:
-    """Checkpoint step ``step``; the progress bar says so meanwhile (a large model's save
-    takes minutes, in which the bar would otherwise stand still without a word)."""
-    if bar is not None:
-        bar.set_description_str(f"saving step-{step:08d}", refresh=True)
-    try:
-        _save_now(engine, sampler, job, step, state)
-    finally:
-        if bar is not None:
-            bar.set_description_str("", refresh=True)
-
-
-def _save_now(engine: Any, sampler: datamod.BatchSampler, job: dict[str, Any], step: int,
-              state: dict[str, Any]) -> None:
-    client = {"step": step, "sampler": sampler.state_dict(), "seed": state["seed"],
-              "model": job["model"], "run": state["run"],  # each rank's own clock: their mean
-              "elapsed_s": _global_mean(engine, state["elapsed"])}
-    if state.get("lora") is not None:  # a resume must name the same spec (app/lora.py)
-        client["lora"] = state["lora"]
-    # the model's config.json lets `outcore consolidate` put it beside the weights for
-    # from_pretrained; not for LoRA, whose weights are PEFT's names that it would skip
-    files = ({"config.json": Path(job["model"]) / "config.json"}
-             if models.is_hf_folder(job["model"]) and state.get("lora") is None else None)
-    engine.save_checkpoint(job["out"] / "checkpoints" / f"step-{step:08d}",
-                           client_state=client, files=files)
 
 
 def _finish(out: Path, job: dict[str, Any], n_params: int, start: int,
@@ -487,13 +434,13 @@ def _finish(out: Path, job: dict[str, Any], n_params: int, start: int,
     png = write_report(out / "metrics.jsonl", out / "report.png",
                        title=f"outcore train: {job['model']} ({format_count(n_params)} params)")
     if not records:
-        _say("\n".join([f"no steps recorded; report: {png}", *(lines or [])]))
+        say("\n".join([f"no steps recorded; report: {png}", *(lines or [])]))
         return
     this_run = [r for r in records if r["step"] > start] or records
     # Every step moves the same number of tokens, so the run's rate is the harmonic mean.
     tok_s = len(this_run) / sum(1.0 / r["tokens_per_s"] for r in this_run)
     latest = latest_checkpoint(out / "checkpoints")
-    _say(f"done: {records[-1]['step']} steps, loss {records[0]['loss']:.3f} -> "
+    say(f"done: {records[-1]['step']} steps, loss {records[0]['loss']:.3f} -> "
          f"{records[-1]['loss']:.3f}, {tok_s:,.0f} tokens/s, "
          f"{records[-1]['elapsed_s']:.0f} s of training\n"
          f"  metrics: {out / 'metrics.jsonl'}\n  report: {png}\n  checkpoint: {latest}"

@@ -83,6 +83,7 @@ class Engine(deepspeed_names.DeepSpeedNames):
         self._closed: str | None = None  # why the engine cannot be used, once it cannot
         self._via: torch.optim.Optimizer | None = None  # the optimizer step() runs through now
         self._reached = False  # whether its step() came back to update (stepping.py)
+        self.failed_backward = False  # the last backward raised (stepping.py's update)
         if optimizer is not None:
             if param_groups is not None:
                 raise ConfigError("pass param_groups or a torch optimizer to adopt, not both")
@@ -232,6 +233,7 @@ class Engine(deepspeed_names.DeepSpeedNames):
         # warning names the updates that stay (stepping.py's abandon_backward).
         with self.hooks.backward(on_reduced, before_abort=lambda: stepping.abandon_backward(self)):
             scaled.backward(retain_graph=retain_graph)
+        self.failed_backward = False  # (stepping.py's update)
         self.micro_steps, self._at_boundary = self.micro_steps + 1, boundary
         if boundary and self.rt.plan.overlaps_optimizer:  # optim/hyperparams.py's note
             self.sharded_optimizer.hyperparams.backward_ended(self.param_groups)

@@ -72,6 +72,12 @@ def update(engine: Engine, via: torch.optim.Optimizer | None) -> bool:
     """Update at an accumulation boundary, through ``via.step()`` or now (see the note); True
     if parameters changed."""
     if not engine.is_accumulation_boundary:
+        if engine.failed_backward:  # set by abandon_backward; said once
+            engine.failed_backward = False
+            warnings.warn("outcore: step() after a backward that raised, with none completed "
+                          "since: nothing was stepped (a failed backward ends no "
+                          "accumulation); run the batch again, then step()",
+                          stacklevel=user_stacklevel())
         return False
     if engine._via is None and _overflowed(engine):
         for opt in {id(o): o for o in (via, engine.optimizer) if o is not None}.values():
@@ -158,6 +164,7 @@ def abandon_backward(engine: Engine) -> None:
     batch again completes the step exactly as an uninterrupted one (an updated layer is not
     updated twice in one step); skipping the batch leaves those layers trained on it. That
     used to happen without a word, so it warns, naming them."""
+    engine.failed_backward = True  # for update(): a step() right after says so
     sharded = engine.sharded_optimizer
     sharded.abandon_backward()
     applied = sharded.applied_this_round

@@ -124,3 +124,18 @@ def test_an_interrupt_while_the_update_thread_starts_stays_an_interrupt(tmp_path
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     assert proc.stdout.split() == ["interrupted", "done"], out
+
+
+def test_a_step_right_after_an_interrupted_backward_says_nothing_was_stepped() -> None:
+    """``step()`` returned False without a word, where PyTorch's steps the partial gradients."""
+    model = _model()
+    engine = outcore.initialize(model, {"dtype": "fp32"})
+    x, y = (t.to(engine.device) for t in _batch(0))
+    Interrupt.armed = True
+    with pytest.raises(KeyboardInterrupt):
+        engine.backward(nn.functional.mse_loss(model(x), y))
+    with pytest.warns(UserWarning, match="step\\(\\) after a backward that raised"):
+        assert not engine.step()
+    engine.backward(nn.functional.mse_loss(model(x), y))
+    assert engine.step()  # and a step after a completed backward says nothing
+    engine.close()

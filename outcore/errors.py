@@ -118,7 +118,7 @@ def out_of_memory(e: BaseException) -> str | None:
     None for any other error, which keeps its traceback."""
     text = " ".join(str(e).split())
     if isinstance(e, torch.OutOfMemoryError):
-        return (f"out of device memory: {text.split('. ')[0]}; use a smaller batch, or "
+        return (f"out of device memory: {'. '.join(text.split('. ')[:2])}; use a smaller batch, or "
                 "offload more (offload.params / offload.optimizer: cpu or nvme)")
     if not (isinstance(e, MemoryError) or (isinstance(e, OSError) and e.errno == errno.ENOMEM)
             or (isinstance(e, RuntimeError) and "can't allocate memory" in text)):

@@ -441,11 +441,6 @@ def main(argv: list[str] | None = None) -> int:
     except OutcoreError as e:
         print(_one_line(prog, e), file=sys.stderr)
         return 1
-    except (MemoryError, OSError, RuntimeError) as e:  # memory ran out: one line, else a bug
-        if (text := out_of_memory(e)) is None:
-            raise
-        print(f"{prog}: error: {text}", file=sys.stderr)
-        return 1
     except Terminated as e:  # SIGTERM before (or after) the loop: cleaned up as Ctrl-C is
         print(f"{prog}: stopped by {e}; nothing more was saved", file=sys.stderr)
         return EXIT_PREEMPTED
@@ -457,6 +452,11 @@ def main(argv: list[str] | None = None) -> int:
             raise  # another pipe: not the reader of our output
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
         return 141  # the shell's code for SIGPIPE
+    except (MemoryError, OSError, RuntimeError) as e:  # (after BrokenPipeError, an OSError too)
+        if (text := out_of_memory(e)) is None:
+            raise
+        print(f"{prog}: error: {text}", file=sys.stderr)
+        return 1
     finally:
         warnings.formatwarning = formatwarning  # main() called from Python: theirs again
         if as_command and threading.current_thread() is threading.main_thread():

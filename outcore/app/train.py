@@ -45,6 +45,7 @@ from outcore.app.ranks import global_mean, say
 from outcore.app.report import MetricsWriter, read_metrics, write_report
 from outcore.config import Config, merge_mappings
 from outcore.engine import initialize
+from outcore.engine.lifetime import check_swap_space
 from outcore.errors import CommError, ConfigError
 from outcore.guard.lock import lock_run_folder
 from outcore.guard.preemption import Preemption, preemption, with_hangup
@@ -312,6 +313,12 @@ def _run_holding_out(args: argparse.Namespace, job: dict[str, Any], cfg: Config,
              f"{job['model']}")
     building = init(cfg, frozen=lora is not None, weights=weights)
     with building:
+        # the swap's room, on every rank, before the build writes to it (lifetime.py's note);
+        # a LoRA base with weights takes none: it is read in place from its own files
+        assert building.runtime is not None
+        trainable = lora.trainable if lora is not None else n_params
+        check_swap_space(building.runtime, trainable if lora is not None and weights is not None
+                         else n_params, trainable)
         model = _build(job["model"])
     try:  # until initialize takes the runtime, a failure here must close it (its swap file)
         if lora is not None:  # before the engine: its optimizer gets the adapters only

@@ -212,7 +212,8 @@ class Engine(deepspeed_names.DeepSpeedNames):
         ends the accumulation, for a loop whose last accumulation is shorter (the end of an
         epoch); by default every ``gradient_accumulation_steps``-th backward does.
         ``retain_graph``: as torch's, for a second backward through the same graph (two losses
-        of one forward: the first takes ``boundary=False``, so their gradients add up).
+        of one forward: the first takes ``boundary=False``, so their gradients add up; each
+        call counts as a micro-batch, so with accumulation pass ``boundary`` to the second).
         """
         self._check_open()
         self._check_nothing_shown("engine.backward()")
@@ -434,8 +435,8 @@ class Engine(deepspeed_names.DeepSpeedNames):
         state = "open" if self._closed is None else self._closed.removeprefix(
             "this outcore Engine ").split(" (")[0].split(";")[0]
         return (f"<outcore Engine of {type(self.module).__name__}: {len(self.params)} "
-                f"parameters, rank {self.rank} of {self.world_size}, {self.dtype_choice.name}, "
-                f"offload params={off.params} optimizer={off.optimizer}, "
+                f"parameter tensors, rank {self.rank} of {self.world_size}, "
+                f"{self.dtype_choice.name}, offload params={off.params} optimizer={off.optimizer}, "
                 f"{self.global_steps} steps; {state}>")
 
     def __enter__(self) -> Engine:

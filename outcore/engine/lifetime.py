@@ -127,7 +127,10 @@ def check_swap_space(rt: Runtime, total: int, trainable: int) -> None:
     rank's states need there (``placement.state_bytes``, the price ``Config.auto`` uses) are
     compared with the free space of ``offload.nvme_path`` first (times the ranks on this host
     where every rank names the same path: they share its disk), and the ranks agree before
-    any collective of the build: a refusal on one is a ``StorageError`` on all."""
+    any collective of the build: a refusal on one is a ``StorageError`` on all. ``outcore
+    train`` runs it too, before building its model under ``outcore.init``; a model a script
+    builds under ``outcore.init`` itself has its shards made before any engine exists, and is
+    not checked."""
     if Tier.NVME not in (rt.param_tier, rt.state_tier):
         return  # the same on every rank: their configs agree (runtime/same_config.py)
     path = rt.cfg.offload.nvme_path
@@ -146,12 +149,9 @@ def check_swap_space(rt: Runtime, total: int, trainable: int) -> None:
            if ranks > 1 else "")
         + f", and {format_bytes(free)} is free; free space, point offload.nvme_path at a "
         "larger disk, or keep more in memory (offload.params: cpu)")
-    if rt.comm.any_failed(error is not None) and error is None:
-        error = StorageError("initialize() was refused on another rank: its NVMe swap does not "
-                             "fit on its disk (its error says where); this rank built nothing "
-                             "either")
-    if error is not None:
-        raise error
+    rt.comm.raise_together(error, StorageError(
+        "initialize() was refused on another rank: its NVMe swap does not fit on its disk (its "
+        "error says where); this rank built nothing either"))
 
 
 def detach(engine: Engine) -> None:

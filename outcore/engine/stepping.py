@@ -161,9 +161,10 @@ def abandon_backward(engine: Engine) -> None:
     soon as its gradient is final, and writes it to disk: such an update cannot be taken
     back. After an interrupted backward those layers have been trained on this batch and the
     others have not, where PyTorch's interrupted backward changes no weight. Running the same
-    batch again completes the step exactly as an uninterrupted one (an updated layer is not
-    updated twice in one step); skipping the batch leaves those layers trained on it. That
-    used to happen without a word, so it warns, naming them."""
+    batch again completes the step without updating a layer twice, but its forward already
+    reads those layers' new values, so the others' gradients come out close to, not equal to,
+    an uninterrupted step's; skipping the batch leaves those layers trained on it. That used to
+    happen without a word, so it warns, naming them."""
     engine.failed_backward = True  # for update(): a step() right after says so
     sharded = engine.sharded_optimizer
     sharded.abandon_backward()
@@ -174,6 +175,7 @@ def abandon_backward(engine: Engine) -> None:
             f"outcore: this backward failed after the optimizer had already updated "
             f"{len(applied)} of {len(sharded.state)} parameters ({names}) with its gradients "
             "(with the optimizer state on NVMe, updates run during backward and are written "
-            "as they finish). Running the same batch again completes this step exactly (those "
-            "parameters are not updated twice); skipping it leaves them trained on this batch. "
-            "To undo them, load the last checkpoint.", stacklevel=user_stacklevel())
+            "as they finish). Running the same batch again completes this step without updating "
+            "them twice (close to an uninterrupted step: its forward sees their new values); "
+            "skipping it leaves them trained on this batch. To undo them, load the last "
+            "checkpoint.", stacklevel=user_stacklevel())

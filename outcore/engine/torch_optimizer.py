@@ -150,11 +150,9 @@ class TorchOptimizer(torch.optim.Optimizer):
         except Exception as e:  # noqa: BLE001 - raised below, once every rank knows
             writes, groups, error = [], [], e
         # every rank reaches this, refused or not: no one waits alone
-        if self._engine.rt.comm.any_failed(error is not None) and error is None:
-            error = ConfigError("optimizer load_state_dict() was refused on another rank "
-                                "(its error says why); this rank loaded nothing either")
-        if error is not None:
-            raise error
+        self._engine.rt.comm.raise_together(error, ConfigError(
+            "optimizer load_state_dict() was refused on another rank (its error says why); "
+            "this rank loaded nothing either"))
         for write in writes:
             write()
         for mine, saved in zip(self.param_groups, groups, strict=True):

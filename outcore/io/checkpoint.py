@@ -94,11 +94,9 @@ def check_save_arguments(comm: Any, client_state: dict[str, Any],
         copied, error = check_files(files), None
     except ConfigError as e:
         copied, error = {}, e
-    if comm.any_failed(error is not None) and error is None:
-        error = ConfigError("save_checkpoint() was refused on another rank (its error says "
-                            "why: client_state or files); this rank saved nothing either")
-    if error is not None:
-        raise error
+    comm.raise_together(error, ConfigError(
+        "save_checkpoint() was refused on another rank (its error says why: client_state or "
+        "files); this rank saved nothing either"))
     return copied
 
 

@@ -47,6 +47,7 @@ import torch
 from outcore.errors import StorageError, limit_hint
 from outcore.offload.aio import AioEngine, IOFuture, transfer
 from outcore.offload.buffers import ALIGN, BufferPool, aligned_empty, is_aligned, round_up
+from outcore.units import format_bytes
 
 log = logging.getLogger(__name__)
 _BUFFERED_WARNED = threading.Event()  # the fallback warning is printed once per process
@@ -63,17 +64,13 @@ class Extent(NamedTuple):
     """``nbytes`` rounded up to 4096 (at least 4096): the bytes reserved on disk."""
 
 
-def _gib(nbytes: int) -> str:
-    return f"{nbytes / 2**30:.2f} GiB"
-
-
 def check_space(path: str | os.PathLike[str], nbytes: int) -> None:
     """Raise ``StorageError`` if the filesystem holding ``path`` has less than ``nbytes`` free."""
     free = shutil.disk_usage(path).free
     if free < nbytes:
         raise StorageError(
-            f"not enough free space for the NVMe swap in {os.fspath(path)}: need {nbytes} bytes "
-            f"({_gib(nbytes)}), only {free} bytes ({_gib(free)}) free"
+            f"not enough free space for the NVMe swap in {os.fspath(path)}: need "
+            f"{format_bytes(nbytes)} more, {format_bytes(free)} free"
         )
 
 
@@ -447,7 +444,7 @@ class NvmeStore:
             if e.errno == errno.ENOSPC:
                 raise StorageError(
                     f"not enough free space for the NVMe swap in {self.folder}: need "
-                    f"{new_size - old} more bytes ({_gib(new_size - old)})"
+                    f"{format_bytes(new_size - old)} more"
                 ) from e
             if e.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
                 raise StorageError(f"cannot grow the swap file {self.path}: {e.strerror}"

@@ -294,7 +294,7 @@ class ShardedOptimizer:
     def updated_this_round(self) -> bool:
         """Whether an update of this round (since the last ``step()``) was applied for good
         (a tentative one can still be taken back)."""
-        return bool(self.applied_this_round)
+        return any(st.round == self._round and not st.tentative for st in self.state.values())
 
     @property
     def applied_this_round(self) -> list[ShardedParam]:

@@ -196,9 +196,10 @@ def _start(worker: threading.Thread, jobs: JobQueue) -> None:
     except BaseException:
         jobs.jobs.put(None)  # what it meets first, once it runs
         for _ in range(200):  # launched, it runs within moments; otherwise it never will
-            if worker.is_alive():
-                worker.join(_EXIT_WAIT_S)
-                break
+            if worker.ident is not None:  # it ran: join once start()'s handshake is done
+                with contextlib.suppress(RuntimeError):  # "before it is started": not yet
+                    worker.join(_EXIT_WAIT_S)
+                    break
             time.sleep(0.005)
         raise
 

@@ -160,6 +160,14 @@ class Comm:
         same = self.alike([int(failed)])[0]  # first: every rank joins the collective
         return failed or not same
 
+    def raise_together(self, error: BaseException | None, elsewhere: BaseException) -> None:
+        """Raise ``error`` on this rank, or ``elsewhere`` (saying another rank refused) where
+        only another rank has one: every rank raises, or none does (``any_failed``)."""
+        if self.any_failed(error is not None) and error is None:
+            error = elsewhere
+        if error is not None:
+            raise error
+
     def barrier(self) -> None:
         if self.world_size > 1:
             with NamedFailure(self, "barrier"):

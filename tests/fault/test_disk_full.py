@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -100,3 +102,20 @@ def test_ranks_sharing_a_swap_disk_are_checked_together(small_fs: Path) -> None:
     for message in run_world(_sharing, 2, str(small_fs)):
         assert "need 29.4 MB (14.7 MB for each of the 2 ranks on this host)" in message
     assert sorted(os.listdir(small_fs)) == ["filler", "lost+found"]
+
+
+def test_outcore_train_refuses_a_swap_disk_too_small_before_building(small_fs: Path,
+                                                                     tmp_path: Path) -> None:
+    """``outcore train`` builds its model under ``outcore.init``, which no engine's check
+    saw: the build failed in the middle, naming a piece of a few MiB."""
+    data = tmp_path / "data.txt"
+    data.write_text("the quick brown fox jumps over the lazy dog\n" * 2000)
+    proc = subprocess.run(
+        [sys.executable, "-m", "outcore", "train", "--model", "small", "--data", str(data),
+         "--steps", "1", "--offload", "nvme", "--out", str(small_fs / "run")],
+        capture_output=True, text=True, timeout=300)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 1, proc.stderr
+    assert last.startswith("outcore train: error: not enough free space for the NVMe swap in "
+                           f"{small_fs / 'run' / 'swap'}: the model states kept there need"), last
+    assert sorted(os.listdir(small_fs)) == ["lost+found"]

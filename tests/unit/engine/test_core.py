@@ -260,7 +260,7 @@ def test_repr_names_the_model_the_placement_and_whether_the_engine_is_usable() -
     """A notebook showed ``<outcore.engine.core.Engine object at 0x...>`` in every state."""
     model = nn.Sequential(nn.Linear(4, 4))
     first = outcore.initialize(model, {"dtype": "fp32"})
-    assert repr(first) == ("<outcore Engine of Sequential: 2 parameters, rank 0 of 1, fp32, "
+    assert repr(first) == ("<outcore Engine of Sequential: 2 parameter tensors, rank 0 of 1, fp32, "
                            "offload params=none optimizer=none, 0 steps; open>")
     second = outcore.initialize(model, {"dtype": "fp32"})
     assert repr(first).endswith("; handed its model to a newer engine>")

@@ -247,12 +247,12 @@ def test_full_disk_is_reported_with_bytes(
 ) -> None:
     usage = shutil.disk_usage(store.folder)
     monkeypatch.setattr(shutil, "disk_usage", lambda p: usage._replace(free=10_000))
-    with pytest.raises(StorageError, match="need 1048576 bytes.*10000 bytes"):
+    with pytest.raises(StorageError, match="need 1.05 MB more, 10.0 KB free"):
         store.allocate(1 << 20)
     with pytest.raises(StorageError, match=str(store.folder)):
         store.reserve(1 << 30)
     check_space(store.folder, 10_000)
-    with pytest.raises(StorageError, match=f"{store.folder}.*need 10001 bytes"):
+    with pytest.raises(StorageError, match=f"{store.folder}: need 10.0 KB more"):
         check_space(store.folder, 10_001)
     assert store.file_bytes == 0
 

@@ -146,6 +146,7 @@ class Hooks:
                                                 Phase.FORWARD if self.frames else Phase.IDLE)
         if before is Phase.IDLE and self.rt.phase is not Phase.IDLE:
             self.writes.begin()
+            self.rt.comm.take_sequence()  # what this phase gathers is compared at its end
         elif self.rt.phase is Phase.IDLE:  # ended unchecked (it raised): forward_writes.py
             self.writes.end()
         if not self.frames:

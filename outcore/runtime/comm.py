@@ -91,6 +91,30 @@ class Comm:
     world_size: int = 1
     timeout_s: float = 600.0
     failed: bool = False  # a collective failed: the group cannot be trusted any more
+    # which groups this rank gathered and reduced, in order, since the phase began (note)
+    sequence: int = 0
+
+    def note(self, key: int) -> None:
+        """Fold a group's collective (``key``: which group, which kind) into ``sequence``.
+
+        [Note: the ranks' collectives are compared]
+        A group's all-gather and reduce-scatter carry no name: each rank runs them in the
+        order its own forward and backward reach them. Where control flow differs between
+        ranks (an expert chosen by each rank's own tokens, blocks in another order, a head on
+        one rank only), two ranks on different groups of one size exchanged each other's
+        shards: layers built from another layer's halves, gradients summed into the wrong
+        parameters, silently (groups of different sizes made gloo abort; one with no partner
+        waited for ``comm.timeout_s``). So each rank folds the groups it gathers and reduces
+        into an ordered digest, and the collective that already ends every forward and
+        backward (forward_writes.py's ``written_anywhere``) compares it: a difference is
+        refused on every rank, before the step applies anything in-memory states would."""
+        if self.world_size > 1:
+            self.sequence = (self.sequence * 1_000_003 + key + 1) & _BITS_62
+
+    def take_sequence(self) -> int:
+        """``sequence`` so far; it starts over."""
+        value, self.sequence = self.sequence, 0
+        return value
 
     def all_gather(self, out: torch.Tensor, shard: torch.Tensor,
                    async_op: bool = False) -> Handle:

@@ -149,7 +149,8 @@ class WriteWatch:
         # a forward torch.export traces (inside gathered_parameters at more ranks) agrees on
         # real numbers: outside the tracer, as the fetches run (untraced.py's note)
         with untraced() if tracer_active() else contextlib.nullcontext():
-            wrote, *same = comm.alike([int(bool(written)), *ended])
+            wrote, *same, same_groups = comm.alike([int(bool(written)), *ended,
+                                                    comm.take_sequence()])
         if not all(same):
             raise ParamAccessError(
                 f"the ranks are out of step: this rank (rank {comm.rank}) ended "
@@ -158,6 +159,14 @@ class WriteWatch:
                 "gathered from every rank's shards. A forward on some ranks only (`if rank "
                 "== 0: model(x)` for samples or a metric) must run on every rank; the others "
                 "may discard its output")
+        if not same_groups:  # comm.py's [Note: the ranks' collectives are compared]
+            raise ParamAccessError(
+                f"the ranks ran different modules in this {where}: each "
+                "module's parameters are gathered (and its gradients reduced) with every rank in "
+                "turn, so every rank must run the same modules, in the same order and number "
+                "(an expert chosen by each rank's own tokens, blocks in another order, a head "
+                "or loss on some ranks only break this). Run every module on every rank: call "
+                "each expert even with no tokens, multiply a loss term by 0 where it is unwanted")
         return None if not wrote and not written else written
 
     def check(self, where: str, comm: Any) -> None:

@@ -306,6 +306,7 @@ class GatherGroup:
         assert self._send is not None  # wait_unshard gathers only after packed reads
         send = self.rt.accel.to_device(self._send)
         self._send = None
+        self.rt.comm.note(2 * self.index)  # comm.py's [Note: the ranks' collectives are compared]
         with record_function(ALL_GATHER):
             blocks = all_gather_blocks(self.rt.comm, send, self.shard_numel)
         for sp, off in zip(self.params, self.offsets, strict=True):
@@ -437,6 +438,7 @@ class GatherGroup:
         send = copy_in_grads(grads, w, self.shard_numel, rt.device)
         for sp, _ in live:
             sp.param.grad = None
+        rt.comm.note(2 * self.index + 1)  # comm.py's [Note: the ranks' collectives are compared]
         with record_function(REDUCE_SCATTER):
             out, work = reduce_scatter_blocks(rt.comm, send)
         return PendingReduce(self, live, out, send, work)

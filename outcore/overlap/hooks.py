@@ -98,6 +98,9 @@ class Hooks:
         self.schedule = schedule
         self.frames: list[list[GatherGroup]] = []
         self.outer = OuterCall()  # abandoned.py's [Note: a forward left without its post hooks]
+        # per module call, what a submodule called on its own opened ([Note: a submodule
+        # called on its own]), else None
+        self._direct: list[contextlib.ExitStack | None] = []
         self._in_backward = False
         self.pending: deque[PendingReduce] = deque()
         # called with each group whose gradients for this backward are reduced (or None)
@@ -153,6 +156,7 @@ class Hooks:
             self.outer.clear()
 
     def remove(self) -> None:
+        self._close_direct()
         for h in self._handles:
             h.remove()
         self._handles.clear()
@@ -234,10 +238,13 @@ class Hooks:
             groups = self.module_groups.get(module, [])
             # a submodule called on its own (after a forward left without its post hooks too)
             outer = not self._in_backward and (not self.frames or abandoned.drop(self))
+            if outer:
+                self._close_direct()  # what a forward left without its post hooks opened
             if self._in_backward:  # a recomputation (backward_holds.py's note)
                 self.holds.recompute(groups)
             # push the frame and hold its groups before anything that may raise: the
             # post-forward hook (which always runs) pops this frame and unholds them
+            self._direct.append(None)
             self.frames.append(list(groups))
             self._sync_phase()
             for g in groups:
@@ -250,20 +257,53 @@ class Hooks:
             if self._plain_backward() and torch._C._current_autograd_node() is not None:
                 self.refuse_plain_backward()  # a recomputation in loss.backward(): see its note
             self.schedule.need(groups)
+        if outer:
+            self._direct[-1] = self._open_direct()
+
+    def _open_direct(self) -> contextlib.ExitStack | None:
+        """The access mode and the saved-tensor hooks for a submodule called on its own.
+
+        [Note: a submodule called on its own]
+        A loop may call a model's parts itself, ``model.head(model.body(x))``, or hold its
+        modules in a container with no forward (an ``nn.ModuleDict``). The entry modules'
+        hooks (entry.py) never open a forward for those calls, so autograd kept the gathered
+        full tensor that the release then freed, and backward crashed in torch
+        ("setStorage: ... out of bounds for storage of size 0"); a parameter read outside its
+        module was not fetched either. So the outermost such call opens what
+        ``forward_context`` opens around the model's own call (its forward's frames, phase
+        and end-of-forward check are this module's already), and its post hook closes it."""
+        if not self.schedule.movable and not (self._defers and self.schedule.updating):
+            return None  # nothing is ever released: forward_context opens nothing either
+        stack = contextlib.ExitStack()
+        stack.enter_context(self.mode)
+        stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, self._unpack))
+        return stack
+
+    def _close_direct(self) -> None:
+        while self._direct:
+            opened = self._direct.pop()
+            if opened is not None:
+                opened.close()
 
     @uncompiled  # compiled.py's [Note: hooks run outside a compiled graph]
     def _post_forward(self, module: nn.Module, args: tuple[object, ...], output: object) -> object:
         if self.inert:
             return None
-        with self.mode.suspended():
-            self._release(self.frames.pop())
-            try:  # a submodule called on its own ends its forward here (forward_writes.py)
-                if not self.frames and not self._in_backward:
-                    self.writes.check("forward", self.rt.comm)
-            finally:
-                self._sync_phase()
-            # a tied embedding's output: tied_rows.py's note
-            return self.tied_rows.wrap(module, args, output) if self.tied_rows.modules else None
+        opened = self._direct.pop() if self._direct else None  # [Note: a submodule called ...]
+        try:
+            with self.mode.suspended():
+                self._release(self.frames.pop())
+                try:  # a submodule called on its own ends its forward here (forward_writes.py)
+                    if not self.frames and not self._in_backward:
+                        self.writes.check("forward", self.rt.comm)
+                finally:
+                    self._sync_phase()
+                # a tied embedding's output: tied_rows.py's note
+                return (self.tied_rows.wrap(module, args, output) if self.tied_rows.modules
+                        else None)
+        finally:
+            if opened is not None:
+                opened.close()
 
     def _on_access(self, sp: ShardedParam, func: object) -> None:
         if not self.frames and not self._in_backward:

@@ -9,6 +9,7 @@ is a bug in outcore or torch and keeps its traceback.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import importlib.util
 import os
@@ -74,10 +75,11 @@ def _package_dir(name: str) -> str | None:
 
 
 # outcore's, torch's and accelerate's (whose helpers a loop calls in place of torch's:
-# accelerator.clip_grad_norm_)
+# accelerator.clip_grad_norm_), and contextlib's, through which outcore's own context
+# managers (the engine's backward) run
 _SKIPPED = tuple(os.path.abspath(d) + os.sep for d in (
     os.path.dirname(__file__), os.path.dirname(torch.__file__), _package_dir("accelerate"))
-    if d is not None)
+    if d is not None) + (os.path.abspath(contextlib.__file__),)
 
 
 def user_stacklevel() -> int:

@@ -129,19 +129,20 @@ def test_a_disk_without_room_for_tentative_updates_turns_speculation_off(
     warning says so and every update waits for ``step()``, training as before."""
     with outcore.initialize(_model(), _config(tmp_path / "a", False, "bf16", "nvme")) as engine:
         reference = _train(engine, SCALES[:3])
-    if disk == "refuses":
-        def full(self: NvmeShard) -> None:
-            raise StorageError("not enough free space for the NVMe swap (test)")
-        monkeypatch.setattr(NvmeShard, "reserve_aside", full)
-        said = "not enough free space"
-    else:
-        usage = shutil.disk_usage(tmp_path)
-        monkeypatch.setattr(optimizer.shutil, "disk_usage",
-                            lambda path: usage._replace(free=100_000))
-        said = "more than half of the 100 KB free"
     cfg = _config(tmp_path / "b", True, "bf16", "nvme")
     with caplog.at_level(logging.WARNING, logger="outcore"), outcore.initialize(_model(),
                                                                                 cfg) as e:
+        # after initialize, which checks that the states themselves fit (lifetime.py)
+        if disk == "refuses":
+            def full(self: NvmeShard) -> None:
+                raise StorageError("not enough free space for the NVMe swap (test)")
+            monkeypatch.setattr(NvmeShard, "reserve_aside", full)
+            said = "not enough free space"
+        else:
+            usage = shutil.disk_usage(tmp_path)
+            monkeypatch.setattr(optimizer.shutil, "disk_usage",
+                                lambda path: usage._replace(free=100_000))
+            said = "more than half of the 100 KB free"
         assert _train(e, SCALES[:3]) == reference
         assert e.sharded_optimizer.stats["updates_during_backward"] == 0
         assert e.rt.ledger.tier_bytes("nvme") == sum(  # no room is kept aside

@@ -182,8 +182,8 @@ def test_the_roots_zero_grad_also_calls_the_engines() -> None:
     root = nn.Linear(2, 2)
     root(torch.ones(1, 2)).sum().backward()
 
-    def engines() -> None:  # as Engine.zero_grad: the shards, then every p.grad
-        calls.append("zero_grad")
+    def engines(set_to_none: bool) -> None:  # as Engine.zero_grad: the shards, then p.grad
+        calls.append(f"zero_grad({set_to_none})")
         drop_grads(root)
 
     hooks = _hooks([root], rec, on_zero_grad=engines)
@@ -191,15 +191,15 @@ def test_the_roots_zero_grad_also_calls_the_engines() -> None:
     torch_parameters = root.parameters
     root.parameters = lambda *a, **k: walks.append(1) or torch_parameters(*a, **k)
     root.zero_grad()
-    assert calls == ["zero_grad"] and root.weight.grad is None
+    assert calls == ["zero_grad(True)"] and root.weight.grad is None
     assert len(walks) == 1  # torch's own zero_grad walked them a second time, to no effect
     del root.parameters
     twin = copy.deepcopy(root)
     twin.zero_grad()
-    assert calls == ["zero_grad"]  # a copy has no engine
+    assert calls == ["zero_grad(True)"]  # a copy has no engine
     hooks.remove()
     root.zero_grad()
-    assert calls == ["zero_grad"] and "zero_grad" not in root.__dict__
+    assert calls == ["zero_grad(True)"] and "zero_grad" not in root.__dict__
 
 
 def test_a_copied_models_entry_hooks_are_inert() -> None:

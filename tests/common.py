@@ -156,6 +156,24 @@ def ranks_mean(loss: torch.Tensor, world: int) -> float:
     return mean.item() / world
 
 
+def on_ranks(world: int, fn, *args) -> list:
+    """``[fn(*args)]`` in this process at world size 1, else ``fn`` on each of ``world`` ranks
+    (``run_world``)."""
+    from tests.distributed import run_world
+
+    return [fn(*args)] if world == 1 else run_world(fn, world, *args)
+
+
+def assert_states_close(runs: list, want: dict[str, torch.Tensor], rtol: float = 1e-5,
+                        atol: float = 1e-6) -> None:
+    """Each run's state dict (as ``run_world`` hands it back) equals ``want``, key by key."""
+    for got in runs:
+        assert got.keys() == want.keys()
+        for name, value in want.items():
+            torch.testing.assert_close(torch.as_tensor(got[name]), value, rtol=rtol, atol=atol,
+                                       msg=name)
+
+
 def train_steps(engine, steps: range) -> list[float]:
     """Optimizer steps ``steps``; returns the global mean loss of each."""
     losses = []

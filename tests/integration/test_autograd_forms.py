@@ -11,7 +11,7 @@ from torch import nn
 
 import outcore
 from outcore.errors import ParamAccessError
-from tests.distributed import run_world
+from tests.common import assert_states_close, on_ranks
 
 BATCH, STEPS = 8, 3
 
@@ -65,13 +65,8 @@ def test_two_losses_of_one_forward_train_as_torch(tmp_path: Path, world: int,
                                                   offload: str) -> None:
     """``engine.backward`` had no ``retain_graph``: the second loss of one forward met torch's
     "backward through the graph a second time", whose advice it could not follow."""
-    want = _two_losses_torch()
-    runs = ([_two_losses(offload, str(tmp_path))] if world == 1
-            else run_world(_two_losses, world, offload, str(tmp_path)))
-    for got in runs:
-        for name, value in want.items():
-            torch.testing.assert_close(torch.as_tensor(got[name]), value, rtol=1e-5,
-                                       atol=1e-6, msg=name)
+    assert_states_close(on_ranks(world, _two_losses, offload, str(tmp_path)),
+                        _two_losses_torch())
 
 
 def _backward_into(offload: str, swap: str) -> str:
@@ -96,7 +91,5 @@ def test_backward_into_a_parameter_is_refused(tmp_path: Path, world: int,
                                               offload: str) -> None:
     """With the parameters on NVMe ``loss.backward(inputs=[p])`` computed nothing for ``p``
     and the step trained nothing, without a word; at 2 ranks it was refused as a read."""
-    runs = ([_backward_into(offload, str(tmp_path))] if world == 1
-            else run_world(_backward_into, world, offload, str(tmp_path)))
-    for message in runs:
+    for message in on_ranks(world, _backward_into, offload, str(tmp_path)):
         assert "engine.backward(loss)" in message and "requires_grad=False" in message

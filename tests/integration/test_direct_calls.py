@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import outcore
-from tests.distributed import run_world
+from tests.common import assert_states_close, on_ranks
 
 WIDTH, BATCH, STEPS = 256, 8, 3  # layers above zero.persistence_threshold_bytes: released
 
@@ -65,13 +65,7 @@ def _outcore(offload: str, swap: str) -> dict[str, torch.Tensor]:
 def test_a_loop_calling_the_models_parts_trains_as_torch(tmp_path: Path, world: int,
                                                         offload: str) -> None:
     """Backward crashed in torch: "setStorage: ... out of bounds for storage of size 0"."""
-    want = _torch()
-    runs = ([_outcore(offload, str(tmp_path))] if world == 1
-            else run_world(_outcore, world, offload, str(tmp_path)))
-    for got in runs:
-        for name, value in want.items():
-            torch.testing.assert_close(torch.as_tensor(got[name]), value, rtol=1e-5,
-                                       atol=1e-6, msg=name)
+    assert_states_close(on_ranks(world, _outcore, offload, str(tmp_path)), _torch())
 
 
 INTERRUPTED = """

@@ -14,6 +14,7 @@ from torch.nn.utils import parametrizations
 
 import outcore
 from outcore.errors import ParamAccessError
+from tests.common import assert_states_close
 from tests.distributed import run_world
 
 STEPS, BATCH = 3, 16
@@ -83,13 +84,6 @@ def _train(change: str, when: str, offload: str, swap: str) -> dict[str, torch.T
     return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
 
 
-def _check(got: dict, want: dict) -> None:
-    assert got.keys() == want.keys()
-    for name, value in want.items():
-        torch.testing.assert_close(torch.as_tensor(got[name]), value, rtol=1e-5, atol=1e-6,
-                                   msg=name)
-
-
 @pytest.mark.parametrize("offload", ["none", "nvme"])
 @pytest.mark.parametrize("change", ["set_", "orthogonal", "spectral_norm"])
 def test_set_and_a_parametrization_after_initialize_train_as_torch(
@@ -97,7 +91,8 @@ def test_set_and_a_parametrization_after_initialize_train_as_torch(
     """``set_`` never reached outcore: the parameter kept the set tensor and never trained
     again (in memory), or the update went to the old shards (on NVMe); ``orthogonal``
     applied after ``initialize`` trained other weights than PyTorch's."""
-    _check(_train(change, "after", offload, str(tmp_path)), _train(change, "torch", "", ""))
+    assert_states_close([_train(change, "after", offload, str(tmp_path))],
+                        _train(change, "torch", "", ""))
 
 
 @pytest.mark.parametrize("offload", ["none", "nvme"])
@@ -107,9 +102,8 @@ def test_a_parametrization_before_initialize_trains_as_torch_at_two_ranks(
     """``initialize`` read every module's ``weight`` for its tied-embedding table, which
     computes a parametrized weight: at 2 ranks a refusal naming ``outcore.init`` (which the
     script never used), and at 1 rank an extra power iteration of ``spectral_norm``."""
-    want = _train(change, "torch", "", "")
-    for got in run_world(_train, 2, change, "before", offload, str(tmp_path)):
-        _check(got, want)
+    assert_states_close(run_world(_train, 2, change, "before", offload, str(tmp_path)),
+                        _train(change, "torch", "", ""))
 
 
 def test_initialize_leaves_a_spectral_norm_state_alone() -> None:

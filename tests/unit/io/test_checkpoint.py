@@ -319,7 +319,8 @@ def test_disk_full_is_a_clear_error_and_keeps_the_previous_checkpoint(
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(StreamWriter, "write", full)
-    with pytest.raises(outcore.StorageError, match=r"b\.partial.*No space left.* free on that filesystem"):
+    with pytest.raises(outcore.StorageError,
+                       match=r"b\.partial.*No space left.* free on that filesystem"):
         eng.save_checkpoint(tmp_path / "b", {"n": 2})
     with pytest.raises(outcore.StorageError, match="No space left"):
         eng.save_checkpoint(tmp_path / "a", {"n": 3})  # overwriting fails: the old one stays

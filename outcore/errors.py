@@ -99,9 +99,9 @@ _LIMITS = {errno.EFBIG: ("RLIMIT_FSIZE", "the file-size limit (ulimit -f)"),
 
 def limit_hint(e: BaseException) -> str:
     """For an error a process limit may have caused (a file too large, too many open files,
-    no memory): the limit and its value, as ``"; the ... limit (ulimit -f) is 9.8 MiB"``;
-    else ``""``.
-    A full disk and a process limit read alike in ``strerror`` alone; this tells them apart."""
+    no memory), the limit and its value, as ``"; the file-size limit (ulimit -f) is 9.8
+    MiB"``; else ``""``. A full disk and a process limit can read alike in ``strerror``
+    alone ("File too large"); this tells the user which one it was."""
     code = errno.ENOMEM if isinstance(e, MemoryError) else getattr(e, "errno", None)
     if code not in _LIMITS:
         return ""

@@ -9,7 +9,7 @@ from typing import Any
 from outcore.app import data as datamod
 from outcore.app import models
 from outcore.app.ranks import global_mean, say
-from outcore.errors import StorageError
+from outcore.errors import FolderInUseError, StorageError
 from outcore.guard.preemption import EXIT_PREEMPTED, Preemption
 from outcore.io.manifest import latest_checkpoint
 
@@ -33,10 +33,13 @@ def save(engine: Any, sampler: datamod.BatchSampler, job: dict[str, Any], step: 
     try:
         _save_now(engine, sampler, job, step, state)
     except StorageError as e:  # a full disk: the run's progress is in the last checkpoint
+        if isinstance(e, FolderInUseError):
+            raise  # another run's folder: its own message says what to do
         latest = latest_checkpoint(job["out"] / "checkpoints")
-        raise type(e)(f"{e}; " + (f"the last complete checkpoint, {latest}, is intact: free "
-                                  "space and run the same command with --resume" if latest
-                                  else "no checkpoint of this run is complete yet")) from e
+        raise type(e)(f"{e}; " + (f"the last complete checkpoint, {latest}, is intact: once "
+                                  "that is mended, run the same command with --resume"
+                                  if latest else "no checkpoint of this run is complete yet")
+                      ) from e
     finally:
         if bar is not None:
             bar.set_description_str("", refresh=True)

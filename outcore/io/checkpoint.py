@@ -239,7 +239,7 @@ def _write_rank_file(engine: Any, folder: Path) -> FileInfo:
     need, free = sum(s.nbytes for s in specs), shutil.disk_usage(folder).free
     if need > free:
         raise StorageError(f"not enough space for checkpoint file {folder / rank_file(rank, world)}"
-                           f": it needs {need} bytes, {free} bytes are free")
+                           f": it needs {format_bytes(need)}, {format_bytes(free)} is free")
     with torch.no_grad(), StreamWriter(folder / rank_file(rank, world), specs, meta) as w:
         for sp in engine.params:
             n = sp.layout.valid_numel

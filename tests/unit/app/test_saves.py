@@ -33,6 +33,6 @@ def test_a_save_on_a_full_disk_names_the_last_complete_checkpoint(
     with pytest.raises(outcore.StorageError) as e:
         saves.save(engine, sampler, job, 4, state)
     assert str(e.value) == (f"{full}; the last complete checkpoint, {tmp_path}/checkpoints/"
-                            "step-00000002, is intact: free space and run the same command "
-                            "with --resume")
+                            "step-00000002, is intact: once that is mended, run the same "
+                            "command with --resume")
     engine.close()

@@ -5,17 +5,15 @@ line of cli.py's [Note: the CLI error policy]."""
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 
 from outcore.errors import ConfigError
 from outcore.units import parse_count, parse_size
 
 
 def size(text: str) -> int:
-    """argparse type for sizes with units; argparse shows an ArgumentTypeError's own text."""
-    try:
-        return parse_size(text)
-    except ConfigError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+    """A size with units (``32GB``, ``512MiB``)."""
+    return _parsed(parse_size, text)
 
 
 def probe_size(text: str) -> int:
@@ -29,10 +27,8 @@ def probe_size(text: str) -> int:
 
 
 def count(text: str) -> int:
-    try:
-        return parse_count(text)
-    except ConfigError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+    """A count with a suffix (``1.3B``, ``13.1M``)."""
+    return _parsed(parse_count, text)
 
 
 def positive(text: str) -> int:
@@ -43,3 +39,12 @@ def positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 1")
     return value
+
+
+def _parsed(parse: Callable[[str], int], text: str) -> int:
+    """``parse(text)``, its ``ConfigError`` as the ``ArgumentTypeError`` whose own text
+    argparse shows."""
+    try:
+        return parse(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None

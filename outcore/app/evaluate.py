@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from outcore.app.data import BatchSampler
+from outcore.app.ranks import global_mean
 
 __all__ = ["EVAL_BATCHES", "held_out_loss"]
 
@@ -40,7 +41,4 @@ def held_out_loss(engine: Any, tokens: torch.Tensor, batch: int, seq: int,
                 total += float((out.loss if is_hf else out).detach().float())
     finally:
         engine.train(was_training)
-    mean = torch.tensor([total / EVAL_BATCHES], dtype=torch.float64)
-    if engine.world_size > 1:
-        mean = engine.rt.comm.all_reduce_sum(mean) / engine.world_size
-    return float(mean)
+    return global_mean(engine, total / EVAL_BATCHES)

@@ -317,8 +317,8 @@ def _run_holding_out(args: argparse.Namespace, job: dict[str, Any], cfg: Config,
         # a LoRA base with weights takes none: it is read in place from its own files
         assert building.runtime is not None
         trainable = lora.trainable if lora is not None else n_params
-        check_swap_space(building.runtime, trainable if lora is not None and weights is not None
-                         else n_params, trainable)
+        stored = trainable if lora is not None and weights is not None else n_params
+        check_swap_space(building.runtime, stored, trainable)
         model = _build(job["model"])
     try:  # until initialize takes the runtime, a failure here must close it (its swap file)
         if lora is not None:  # before the engine: its optimizer gets the adapters only

@@ -433,7 +433,7 @@ class Engine(deepspeed_names.DeepSpeedNames):
         the engine can still be used (and if not, why)."""
         off = self.cfg.offload
         state = "open" if self._closed is None else self._closed.removeprefix(
-            "this outcore Engine ").split(" (")[0].split(";")[0]
+            "this outcore Engine ").split(" (")[0]  # "was closed", "handed its model to ..."
         return (f"<outcore Engine of {type(self.module).__name__}: {len(self.params)} "
                 f"parameter tensors, rank {self.rank} of {self.world_size}, "
                 f"{self.dtype_choice.name}, offload params={off.params} optimizer={off.optimizer}, "

@@ -87,7 +87,7 @@ def save(engine: Any, path: Path, client_state: dict[str, Any], *,
 def check_save_arguments(comm: Any, client_state: dict[str, Any],
                          files: Mapping[str, str | bytes | os.PathLike] | None) -> dict[str, Path]:
     """``save_checkpoint``'s client state and ``files`` checked before any folder is made; a
-    mistake is refused on every rank together (``comm.any_failed``), so no rank goes on to
+    mistake is refused on every rank together (``comm.raise_together``), so no rank goes on to
     wait in the save's collectives. Returns ``check_files``' table."""
     try:
         check_client_state(client_state)

@@ -294,12 +294,15 @@ class ShardedOptimizer:
     def updated_this_round(self) -> bool:
         """Whether an update of this round (since the last ``step()``) was applied for good
         (a tentative one can still be taken back)."""
-        return any(st.round == self._round and not st.tentative for st in self.state.values())
+        return any(self._applied(st) for st in self.state.values())
 
     @property
     def applied_this_round(self) -> list[ShardedParam]:
         """The parameters whose update of this round was applied for good."""
-        return [sp for sp, st in self.state.items() if st.round == self._round and not st.tentative]
+        return [sp for sp, st in self.state.items() if self._applied(st)]
+
+    def _applied(self, st: ParamState) -> bool:
+        return st.round == self._round and not st.tentative
 
     @property
     def pending_jobs(self) -> list[UpdateJob]:

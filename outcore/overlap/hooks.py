@@ -98,9 +98,9 @@ class Hooks:
         self.schedule = schedule
         self.frames: list[list[GatherGroup]] = []
         self.outer = OuterCall()  # abandoned.py's [Note: a forward left without its post hooks]
-        # per module call, what a submodule called on its own opened ([Note: a submodule
-        # called on its own]), else None
-        self._direct: list[contextlib.ExitStack | None] = []
+        # what the outermost call of a submodule called on its own opened ([Note: a submodule
+        # called on its own])
+        self._direct: contextlib.ExitStack | None = None
         self._in_backward = False
         self.pending: deque[PendingReduce] = deque()
         # called with each group whose gradients for this backward are reduced (or None)
@@ -244,7 +244,6 @@ class Hooks:
                 self.holds.recompute(groups)
             # push the frame and hold its groups before anything that may raise: the
             # post-forward hook (which always runs) pops this frame and unholds them
-            self._direct.append(None)
             self.frames.append(list(groups))
             self._sync_phase()
             for g in groups:
@@ -258,7 +257,7 @@ class Hooks:
                 self.refuse_plain_backward()  # a recomputation in loss.backward(): see its note
             self.schedule.need(groups)
         if outer:
-            self._direct[-1] = self._open_direct()
+            self._direct = self._open_direct()
 
     def _open_direct(self) -> contextlib.ExitStack | None:
         """The access mode and the saved-tensor hooks for a submodule called on its own.
@@ -280,30 +279,25 @@ class Hooks:
         return stack
 
     def _close_direct(self) -> None:
-        while self._direct:
-            opened = self._direct.pop()
-            if opened is not None:
-                opened.close()
+        opened, self._direct = self._direct, None
+        if opened is not None:
+            opened.close()
 
     @uncompiled  # compiled.py's [Note: hooks run outside a compiled graph]
     def _post_forward(self, module: nn.Module, args: tuple[object, ...], output: object) -> object:
         if self.inert:
             return None
-        opened = self._direct.pop() if self._direct else None  # [Note: a submodule called ...]
-        try:
-            with self.mode.suspended():
-                self._release(self.frames.pop())
-                try:  # a submodule called on its own ends its forward here (forward_writes.py)
-                    if not self.frames and not self._in_backward:
-                        self.writes.check("forward", self.rt.comm)
-                finally:
-                    self._sync_phase()
-                # a tied embedding's output: tied_rows.py's note
-                return (self.tied_rows.wrap(module, args, output) if self.tied_rows.modules
-                        else None)
-        finally:
-            if opened is not None:
-                opened.close()
+        with self.mode.suspended():
+            self._release(self.frames.pop())
+            try:  # a submodule called on its own ends its forward here (forward_writes.py)
+                if not self.frames and not self._in_backward:
+                    self.writes.check("forward", self.rt.comm)
+            finally:
+                self._sync_phase()
+                if not self.frames:  # what its outermost call opened: [Note: a submodule ...]
+                    self._close_direct()
+            # a tied embedding's output: tied_rows.py's note
+            return self.tied_rows.wrap(module, args, output) if self.tied_rows.modules else None
 
     def _on_access(self, sp: ShardedParam, func: object) -> None:
         if not self.frames and not self._in_backward:

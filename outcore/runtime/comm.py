@@ -107,7 +107,8 @@ class Comm:
         waited for ``comm.timeout_s``). So each rank folds the groups it gathers and reduces
         into an ordered digest, and the collective that already ends every forward and
         backward (forward_writes.py's ``written_anywhere``) compares it: a difference is
-        refused on every rank, before the step applies anything in-memory states would."""
+        refused on every rank, before ``step()`` (updates that run during backward, with the
+        state on NVMe, have been applied by then)."""
         if self.world_size > 1:
             self.sequence = (self.sequence * 1_000_003 + key + 1) & _BITS_62
 

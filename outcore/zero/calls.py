@@ -216,10 +216,8 @@ def refuse_grad_of_gathered(func: Any, args: Args, kwargs: Kwargs) -> None:
     rank, in memory, fp32) is in the graph, and gets torch's own gradient."""
     if func is not torch.autograd.grad:
         return
-    inputs = args[1] if len(args) > 1 else kwargs.get("inputs", ())
-    for t in (inputs if isinstance(inputs, (list, tuple)) else (inputs,)):
-        sp = registry.managed(t) if isinstance(t, torch.Tensor) else None
-        if sp is not None and not is_live(sp):
+    for sp in _sharded_inputs(args[1] if len(args) > 1 else kwargs.get("inputs", ())):
+        if not is_live(sp):
             raise ParamAccessError(
                 f"torch.autograd.grad with respect to parameter {sp.label()}: outcore computes "
                 "with a copy of it (gathered, or in the compute dtype), not the parameter "
@@ -236,16 +234,21 @@ def refuse_backward_into_params(func: Any, kwargs: Kwargs) -> None:
     respect to activations (``inputs=[x]``) stay PyTorch's."""
     if func is not torch.autograd.backward:
         return
-    inputs = kwargs.get("inputs") or ()
-    for t in (inputs if isinstance(inputs, (list, tuple)) else (inputs,)):
-        sp = registry.managed(t) if isinstance(t, torch.Tensor) else None
-        if sp is not None:
-            raise ParamAccessError(
-                f"backward(inputs=[...]) with parameter {sp.label()} among the inputs: outcore "
-                "trains a model through engine.backward(loss), which computes the gradients of "
-                "every trainable parameter and hands them to its optimizer; to train only some, "
-                "set requires_grad=False on the others. Gradients with respect to activations "
-                "(inputs that are not parameters) work as in PyTorch")
+    sharded = _sharded_inputs(kwargs.get("inputs") or ())
+    if sharded:
+        raise ParamAccessError(
+            f"backward(inputs=[...]) with parameter {sharded[0].label()} among the inputs: outcore "
+            "trains a model through engine.backward(loss), which computes the gradients of "
+            "every trainable parameter and hands them to its optimizer; to train only some, "
+            "set requires_grad=False on the others. Gradients with respect to activations "
+            "(inputs that are not parameters) work as in PyTorch")
+
+
+def _sharded_inputs(inputs: object) -> list[ShardedParam]:
+    """The sharded parameters among an autograd call's ``inputs`` (a tensor or a sequence)."""
+    seq = inputs if isinstance(inputs, (list, tuple)) else (inputs,)
+    return [sp for t in seq if isinstance(t, torch.Tensor)
+            and (sp := registry.managed(t)) is not None]
 
 
 def refuse_meta_move(func: Any, args: Args, kwargs: Kwargs) -> None:
